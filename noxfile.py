@@ -1,0 +1,213 @@
+"""All automation of the mlsyskit monorepo.
+
+Packages are discovered from packages/*/pyproject.toml (no list to keep in sync). Every install goes
+through pip with one constraints file (constraints.txt pins torch to the CPU build on disk); set
+MLSYSKIT_TORCH to another requirement (e.g. a CUDA build) or to "" to drop the pin.
+
+    nox -s tests                          hwtopo, then each package alone, then tests-integration/
+    nox -s "tests(package='xronos')"      one of them
+    nox -s lint | demo | bench | build
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import nox
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).parent.resolve()
+HWTOPO = ROOT / "shared" / "hwtopo"
+PACKAGES = sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
+INTEGRATION = "integration"
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+
+
+def _pyproject(path: Path) -> dict:
+    return tomllib.loads((path / "pyproject.toml").read_text())
+
+
+def _pkg_dir(name: str) -> Path:
+    return HWTOPO if name == "hwtopo" else ROOT / "packages" / name
+
+
+def _script(name: str) -> str:
+    """The console script of a package (named like the package)."""
+    scripts = _pyproject(_pkg_dir(name))["project"].get("scripts", {})
+    return name if name in scripts else next(iter(scripts), name)
+
+
+def _constraints(session: nox.Session) -> str:
+    """Path of the constraints file, with MLSYSKIT_TORCH applied when set."""
+    override = os.environ.get("MLSYSKIT_TORCH")
+    src = ROOT / "constraints.txt"
+    if override is None:
+        return str(src)
+    lines = [ln for ln in src.read_text().splitlines() if not ln.strip().startswith("torch")]
+    if override.strip():
+        lines.append(override.strip())
+    out = Path(session.virtualenv.location) / "constraints.txt"
+    out.write_text("\n".join(lines) + "\n")
+    session.log(f"torch pin overridden by MLSYSKIT_TORCH: {override!r}")
+    return str(out)
+
+
+def _install(session: nox.Session, *reqs: str) -> None:
+    session.install("--quiet", "-c", _constraints(session), *reqs)
+
+
+def _install_package(session: nox.Session, name: str, extras: str = "test") -> None:
+    """hwtopo from its path first, then the package (with extras) from its path."""
+    _install(session, str(HWTOPO) + "[test]")
+    if name != "hwtopo":
+        _install(session, f"{_pkg_dir(name)}[{extras}]")
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONHASHSEED": "0"}
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *paths, *session.posargs, env=env
+    )
+
+
+@nox.session
+@nox.parametrize("package", ["hwtopo", *PACKAGES, INTEGRATION])
+def tests(session: nox.Session, package: str) -> None:
+    """hwtopo's tests; each package alone (hwtopo + itself); then the integration scenarios."""
+    if package == INTEGRATION:
+        _install(session, str(HWTOPO) + "[test]", *(f"{ROOT / 'packages' / p}[test]" for p in PACKAGES))
+        scenarios = sorted((ROOT / "tests-integration").glob("test_*.py"))
+        if not scenarios:
+            session.log("tests-integration/: no scenarios yet")
+            return
+        _pytest(session, str(ROOT / "tests-integration"))
+        return
+    _install_package(session, package)
+    _pytest(session, str(_pkg_dir(package) / "tests"))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (check + format) over the repo and `poetry check` for every package."""
+    session.install("--quiet", "ruff", "poetry")
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+    for name in ["hwtopo", *PACKAGES]:
+        with session.chdir(_pkg_dir(name)):
+            session.run("poetry", "check", "--quiet")
+        deps = _pyproject(_pkg_dir(name))["project"].get("dependencies", [])
+        pinned = [d for d in deps if d.replace(" ", "").startswith("torch==")]
+        if pinned:
+            session.error(
+                f"{name}: declare torch as a range, not a pin ({pinned[0]}); the pin lives in constraints.txt"
+            )
+
+
+def _has_command(session: nox.Session, script: str, command: str) -> bool:
+    exe = Path(session.bin) / script
+    if not exe.exists():
+        return False
+    r = subprocess.run([str(exe), command, "--help"], capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Each package's `<pkg> demo --out demo-output/<pkg>`, gathered into demo-output/index.md."""
+    out = ROOT / "demo-output"
+    out.mkdir(exist_ok=True)
+    wanted = session.posargs or PACKAGES
+    _install(session, str(HWTOPO), *(f"{ROOT / 'packages' / p}" for p in wanted))
+    sections = []
+    for name in wanted:
+        script = _script(name)
+        if not _has_command(session, script, "demo"):
+            session.log(f"{name}: no demo yet, skipped")
+            sections.append(f"## {name}\n\nNo demo yet.\n")
+            continue
+        pkg_out = out / name
+        session.run(script, "demo", "--out", str(pkg_out), external=True)
+        report = pkg_out / "report.md"
+        body = report.read_text() if report.exists() else "(the demo wrote no report.md)\n"
+        plots = sorted(pkg_out.glob("*.png"))
+        links = "".join(f"\n![{p.stem}]({name}/{p.name})\n" for p in plots)
+        sections.append(f"## {name}\n\n{body}\n{links}\nFull output: [{name}/]({name}/)\n")
+    stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    index = f"# mlsyskit demo output\n\nGenerated by `nox -s demo` on {stamp}.\n\n" + "\n".join(sections)
+    _write(out / "index.md", index)
+    session.log(f"wrote {out / 'index.md'}")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Each package's `<pkg> bench --quick --json`, collected into bench-output/bench.{json,md}."""
+    out = ROOT / "bench-output"
+    out.mkdir(exist_ok=True)
+    wanted = session.posargs or PACKAGES
+    _install(session, str(HWTOPO), *(f"{ROOT / 'packages' / p}" for p in wanted))
+    collected: dict = {}
+    for name in wanted:
+        script = _script(name)
+        if not _has_command(session, script, "bench"):
+            session.log(f"{name}: no bench yet, skipped")
+            continue
+        path = out / f"{name}.json"
+        session.run(script, "bench", "--quick", "--json", str(path), external=True)
+        collected[name] = json.loads(path.read_text())
+    _write(out / "bench.json", json.dumps(collected, indent=2) + "\n")
+    rows = ["| package | headline key | value |", "|---|---|---|"]
+    for name, res in collected.items():
+        for key, value in res.get("headline", {}).items():
+            v = f"{value:.4g}" if isinstance(value, float) else str(value)
+            rows.append(f"| {name} | `{key}` | {v} |")
+    _write(out / "bench.md", "# bench --quick headlines\n\n" + "\n".join(rows) + "\n")
+    results = ROOT / "docs" / "make_results.py"
+    if results.exists():
+        session.run("python", str(results), str(out / "bench.json"), external=True)
+
+
+def _check_wheel_metadata(session: nox.Session, wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    bad = [ln for ln in text.splitlines() if ln.startswith("Requires-Dist:") and ("@ file:" in ln or "@ /" in ln)]
+    if bad:
+        session.error(f"{wheel.name} declares a path dependency: {bad[0]}")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """A wheel and an sdist for each package into dist/; no wheel may hold a path dependency."""
+    session.install("--quiet", "build")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for name in ["hwtopo", *(session.posargs or PACKAGES)]:
+        session.run("python", "-m", "build", "--outdir", str(dist), str(_pkg_dir(name)), silent=True)
+    for wheel in sorted(dist.glob("*.whl")):
+        _check_wheel_metadata(session, wheel)
+        session.log(f"ok: {wheel.name}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run with nox")

@@ -1,0 +1,67 @@
+"""hwtopo: the tiny shared hardware-topology vocabulary of mlsyskit.
+
+Model (frozen dataclasses, SI units in field names), declarative specs (JSON/TOML), probing of this
+machine, light measurements, and emulation of slower CPUs and links on one machine.
+"""
+
+from .emulate import CpuThrottle, LinkShaper, ShapedWriter, TokenBucket, cgroup_available, cleanup_stale, throttle
+from .measure import DiskResult, MatmulResult, attach, disk_bandwidth, matmul_flops, memcpy_bandwidth
+from .model import Accelerator, Cluster, Disk, Link, Machine, NumaNode
+from .probe import parse_cpulist, probe, probe_cluster, usable_cpus
+from .spec import atomic_write_text, dumps, from_dict, load, loads, save, to_dict
+from .units import (
+    SpecError,
+    format_bandwidth,
+    format_bytes,
+    format_duration,
+    format_flops,
+    parse_bandwidth,
+    parse_bytes,
+    parse_duration,
+    parse_flops,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accelerator",
+    "Cluster",
+    "CpuThrottle",
+    "Disk",
+    "DiskResult",
+    "Link",
+    "LinkShaper",
+    "Machine",
+    "MatmulResult",
+    "NumaNode",
+    "ShapedWriter",
+    "SpecError",
+    "TokenBucket",
+    "atomic_write_text",
+    "attach",
+    "cgroup_available",
+    "cleanup_stale",
+    "disk_bandwidth",
+    "dumps",
+    "format_bandwidth",
+    "format_bytes",
+    "format_duration",
+    "format_flops",
+    "from_dict",
+    "load",
+    "loads",
+    "matmul_flops",
+    "memcpy_bandwidth",
+    "parse_bandwidth",
+    "parse_bytes",
+    "parse_cpulist",
+    "parse_duration",
+    "parse_flops",
+    "probe",
+    "probe_cluster",
+    "save",
+    "throttle",
+    "to_dict",
+    "usable_cpus",
+    "__version__",
+]

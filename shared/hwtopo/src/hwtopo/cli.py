@@ -1,0 +1,222 @@
+"""`hwtopo` console script: probe, show, check, measure."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from . import __version__
+from .emulate import LinkShaper, ShapedWriter, throttle
+from .measure import disk_bandwidth, matmul_flops, memcpy_bandwidth
+from .model import Cluster, Machine
+from .probe import probe
+from .spec import atomic_write_text, load, to_dict
+from .units import SpecError, format_bandwidth, format_bytes, format_duration, format_flops
+
+_SPIN = (
+    "import time,sys\nn=0\nt=time.perf_counter()+float(sys.argv[1])\nwhile time.perf_counter()<t:\n    n+=1\nprint(n)"
+)
+
+
+def _machine_lines(m: Machine) -> list[str]:
+    head = f"{m.name}: {m.cores} cores / {m.hardware_threads} threads, {format_bytes(m.total_memory_bytes)} memory, speed {m.speed:g}"
+    if m.flops:
+        head += f", {format_flops(m.flops)} measured"
+    if m.region:
+        head += f", region {m.region}"
+    out = [head]
+    for n in m.numa_nodes:
+        bw = f", {format_bandwidth(n.bandwidth_bytes_per_s)}" if n.bandwidth_bytes_per_s else ""
+        out.append(f"  numa{n.id}: cpus {len(n.cpus)}, {format_bytes(n.memory_bytes)}{bw}")
+    for d in m.disks:
+        extra = []
+        if d.capacity_bytes:
+            extra.append(format_bytes(d.capacity_bytes))
+        if d.read_bandwidth_bytes_per_s:
+            extra.append(f"read {format_bandwidth(d.read_bandwidth_bytes_per_s)}")
+        if d.write_bandwidth_bytes_per_s:
+            extra.append(f"write {format_bandwidth(d.write_bandwidth_bytes_per_s)}")
+        kind = "HDD" if d.rotational else "SSD"
+        out.append(f"  disk {d.name} ({kind}){' at ' + d.path if d.path else ''}: {', '.join(extra) or 'unmeasured'}")
+    for a in m.accelerators:
+        peak = f", {format_flops(a.peak_flops)} peak" if a.peak_flops else ""
+        out.append(f"  {a.kind} {a.name}: {format_bytes(a.memory_bytes)}{peak}")
+    for note in m.notes:
+        out.append(f"  note: {note}")
+    return out
+
+
+def _show(c: Cluster) -> str:
+    lines = [
+        f"cluster {c.name}: {len(c.machines)} machine(s), {c.total_cores} cores, {format_bytes(c.total_memory_bytes)} memory"
+    ]
+    if c.regions:
+        lines.append(f"regions: {', '.join(c.regions)}")
+    for m in c.machines:
+        lines.extend(_machine_lines(m))
+    for link in c.links:
+        lines.append(
+            f"link {link.a} <-> {link.b}: {format_bandwidth(link.bandwidth_bytes_per_s)}, {format_duration(link.latency_s)}"
+        )
+    return "\n".join(lines)
+
+
+def _spin_rate(seconds: float, speed: float | None) -> tuple[float, str]:
+    """Iterations/s of a 1-CPU busy loop in a child process, optionally throttled."""
+    p = subprocess.Popen([sys.executable, "-c", _SPIN, str(seconds)], stdout=subprocess.PIPE, text=True)
+    method = "none"
+    t = None
+    if speed is not None:
+        t = throttle(p.pid, speed)
+        method = t.method
+    try:
+        out, _ = p.communicate(timeout=seconds * 10 + 30)
+    finally:
+        if t is not None:
+            t.close()
+    return int(out.strip()) / seconds, method
+
+
+def measure_emulation(quick: bool = True) -> dict:
+    """Ask for speed 0.5 and a 10MB/s, 20ms link; report what was achieved next to what was asked."""
+    secs = 1.5 if quick else 4.0
+    base, _ = _spin_rate(secs, None)
+    slow, method = _spin_rate(secs, 0.5)
+    ratio = slow / base
+    shaper = LinkShaper(bandwidth_bytes_per_s=10e6, latency_s=0.020)
+    nbytes = 2_000_000 if quick else 8_000_000
+    w = ShapedWriter(io.BytesIO(), shaper)
+    t0 = time.perf_counter()
+    w.write(os.urandom(nbytes))
+    took = time.perf_counter() - t0
+    achieved_bw = nbytes / max(1e-9, took - 0.020)
+    return {
+        "emulated": True,
+        "cpu": {"asked_speed": 0.5, "achieved_speed": ratio, "rel_error": abs(ratio - 0.5) / 0.5, "method": method},
+        "link": {
+            "asked_bandwidth_bytes_per_s": 10e6,
+            "achieved_bandwidth_bytes_per_s": achieved_bw,
+            "asked_latency_s": 0.020,
+            "rel_error": abs(achieved_bw - 10e6) / 10e6,
+            "bytes": nbytes,
+        },
+    }
+
+
+def _measure(args) -> dict:
+    res: dict = {"machine": to_dict(Cluster(machines=(probe(gpus=False),)))["machines"][0]}
+    secs = 0.2 if args.quick else 1.0
+    threads = sorted({1, os.cpu_count() or 1})
+    res["matmul"] = [vars(matmul_flops(256 if args.quick else 1024, t, secs)) for t in threads]
+    res["memcpy_bytes_per_s"] = memcpy_bandwidth((16 if args.quick else 128) << 20, secs)
+    path = args.disk or tempfile.gettempdir()
+    size = (16 if args.quick else 256) << 20
+    res["disk"] = [
+        disk_bandwidth(path, size, direct=False).as_dict(),
+        disk_bandwidth(path, size, direct=True).as_dict(),
+    ]
+    if args.emulation:
+        res["emulation"] = measure_emulation(args.quick)
+    return res
+
+
+def _print_measure(res: dict) -> None:
+    for m in res["matmul"]:
+        print(f"matmul {m['size']}^3 fp32, {m['threads']} thread(s) [{m['backend']}]: {format_flops(m['flops'])}")
+    print(f"memcpy: {format_bandwidth(res['memcpy_bytes_per_s'])}")
+    for d in res["disk"]:
+        mode = "O_DIRECT" if d["direct"] else "buffered"
+        print(
+            f"disk {d['path']} ({mode}): write {format_bandwidth(d['write_bytes_per_s'])}, read {format_bandwidth(d['read_bytes_per_s'])}"
+        )
+        for n in d["notes"]:
+            print(f"  note: {n}")
+    e = res.get("emulation")
+    if e:
+        c, link = e["cpu"], e["link"]
+        print(
+            f"[emulated] cpu speed: asked {c['asked_speed']:.2f}, achieved {c['achieved_speed']:.3f} via {c['method']} (error {c['rel_error']:.1%})"
+        )
+        print(
+            f"[emulated] link: asked {format_bandwidth(link['asked_bandwidth_bytes_per_s'])}, achieved "
+            f"{format_bandwidth(link['achieved_bandwidth_bytes_per_s'])} (error {link['rel_error']:.1%}), latency {format_duration(link['asked_latency_s'])}"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hwtopo", description="Describe, check, measure and emulate hardware for mlsyskit."
+    )
+    p.add_argument("--version", action="version", version=f"hwtopo {__version__}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("probe", help="describe this machine")
+    sp.add_argument("--json", action="store_true", help="print the machine as a JSON cluster spec")
+    sp.add_argument("--name", help="machine name (default: host name)")
+    ss = sub.add_parser("show", help="print a spec in human units")
+    ss.add_argument("spec", help="a .json/.toml spec file or a bundled example name (e.g. edge-home)")
+    ss.add_argument("--json", action="store_true", help="print the normalized spec as JSON")
+    sc = sub.add_parser("check", help="validate a spec; exit 2 with the error on a bad one")
+    sc.add_argument("spec", help="a .json/.toml spec file or a bundled example name")
+    sm = sub.add_parser("measure", help="run the light microbenchmarks on this machine")
+    sm.add_argument("--quick", action="store_true", help="smaller sizes, a few seconds in all")
+    sm.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
+    sm.add_argument("--disk", metavar="DIR", help="directory on the disk to measure (default: the temp dir)")
+    sm.add_argument(
+        "--emulation", action="store_true", help="also measure achieved emulated CPU speed and link bandwidth"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.cmd == "probe":
+            m = probe(args.name)
+            c = Cluster(name=m.name, machines=(m,))
+            print(json.dumps(to_dict(c), indent=2) if args.json else _show(c))
+        elif args.cmd == "show":
+            c = load(args.spec)
+            print(json.dumps(to_dict(c), indent=2) if args.json else _show(c))
+        elif args.cmd == "check":
+            c = load(args.spec)
+            print(f"ok: {c.name}: {len(c.machines)} machine(s), {len(c.links)} link(s)")
+        elif args.cmd == "measure":
+            res = _measure(args)
+            if args.json == "-":
+                print(json.dumps(res, indent=2))
+            else:
+                _print_measure(res)
+                if args.json:
+                    atomic_write_text(args.json, json.dumps(res, indent=2) + "\n")
+        return 0
+    except SpecError as e:
+        if args.debug:
+            raise
+        print(f"hwtopo: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        if args.debug:
+            raise
+        print(f"hwtopo: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # runtime failure: one line, exit 1
+        if args.debug:
+            raise
+        print(f"hwtopo: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""Make this one machine behave like a spec: slower CPUs and shaped links. Always labelled emulated.
+
+CPU speed: a process runs at a relative ``speed`` of one CPU through a cgroup CPU quota when the
+cgroup ``cpu`` controller is writable (v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``), otherwise a
+duty-cycle throttle: a small watchdog process alternates SIGSTOP/SIGCONT. ``CpuThrottle.method``
+says which was used. Every cgroup created is removed on close, at exit, and by
+``cleanup_stale()`` (called on every new throttle) once the process that made it has died.
+
+Links: ``LinkShaper`` delays a transfer by the link's latency plus a token-bucket wait at its
+bandwidth, for in-process shaping of messages or collectives; ``ShapedWriter`` wraps a file-like.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .model import Link
+
+__all__ = [
+    "CpuThrottle",
+    "throttle",
+    "cgroup_available",
+    "cleanup_stale",
+    "TokenBucket",
+    "LinkShaper",
+    "ShapedWriter",
+    "EMULATED",
+]
+
+log = logging.getLogger(__name__)
+
+EMULATED = "emulated"
+PREFIX = "hwtopo-"
+PERIOD_US = 100_000
+_CG_ROOTS_V1 = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct"))
+_CG_ROOT_V2 = Path("/sys/fs/cgroup")
+_counter = 0
+_live: dict[str, CpuThrottle] = {}
+_lock = threading.Lock()
+
+
+def _cgroup_root() -> tuple[Path, int] | None:
+    """(root directory, version) of a writable cpu controller, or None."""
+    for root in _CG_ROOTS_V1:
+        if (root / "cpu.cfs_quota_us").exists() and os.access(root, os.W_OK):
+            return root, 1
+    if (_CG_ROOT_V2 / "cgroup.controllers").exists() and os.access(_CG_ROOT_V2, os.W_OK):
+        ctrl = (_CG_ROOT_V2 / "cgroup.subtree_control").read_text()
+        if "cpu" in ctrl.split():
+            return _CG_ROOT_V2, 2
+    return None
+
+
+def cgroup_available() -> bool:
+    """True when a cgroup CPU quota can be set here (root with a writable cpu controller)."""
+    return _cgroup_root() is not None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _procs(group: Path) -> list[int]:
+    try:
+        return [int(x) for x in (group / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def _remove_group(group: Path) -> bool:
+    """Move any remaining processes to the parent group, then rmdir. True when removed."""
+    parent = group.parent / "cgroup.procs"
+    for _ in range(50):
+        for pid in _procs(group):
+            try:
+                parent.write_text(str(pid))
+            except OSError:
+                pass
+        try:
+            group.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.02)
+    log.warning("could not remove cgroup %s", group)
+    return False
+
+
+def cleanup_stale() -> list[str]:
+    """Remove hwtopo cgroups whose creating process is dead (e.g. after a crash). Returns their names."""
+    found = _cgroup_root()
+    if found is None:
+        return []
+    root, _ = found
+    removed = []
+    for group in root.glob(f"{PREFIX}*"):
+        try:
+            owner = int(group.name[len(PREFIX) :].split("-")[0])
+        except ValueError:
+            continue
+        if owner != os.getpid() and not _pid_alive(owner):
+            if _remove_group(group):
+                removed.append(group.name)
+    if removed:
+        log.info("removed %d stale hwtopo cgroup(s): %s", len(removed), removed)
+    return removed
+
+
+_WATCHDOG = r"""
+import os, signal, sys, time
+pid, parent, on_s, off_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+def alive(p):
+    try:
+        os.kill(p, 0); return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+stop = False
+def done(*_):
+    global stop; stop = True
+signal.signal(signal.SIGTERM, done)
+try:
+    while not stop and alive(pid) and alive(parent):
+        time.sleep(on_s)
+        if stop: break
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(off_s)
+        os.kill(pid, signal.SIGCONT)
+finally:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+"""
+
+
+@dataclass
+class CpuThrottle:
+    """A running throttle of one process to ``speed`` x ``cpus`` CPUs. Use as a context manager."""
+
+    pid: int
+    speed: float
+    cpus: float
+    method: str  # "cgroup-v1", "cgroup-v2", "duty-cycle" or "none" (speed >= 1)
+    group: Path | None = None
+    _watchdog: subprocess.Popen | None = None
+    closed: bool = False
+
+    def describe(self) -> dict:
+        return {"emulated": True, "pid": self.pid, "speed": self.speed, "cpus": self.cpus, "method": self.method}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.terminate()
+            try:
+                self._watchdog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._watchdog.kill()
+            if _pid_alive(self.pid):
+                try:
+                    os.kill(self.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        if self.group is not None:
+            _remove_group(self.group)
+            with _lock:
+                _live.pop(str(self.group), None)
+
+    def __enter__(self) -> CpuThrottle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def throttle(
+    pid: int | None = None, speed: float = 1.0, cpus: float = 1.0, method: str = "auto", period_s: float = 0.02
+) -> CpuThrottle:
+    """Run process ``pid`` (default: this process) at ``speed`` of ``cpus`` CPUs.
+
+    method: "auto" (cgroup when writable, else duty-cycle), "cgroup" or "duty-cycle". The
+    duty-cycle watchdog cannot stop the process that started it, so for ``pid == os.getpid()`` it
+    runs as a separate process either way.
+    """
+    global _counter
+    if not 0 < speed:
+        raise ValueError(f"speed must be > 0, not {speed!r}")
+    if cpus <= 0:
+        raise ValueError(f"cpus must be > 0, not {cpus!r}")
+    if method not in ("auto", "cgroup", "duty-cycle"):
+        raise ValueError(f"method must be 'auto', 'cgroup' or 'duty-cycle', not {method!r}")
+    pid = os.getpid() if pid is None else pid
+    if speed >= 1.0:
+        return CpuThrottle(pid, speed, cpus, "none")
+    found = _cgroup_root() if method in ("auto", "cgroup") else None
+    if method == "cgroup" and found is None:
+        raise RuntimeError("no writable cgroup cpu controller here (need root and cgroup v1 cpu or v2 cpu.max)")
+    if found is not None:
+        cleanup_stale()
+        root, version = found
+        with _lock:
+            _counter += 1
+            group = root / f"{PREFIX}{os.getpid()}-{_counter}"
+        group.mkdir()
+        quota = max(1000, int(speed * cpus * PERIOD_US))
+        try:
+            if version == 1:
+                (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (group / "cpu.cfs_quota_us").write_text(str(quota))
+            else:
+                (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            (group / "cgroup.procs").write_text(str(pid))
+        except OSError:
+            _remove_group(group)
+            if method == "cgroup":
+                raise
+            log.warning("cgroup set-up failed; falling back to a duty-cycle throttle", exc_info=True)
+        else:
+            t = CpuThrottle(pid, speed, cpus, f"cgroup-v{version}", group=group)
+            with _lock:
+                _live[str(group)] = t
+            return t
+    # duty cycle: run `speed` of each period, stopped for the rest. Only exact for a 1-CPU process.
+    on_s = speed * period_s
+    off_s = (1 - speed) * period_s
+    wd = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(pid), str(os.getpid()), repr(on_s), repr(off_s)],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return CpuThrottle(pid, speed, cpus, "duty-cycle", _watchdog=wd)
+
+
+@atexit.register
+def _close_all() -> None:
+    with _lock:
+        live = list(_live.values())
+    for t in live:
+        t.close()
+
+
+class TokenBucket:
+    """Bytes leave at ``rate`` bytes/s with bursts up to ``burst`` bytes. Thread-safe."""
+
+    def __init__(self, rate_bytes_per_s: float, burst_bytes: float | None = None):
+        if rate_bytes_per_s <= 0:
+            raise ValueError("rate_bytes_per_s must be > 0")
+        self.rate = float(rate_bytes_per_s)
+        self.burst = float(burst_bytes if burst_bytes is not None else max(1500.0, self.rate * 0.01))
+        self._tokens = self.burst
+        self._t = time.monotonic()
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: float) -> float:
+        """Take ``nbytes`` of tokens (going into debt) and return how long the caller must wait."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
+            self._t = now
+            self._tokens -= nbytes
+            return max(0.0, -self._tokens / self.rate)
+
+    def consume(self, nbytes: float) -> float:
+        wait = self.reserve(nbytes)
+        if wait > 0:
+            time.sleep(wait)
+        return wait
+
+
+class LinkShaper:
+    """Delays transfers as a link would: latency + bytes through a token bucket at its bandwidth."""
+
+    def __init__(
+        self, link: Link | None = None, bandwidth_bytes_per_s: float | None = None, latency_s: float | None = None
+    ):
+        bw = (
+            bandwidth_bytes_per_s
+            if bandwidth_bytes_per_s is not None
+            else (link.bandwidth_bytes_per_s if link else None)
+        )
+        if bw is None:
+            raise ValueError("LinkShaper needs a link or bandwidth_bytes_per_s")
+        self.latency_s = latency_s if latency_s is not None else (link.latency_s if link else 0.0)
+        self.bandwidth_bytes_per_s = bw
+        self.bucket = TokenBucket(bw)
+        self.bytes_sent = 0
+
+    def delay_s(self, nbytes: float) -> float:
+        """Seconds this transfer must take (reserves bandwidth; does not sleep)."""
+        self.bytes_sent += int(nbytes)
+        return self.latency_s + self.bucket.reserve(nbytes)
+
+    def transfer(self, nbytes: float) -> float:
+        """Block for the time the transfer would take on the link; returns the seconds waited."""
+        d = self.delay_s(nbytes)
+        if d > 0:
+            time.sleep(d)
+        return d
+
+    def describe(self) -> dict:
+        return {"emulated": True, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+
+
+class ShapedWriter:
+    """A file-like wrapper whose writes leave at a link's bandwidth (latency once per write)."""
+
+    def __init__(self, raw, shaper: LinkShaper, chunk: int = 16 << 10):
+        self.raw = raw
+        self.shaper = shaper
+        self.chunk = chunk
+
+    def write(self, data: bytes) -> int:
+        mv = memoryview(data)
+        first = True
+        for off in range(0, len(mv), self.chunk):
+            piece = mv[off : off + self.chunk]
+            wait = self.shaper.bucket.reserve(len(piece)) + (self.shaper.latency_s if first else 0.0)
+            first = False
+            if wait > 0:
+                time.sleep(wait)
+            self.raw.write(piece)
+        self.shaper.bytes_sent += len(mv)
+        return len(mv)
+
+    def flush(self) -> None:
+        if hasattr(self.raw, "flush"):
+            self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()

@@ -1,0 +1,346 @@
+"""Declarative cluster specs: read JSON or TOML, write JSON, validate with exact field paths.
+
+Spec keys are friendly (``memory = "16GiB"``, ``bandwidth = "10Gbps"``, ``latency = "25ms"``); the
+SI field names of the model (``memory_bytes``...) are accepted too, and are what ``save`` writes,
+so ``load(save(c)) == c``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from .model import Accelerator, Cluster, Disk, Link, Machine, NumaNode
+from .units import SpecError, parse_bandwidth, parse_bytes, parse_duration, parse_flops
+
+__all__ = ["load", "loads", "from_dict", "to_dict", "save", "dumps", "atomic_write_text"]
+
+Parser = Callable[[Any, str], Any]
+
+
+def _str(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise SpecError(field, f"{value!r} is not a non-empty string")
+    return value
+
+
+def _opt_str(value: Any, field: str) -> str | None:
+    return None if value is None else _str(value, field)
+
+
+def _bool(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(field, f"{value!r} is not a boolean; use true or false")
+    return value
+
+
+def _int(minimum: int) -> Parser:
+    def parse(value: Any, field: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise SpecError(field, f"{value!r} is not an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def _positive(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SpecError(field, f"{value!r} is not a positive number; use e.g. 1.0")
+    return float(value)
+
+
+def _nonzero(parse: Parser, example: str) -> Parser:
+    def wrapped(value: Any, field: str) -> float:
+        v = parse(value, field)
+        if v <= 0:
+            raise SpecError(field, f"{value!r} must be greater than zero; use e.g. {example!r}")
+        return v
+
+    return wrapped
+
+
+def _cpus(value: Any, field: str) -> tuple[int, ...]:
+    """A list of CPU ids or a Linux cpulist string ("0-3,8")."""
+    if isinstance(value, str):
+        from .probe import parse_cpulist
+
+        try:
+            return tuple(parse_cpulist(value))
+        except ValueError:
+            raise SpecError(field, f"{value!r} is not a CPU list; use e.g. '0-3,8' or [0, 1]") from None
+    if isinstance(value, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value):
+        return tuple(value)
+    raise SpecError(field, f"{value!r} is not a CPU list; use e.g. '0-3,8' or [0, 1]")
+
+
+# For each dataclass: spec key -> (model field, parser). Keys equal to the model field are implied.
+_Table = dict[str, tuple[str, Parser]]
+
+
+def _table(cls: type, friendly: dict[str, tuple[str, Parser]], plain: dict[str, Parser]) -> _Table:
+    table: _Table = {}
+    for key, (attr, parse) in friendly.items():
+        table[key] = (attr, parse)
+        table[attr] = (attr, parse)
+    for attr, parse in plain.items():
+        table[attr] = (attr, parse)
+    names = {f.name for f in fields(cls)}
+    assert all(attr in names for attr, _ in table.values()), cls
+    return table
+
+
+_NUMA = _table(
+    NumaNode,
+    {
+        "memory": ("memory_bytes", parse_bytes),
+        "bandwidth": ("bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "20GB/s")),
+    },
+    {"id": _int(0), "cpus": _cpus},
+)
+_DISK = _table(
+    Disk,
+    {
+        "capacity": ("capacity_bytes", parse_bytes),
+        "read_bandwidth": ("read_bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "3GB/s")),
+        "write_bandwidth": ("write_bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "2GB/s")),
+    },
+    {"name": _str, "path": _opt_str, "rotational": _bool},
+)
+_ACCEL = _table(
+    Accelerator,
+    {"memory": ("memory_bytes", parse_bytes), "peak": ("peak_flops", _nonzero(parse_flops, "989TFLOPS"))},
+    {"kind": _str, "name": _str},
+)
+_MACHINE = _table(
+    Machine,
+    {"memory": ("memory_bytes", parse_bytes), "compute": ("flops", _nonzero(parse_flops, "1.2TFLOPS"))},
+    {"name": _str, "cores": _int(1), "threads": _int(1), "speed": _positive, "region": _opt_str},
+)
+_LINK = _table(
+    Link,
+    {
+        "bandwidth": ("bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "10Gbps")),
+        "latency": ("latency_s", parse_duration),
+    },
+    {"a": _str, "b": _str, "name": _opt_str},
+)
+
+
+def _obj(data: Any, field: str, table: _Table, nested: dict[str, Callable] | None = None) -> dict:
+    if not isinstance(data, dict):
+        raise SpecError(field, f"expected a table/object, got {type(data).__name__}")
+    nested = nested or {}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{field}.{key}" if field else key
+        if key in nested:
+            out[key] = nested[key](value, path)
+        elif key in table:
+            attr, parse = table[key]
+            if attr in out:
+                raise SpecError(path, f"given twice (as {attr!r} and {key!r}); keep one")
+            out[attr] = None if value is None else parse(value, path)
+        else:
+            valid = sorted(set(table) | set(nested))
+            raise SpecError(path, f"unknown field {key!r}; valid fields are {', '.join(valid)}")
+    return out
+
+
+def _list(value: Any, field: str, item: Callable[[Any, str], Any]) -> tuple:
+    if not isinstance(value, list):
+        raise SpecError(field, f"expected a list, got {type(value).__name__}")
+    return tuple(item(v, f"{field}[{i}]") for i, v in enumerate(value))
+
+
+def _require(obj: dict, field: str, *names: str) -> None:
+    for n in names:
+        if obj.get(n) is None:
+            raise SpecError(f"{field}.{n}", "is required")
+
+
+def _unique(items: tuple, attr: str, field: str, what: str) -> None:
+    seen: set = set()
+    for i, it in enumerate(items):
+        key = getattr(it, attr)
+        if key in seen:
+            raise SpecError(f"{field}[{i}].{attr}", f"duplicate {what} {key!r}; {what}s must be unique")
+        seen.add(key)
+
+
+def _numa(v: Any, f: str) -> NumaNode:
+    o = _obj(v, f, _NUMA)
+    _require(o, f, "id")
+    return NumaNode(**o)
+
+
+def _disk(v: Any, f: str) -> Disk:
+    o = _obj(v, f, _DISK)
+    _require(o, f, "name")
+    return Disk(**o)
+
+
+def _accel(v: Any, f: str) -> Accelerator:
+    o = _obj(v, f, _ACCEL)
+    _require(o, f, "kind", "name")
+    return Accelerator(**o)
+
+
+def _machine(v: Any, f: str) -> Machine:
+    o = _obj(
+        v,
+        f,
+        _MACHINE,
+        {
+            "numa_nodes": lambda x, p: _list(x, p, _numa),
+            "disks": lambda x, p: _list(x, p, _disk),
+            "accelerators": lambda x, p: _list(x, p, _accel),
+            "notes": lambda x, p: _list(x, p, _str),
+        },
+    )
+    _require(o, f, "name")
+    m = Machine(**o)
+    _unique(m.numa_nodes, "id", f"{f}.numa_nodes", "NUMA node id")
+    _unique(m.disks, "name", f"{f}.disks", "disk name")
+    return m
+
+
+def _link(v: Any, f: str) -> Link:
+    if isinstance(v, dict) and "endpoints" in v:
+        v = dict(v)
+        ep = v.pop("endpoints")
+        if not (isinstance(ep, list) and len(ep) == 2 and all(isinstance(e, str) for e in ep)):
+            raise SpecError(f"{f}.endpoints", f"{ep!r} is not a pair of names; use e.g. ['a', 'b']")
+        v["a"], v["b"] = ep
+    o = _obj(v, f, _LINK)
+    _require(o, f, "a", "b", "bandwidth_bytes_per_s")
+    if o["a"] == o["b"]:
+        raise SpecError(f"{f}.b", f"a link cannot connect {o['a']!r} to itself")
+    return Link(**o)
+
+
+def from_dict(data: Any) -> Cluster:
+    """Validate a parsed spec and build a Cluster; raises SpecError naming the exact field."""
+    o = _obj(
+        data,
+        "",
+        {"name": ("name", _str)},
+        {
+            "machines": lambda x, p: _list(x, p, _machine),
+            "links": lambda x, p: _list(x, p, _link),
+            "regions": lambda x, p: _list(x, p, _str),
+        },
+    )
+    machines = o.get("machines", ())
+    if not machines:
+        raise SpecError("machines", "a cluster needs at least one machine")
+    _unique(machines, "name", "machines", "machine name")
+    regions = tuple(o.get("regions", ()))
+    declared = set(regions)
+    for i, m in enumerate(machines):
+        if m.region is not None and regions and m.region not in declared:
+            raise SpecError(f"machines[{i}].region", f"unknown region {m.region!r}; regions are {list(regions)}")
+    if not regions:
+        regions = tuple(dict.fromkeys(m.region for m in machines if m.region))
+    names = {m.name for m in machines}
+    if names & set(regions):
+        raise SpecError("regions", f"names used both as machine and region: {sorted(names & set(regions))}")
+    endpoints = names | set(regions)
+    links = o.get("links", ())
+    for i, link in enumerate(links):
+        for end in ("a", "b"):
+            if getattr(link, end) not in endpoints:
+                raise SpecError(
+                    f"links[{i}].{end}",
+                    f"{getattr(link, end)!r} is not a machine or region; known: {sorted(endpoints)}",
+                )
+    return Cluster(name=o.get("name", "cluster"), machines=machines, links=links, regions=regions)
+
+
+def loads(text: str, fmt: str = "json") -> Cluster:
+    if fmt == "json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError("", f"not valid JSON: {e}") from None
+    elif fmt == "toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - 3.10
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise SpecError("", f"not valid TOML: {e}") from None
+    else:
+        raise ValueError(f"fmt must be 'json' or 'toml', not {fmt!r}")
+    return from_dict(data)
+
+
+def load(path: str | os.PathLike) -> Cluster:
+    """Load a spec from a .json or .toml file (or the name of a bundled example, e.g. 'edge-home')."""
+    p = Path(path)
+    if not p.exists() and p.suffix == "" and os.sep not in str(path):
+        from .examples import example_path
+
+        p = example_path(str(path))
+    if p.suffix not in (".json", ".toml"):
+        raise SpecError("", f"{str(p)!r}: spec files must end in .json or .toml")
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SpecError("", f"cannot read {str(p)!r}: {e.strerror}") from None
+    try:
+        return loads(text, p.suffix[1:])
+    except SpecError as e:
+        raise SpecError(e.field, f"{e.message} (in {p.name})") from None
+
+
+def _plain(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        out = {}
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if v is None or v == () or (f.name == "notes" and not v):
+                continue
+            out[f.name] = _plain(v)
+        return out
+    if isinstance(obj, tuple):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def to_dict(cluster: Cluster) -> dict:
+    """A JSON-ready dict in SI field names; ``from_dict(to_dict(c)) == c``."""
+    return _plain(cluster)
+
+
+def dumps(cluster: Cluster) -> str:
+    return json.dumps(to_dict(cluster), indent=2, sort_keys=False) + "\n"
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write text atomically: a temp file in the same directory, fsync, then os.replace."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def save(cluster: Cluster, path: str | os.PathLike) -> Path:
+    """Write the spec as JSON atomically."""
+    return atomic_write_text(path, dumps(cluster))
