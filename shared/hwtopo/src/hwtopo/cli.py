@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from . import __version__
-from .emulate import LinkShaper, ShapedWriter, throttle
+from .emulate import LinkShaper, ShapedWriter, cgroup_available, throttle
 from .measure import disk_bandwidth, matmul_flops, memcpy_bandwidth
 from .model import Cluster, Machine
 from .probe import probe
@@ -68,28 +68,31 @@ def _show(c: Cluster) -> str:
     return "\n".join(lines)
 
 
-def _spin_rate(seconds: float, speed: float | None) -> tuple[float, str]:
+def _spin_rate(seconds: float, speed: float | None, method: str = "auto") -> tuple[float, str]:
     """Iterations/s of a 1-CPU busy loop in a child process, optionally throttled."""
     p = subprocess.Popen([sys.executable, "-c", _SPIN, str(seconds)], stdout=subprocess.PIPE, text=True)
-    method = "none"
+    used = "none"
     t = None
     if speed is not None:
-        t = throttle(p.pid, speed)
-        method = t.method
+        t = throttle(p.pid, speed, method=method)
+        used = t.method
     try:
         out, _ = p.communicate(timeout=seconds * 10 + 30)
     finally:
         if t is not None:
             t.close()
-    return int(out.strip()) / seconds, method
+    return int(out.strip()) / seconds, used
 
 
 def measure_emulation(quick: bool = True) -> dict:
     """Ask for speed 0.5 and a 10MB/s, 20ms link; report what was achieved next to what was asked."""
     secs = 1.5 if quick else 4.0
     base, _ = _spin_rate(secs, None)
-    slow, method = _spin_rate(secs, 0.5)
-    ratio = slow / base
+    cpu = []
+    for method in ["cgroup", "duty-cycle"] if cgroup_available() else ["duty-cycle"]:
+        slow, used = _spin_rate(secs, 0.5, method)
+        ratio = slow / base
+        cpu.append({"asked_speed": 0.5, "achieved_speed": ratio, "rel_error": abs(ratio - 0.5) / 0.5, "method": used})
     shaper = LinkShaper(bandwidth_bytes_per_s=10e6, latency_s=0.020)
     nbytes = 2_000_000 if quick else 8_000_000
     w = ShapedWriter(io.BytesIO(), shaper)
@@ -99,7 +102,7 @@ def measure_emulation(quick: bool = True) -> dict:
     achieved_bw = nbytes / max(1e-9, took - 0.020)
     return {
         "emulated": True,
-        "cpu": {"asked_speed": 0.5, "achieved_speed": ratio, "rel_error": abs(ratio - 0.5) / 0.5, "method": method},
+        "cpu": cpu,
         "link": {
             "asked_bandwidth_bytes_per_s": 10e6,
             "achieved_bandwidth_bytes_per_s": achieved_bw,
@@ -140,10 +143,12 @@ def _print_measure(res: dict) -> None:
             print(f"  note: {n}")
     e = res.get("emulation")
     if e:
-        c, link = e["cpu"], e["link"]
-        print(
-            f"[emulated] cpu speed: asked {c['asked_speed']:.2f}, achieved {c['achieved_speed']:.3f} via {c['method']} (error {c['rel_error']:.1%})"
-        )
+        link = e["link"]
+        for c in e["cpu"]:
+            print(
+                f"[emulated] cpu speed: asked {c['asked_speed']:.2f}, achieved {c['achieved_speed']:.3f} "
+                f"via {c['method']} (error {c['rel_error']:.1%})"
+            )
         print(
             f"[emulated] link: asked {format_bandwidth(link['asked_bandwidth_bytes_per_s'])}, achieved "
             f"{format_bandwidth(link['achieved_bandwidth_bytes_per_s'])} (error {link['rel_error']:.1%}), latency {format_duration(link['asked_latency_s'])}"
