@@ -1,0 +1,260 @@
+"""Workload balancing: per-worker batch size b_i and inner-step count H_i so inner phases end together.
+
+Given each worker's throughput (tokens/s) and memory, pick one inner-phase wall time T so that the
+cluster processes about ``target_tokens`` per outer step (T = target / sum of throughputs), then for
+every worker the (b_i, H_i) whose phase ``H_i * b_i * seq_len / throughput_i`` is closest to T, with
+b_i within the memory limit. Fast workers do more tokens, slow ones fewer, nobody waits. The outer
+step then averages pseudo-gradients weighted by tokens (``token_weights``), so a worker's say is its
+share of the data. ``Rebalancer`` watches measured throughput and re-plans when it drifts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import hwtopo
+
+__all__ = [
+    "BalanceError",
+    "WorkerProfile",
+    "MemoryModel",
+    "WorkerPlan",
+    "Plan",
+    "plan",
+    "uniform_plan",
+    "profiles_from_cluster",
+    "token_weights",
+    "Rebalancer",
+]
+
+
+class BalanceError(ValueError):
+    """A profile or plan request that cannot be satisfied; the message names the field or worker."""
+
+
+@dataclass(frozen=True)
+class WorkerProfile:
+    """What the balancer knows about one worker: measured or spec'd throughput and usable memory."""
+
+    name: str
+    tokens_per_s: float
+    memory_bytes: float = math.inf
+    region: str | None = None
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Training memory = fixed (weights, grads, optimizer state) + per-sequence activations."""
+
+    fixed_bytes: float = 0.0
+    bytes_per_sample: float = 0.0
+
+    def max_batch(self, memory_bytes: float) -> int:
+        if self.bytes_per_sample <= 0:
+            return 1 << 30 if memory_bytes >= self.fixed_bytes else 0
+        return max(0, int((memory_bytes - self.fixed_bytes) // self.bytes_per_sample))
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    name: str
+    batch: int
+    inner_steps: int
+    tokens: int
+    phase_s: float
+    weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-worker (b_i, H_i), the target phase time and how well they meet it."""
+
+    workers: tuple[WorkerPlan, ...]
+    seq_len: int
+    target_tokens: int
+    phase_s: float
+    profiles: tuple[WorkerProfile, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.tokens for w in self.workers)
+
+    @property
+    def imbalance(self) -> float:
+        """(slowest - fastest inner phase) / slowest: the idle fraction of the first finisher."""
+        phases = [w.phase_s for w in self.workers]
+        return (max(phases) - min(phases)) / max(phases) if max(phases) > 0 else 0.0
+
+    def worker(self, name: str) -> WorkerPlan:
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise KeyError(f"no worker named {name!r} in the plan; workers are {[w.name for w in self.workers]}")
+
+    def to_dict(self) -> dict:
+        return {
+            "seq_len": self.seq_len,
+            "target_tokens": self.target_tokens,
+            "tokens": self.tokens,
+            "phase_s": self.phase_s,
+            "imbalance": self.imbalance,
+            "workers": [w.__dict__.copy() for w in self.workers],
+        }
+
+
+def _check_profiles(profiles: Sequence[WorkerProfile]) -> None:
+    if not profiles:
+        raise BalanceError("profiles: need at least one worker")
+    names = [p.name for p in profiles]
+    if len(set(names)) != len(names):
+        raise BalanceError(f"profiles: worker names must be unique, got {names}")
+    for i, p in enumerate(profiles):
+        if not (isinstance(p.tokens_per_s, (int, float)) and p.tokens_per_s > 0 and math.isfinite(p.tokens_per_s)):
+            raise BalanceError(f"profiles[{i}].tokens_per_s: {p.tokens_per_s!r} must be a positive finite number")
+        if not p.memory_bytes > 0:
+            raise BalanceError(f"profiles[{i}].memory_bytes: {p.memory_bytes!r} must be positive")
+
+
+def _batch_cap(p: WorkerProfile, memory: MemoryModel | None, max_batch: int | None) -> int:
+    cap = max_batch if max_batch is not None else 1 << 30
+    if memory is not None:
+        fits = memory.max_batch(p.memory_bytes)
+        if fits < 1:
+            need = memory.fixed_bytes + memory.bytes_per_sample
+            raise BalanceError(
+                f"worker {p.name!r}: {hwtopo.format_bytes(p.memory_bytes)} of memory cannot hold even batch 1 "
+                f"(needs {hwtopo.format_bytes(need)}); give it more memory or use a smaller model"
+            )
+        cap = min(cap, fits)
+    return cap
+
+
+def plan(
+    profiles: Sequence[WorkerProfile],
+    seq_len: int,
+    target_tokens: int,
+    memory: MemoryModel | None = None,
+    max_batch: int | None = None,
+    preferred_batch: int | None = None,
+    min_steps: int = 1,
+    tolerance: float = 0.02,
+) -> Plan:
+    """Choose (b_i, H_i) per worker so inner phases take equal wall time and tokens ~ target_tokens.
+
+    Among candidates within ``tolerance`` of the best phase match, the batch closest to
+    ``preferred_batch`` (default: the largest that fits) wins, so optimizer dynamics stay similar.
+    """
+    _check_profiles(profiles)
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise BalanceError(f"seq_len: {seq_len!r} must be a positive integer")
+    if not isinstance(target_tokens, int) or target_tokens < seq_len * len(profiles):
+        raise BalanceError(
+            f"target_tokens: {target_tokens!r} must be an integer >= seq_len x workers = {seq_len * len(profiles)}"
+        )
+    if max_batch is not None and max_batch < 1:
+        raise BalanceError(f"max_batch: {max_batch!r} must be >= 1")
+    if min_steps < 1:
+        raise BalanceError(f"min_steps: {min_steps!r} must be >= 1")
+    total_rate = sum(p.tokens_per_s for p in profiles)
+    phase = target_tokens / total_rate
+    workers = []
+    for p in profiles:
+        cap = _batch_cap(p, memory, max_batch)
+        want_tokens = p.tokens_per_s * phase
+        # beyond the batch that would finish the whole phase in one step nothing improves
+        top = max(1, min(cap, math.ceil(want_tokens / (seq_len * min_steps))))
+        cands = []
+        for b in range(1, top + 1):
+            h = max(min_steps, round(want_tokens / (b * seq_len)))
+            t = h * b * seq_len / p.tokens_per_s
+            cands.append((abs(t - phase) / phase, b, h, t))
+        best = min(c[0] for c in cands)
+        near = [c for c in cands if c[0] <= best + tolerance]
+        pref = preferred_batch if preferred_batch is not None else top
+        _, b, h, t = min(near, key=lambda c: (abs(c[1] - pref), c[0], -c[1]))
+        workers.append(WorkerPlan(p.name, b, h, b * h * seq_len, t))
+    total = sum(w.tokens for w in workers)
+    workers = [replace(w, weight=w.tokens / total) for w in workers]
+    return Plan(tuple(workers), seq_len, target_tokens, phase, tuple(profiles))
+
+
+def uniform_plan(profiles: Sequence[WorkerProfile], seq_len: int, batch: int, inner_steps: int) -> Plan:
+    """The DiLoCo baseline: the same (b, H) everywhere, so phases differ by the speed ratio."""
+    _check_profiles(profiles)
+    workers = [
+        WorkerPlan(
+            p.name, batch, inner_steps, batch * inner_steps * seq_len, batch * inner_steps * seq_len / p.tokens_per_s
+        )
+        for p in profiles
+    ]
+    total = sum(w.tokens for w in workers)
+    workers = [replace(w, weight=w.tokens / total) for w in workers]
+    return Plan(tuple(workers), seq_len, total, max(w.phase_s for w in workers), tuple(profiles))
+
+
+def profiles_from_cluster(
+    cluster: hwtopo.Cluster | str, tokens_per_s_at_speed_1: float, accelerator_memory: bool = True
+) -> list[WorkerProfile]:
+    """One profile per machine: throughput = relative speed x reference; memory = accelerator (or host)."""
+    if isinstance(cluster, str):
+        cluster = hwtopo.load(cluster)
+    if not cluster.machines:
+        raise BalanceError(f"cluster {cluster.name!r}: has no machines")
+    if not tokens_per_s_at_speed_1 > 0:
+        raise BalanceError(f"tokens_per_s_at_speed_1: {tokens_per_s_at_speed_1!r} must be positive")
+    speeds = cluster.relative_speeds()
+    out = []
+    for m in cluster.machines:
+        mem = m.accelerator_memory_bytes if (accelerator_memory and m.accelerators) else m.total_memory_bytes
+        out.append(WorkerProfile(m.name, speeds[m.name] * tokens_per_s_at_speed_1, mem or math.inf, m.region))
+    return out
+
+
+def token_weights(tokens: Sequence[int]) -> list[float]:
+    """Aggregation weights: each worker's share of the tokens of this outer step."""
+    if any(t < 0 for t in tokens):
+        raise BalanceError(f"tokens: counts must be >= 0, got {list(tokens)}")
+    total = sum(tokens)
+    if total == 0:
+        return [1.0 / len(tokens)] * len(tokens)
+    return [t / total for t in tokens]
+
+
+class Rebalancer:
+    """Tracks measured throughput (EMA) and re-plans when any worker drifts past ``threshold``."""
+
+    def __init__(self, current: Plan, threshold: float = 0.15, ema: float = 0.5, **plan_kwargs):
+        if not 0 < ema <= 1:
+            raise BalanceError(f"ema: {ema!r} must be in (0, 1]")
+        self.plan = current
+        self.threshold = threshold
+        self.ema = ema
+        self.plan_kwargs = plan_kwargs
+        self.rates: dict[str, float] = {p.name: p.tokens_per_s for p in current.profiles}
+        self.replans = 0
+
+    def observe(self, name: str, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        old = self.rates.get(name, rate)
+        self.rates[name] = (1 - self.ema) * old + self.ema * rate
+
+    def observe_all(self, measured: Mapping[str, tuple[int, float]]) -> None:
+        for name, (tokens, seconds) in measured.items():
+            self.observe(name, tokens, seconds)
+
+    def drift(self) -> float:
+        """Largest relative gap between a worker's measured and planned throughput."""
+        return max(abs(self.rates[p.name] - p.tokens_per_s) / p.tokens_per_s for p in self.plan.profiles)
+
+    def maybe_replan(self) -> Plan | None:
+        """A new plan from the measured rates when drift exceeds the threshold, else None."""
+        if self.drift() <= self.threshold:
+            return None
+        profiles = [replace(p, tokens_per_s=self.rates[p.name]) for p in self.plan.profiles]
+        self.plan = plan(profiles, self.plan.seq_len, self.plan.target_tokens, **self.plan_kwargs)
+        self.replans += 1
+        return self.plan

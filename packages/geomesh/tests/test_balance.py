@@ -1,0 +1,102 @@
+import math
+
+import pytest
+
+import hwtopo
+from geomesh.balance import (
+    BalanceError,
+    MemoryModel,
+    Rebalancer,
+    WorkerProfile,
+    plan,
+    profiles_from_cluster,
+    token_weights,
+    uniform_plan,
+)
+
+
+def _profiles(speeds, base=1000.0):
+    return [WorkerProfile(f"w{i}", s * base) for i, s in enumerate(speeds)]
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 0.7, 0.4), (1.0, 0.13, 0.5, 0.91), (1.0, 1.0), (0.3, 0.29, 0.31)])
+def test_balancer_equalizes_phases_on_synthetic_speeds(speeds):
+    profiles = _profiles(speeds)
+    p = plan(profiles, seq_len=32, target_tokens=32 * 8 * 3 * 20, max_batch=16, preferred_batch=8)
+    assert p.imbalance < 0.06
+    for w, prof in zip(p.workers, profiles):
+        assert w.phase_s == pytest.approx(w.tokens / prof.tokens_per_s)
+        assert abs(w.phase_s - p.phase_s) / p.phase_s < 0.05
+        assert 1 <= w.batch <= 16 and w.inner_steps >= 1
+    assert abs(p.tokens - p.target_tokens) / p.target_tokens < 0.05
+    # faster workers process more tokens
+    order = sorted(range(len(speeds)), key=lambda i: speeds[i])
+    toks = [p.workers[i].tokens for i in order]
+    assert toks == sorted(toks) or len(set(speeds)) < len(speeds)
+    assert sum(w.weight for w in p.workers) == pytest.approx(1.0)
+
+
+def test_uniform_plan_is_imbalanced_by_speed_ratio():
+    p = uniform_plan(_profiles((1.0, 0.7, 0.4)), seq_len=32, batch=8, inner_steps=20)
+    assert p.imbalance == pytest.approx(0.6)
+    assert [w.weight for w in p.workers] == pytest.approx([1 / 3] * 3)
+
+
+def test_memory_caps_batch_and_missing_memory_is_a_clear_error():
+    mem = MemoryModel(fixed_bytes=1000, bytes_per_sample=100)
+    profiles = [WorkerProfile("big", 1000, memory_bytes=10_000), WorkerProfile("small", 1000, memory_bytes=1_350)]
+    p = plan(profiles, seq_len=10, target_tokens=4000, memory=mem)
+    assert p.worker("small").batch <= 3
+    assert p.imbalance < 0.06
+    with pytest.raises(BalanceError, match="'tiny'.*batch 1"):
+        plan([*profiles, WorkerProfile("tiny", 1000, memory_bytes=1050)], seq_len=10, target_tokens=4000, memory=mem)
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(BalanceError, match=r"profiles\[1\].tokens_per_s"):
+        plan([WorkerProfile("a", 1), WorkerProfile("b", -2)], seq_len=4, target_tokens=100)
+    with pytest.raises(BalanceError, match="unique"):
+        plan([WorkerProfile("a", 1), WorkerProfile("a", 2)], seq_len=4, target_tokens=100)
+    with pytest.raises(BalanceError, match="seq_len"):
+        plan(_profiles((1,)), seq_len=0, target_tokens=100)
+    with pytest.raises(BalanceError, match="target_tokens"):
+        plan(_profiles((1, 1)), seq_len=64, target_tokens=100)
+
+
+def test_profiles_from_hwtopo_cluster():
+    c = hwtopo.load("geo-3region")
+    profiles = profiles_from_cluster(c, tokens_per_s_at_speed_1=5000)
+    by = {p.name: p for p in profiles}
+    assert by["use-a100"].tokens_per_s == 5000 and by["aps-t4"].tokens_per_s == pytest.approx(2000)
+    assert by["aps-t4"].memory_bytes == hwtopo.parse_bytes("16GiB")
+    mem = MemoryModel(fixed_bytes=hwtopo.parse_bytes("10GiB"), bytes_per_sample=hwtopo.parse_bytes("1GiB"))
+    p = plan(profiles, seq_len=1024, target_tokens=1024 * 64, memory=mem)
+    assert p.worker("aps-t4").batch <= 6
+    assert p.imbalance < 0.06
+
+
+def test_token_weights():
+    assert token_weights([100, 300]) == [0.25, 0.75]
+    assert token_weights([0, 0]) == [0.5, 0.5]
+    with pytest.raises(BalanceError):
+        token_weights([-1, 2])
+
+
+def test_rebalance_on_drift():
+    profiles = _profiles((1.0, 0.7, 0.4))
+    p0 = plan(profiles, seq_len=16, target_tokens=16 * 4 * 60, max_batch=8, preferred_batch=4)
+    rb = Rebalancer(p0, threshold=0.15, ema=1.0, max_batch=8, preferred_batch=4)
+    # measured as planned: no re-plan
+    rb.observe_all({w.name: (w.tokens, w.phase_s) for w in p0.workers})
+    assert rb.maybe_replan() is None
+    # worker 0 slows to half speed: its measured phase doubles, the plan moves tokens away from it
+    w0 = p0.workers[0]
+    rb.observe(w0.name, w0.tokens, 2 * w0.phase_s)
+    assert rb.drift() == pytest.approx(0.5)
+    p1 = rb.maybe_replan()
+    assert p1 is not None and rb.replans == 1
+    assert p1.worker("w0").tokens < w0.tokens
+    true_rates = {"w0": 500.0, "w1": 700.0, "w2": 400.0}
+    phases = [w.tokens / true_rates[w.name] for w in p1.workers]
+    assert (max(phases) - min(phases)) / max(phases) < 0.06
+    assert not math.isclose(p0.phase_s, p1.phase_s)
