@@ -1,0 +1,160 @@
+"""Surrogate and chaining, the paper's core: rank strategies by expected loss decrease per second.
+
+The surrogate of a strategy is its goodput: measured (or cost-model) throughput in samples/s times
+the statistical efficiency of its global batch under the current gradient noise scale, i.e. the
+reference-batch-equivalent samples it processes per second; the expected validation-loss decrease
+per second is proportional to it. The chainer re-ranks the candidates during training and switches
+only when the best one beats the current one by a hysteresis margin after paying the switch cost:
+
+    switch  iff  goodput_best * (horizon - switch_cost) > goodput_current * horizon * (1 + margin)
+
+Every decision (switch or stay) is logged with the ranking and the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .gns import GradientNoiseScale
+from .space import Strategy
+
+__all__ = ["Estimate", "Decision", "Chainer", "goodput"]
+
+log = logging.getLogger(__name__)
+
+
+def goodput(throughput_samples_per_s: float, batch: int, noise_scale: float, reference_batch: int) -> float:
+    """Reference-batch-equivalent samples per second (Pollux goodput)."""
+    return throughput_samples_per_s * (noise_scale + reference_batch) / (noise_scale + batch)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    strategy: Strategy
+    throughput: float  # samples/s
+    efficiency: float
+    goodput: float
+    source: str  # "probe" or "model"
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy.name, "throughput": self.throughput, "efficiency": self.efficiency,
+                "goodput": self.goodput, "source": self.source}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Decision:
+    step: int
+    elapsed_s: float
+    current: Strategy | None
+    chosen: Strategy
+    switched: bool
+    reason: str
+    noise_scale: float
+    switch_cost_s: float
+    ranking: tuple[Estimate, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "elapsed_s": self.elapsed_s,
+            "current": self.current.name if self.current else None,
+            "chosen": self.chosen.name,
+            "switched": self.switched,
+            "reason": self.reason,
+            "noise_scale": self.noise_scale,
+            "switch_cost_s": self.switch_cost_s,
+            "ranking": [e.to_dict() for e in self.ranking[:5]],
+        }
+
+
+ThroughputFn = Callable[[Strategy], tuple[float, str]]
+
+
+@dataclass
+class Chainer:
+    """Online strategy chaining over a fixed candidate set.
+
+    ``throughput(strategy) -> (samples/s, source)`` comes from probes or a fitted cost model.
+    ``switch_cost_s(current, new)`` is the expected resharding time (measured ones are fed back via
+    ``observe_switch``). ``horizon_s`` is how long a choice is expected to last (the time until the
+    next decision); ``margin`` is the hysteresis (0.05: the newcomer must be 5% better).
+    """
+
+    candidates: Sequence[Strategy]
+    throughput: ThroughputFn | Mapping[Strategy, float]
+    gns: GradientNoiseScale
+    horizon_s: float = 10.0
+    margin: float = 0.05
+    switch_cost_s: float = 0.5
+    decisions: list[Decision] = field(default_factory=list)
+    _switch_costs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("candidates must list at least one strategy")
+        if self.horizon_s <= 0:
+            raise ValueError(f"horizon_s must be > 0, got {self.horizon_s}")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+
+    def _throughput(self, s: Strategy) -> tuple[float, str]:
+        if isinstance(self.throughput, Mapping):
+            return float(self.throughput[s]), "probe"
+        return self.throughput(s)
+
+    def expected_switch_cost_s(self) -> float:
+        """Mean of measured switch costs so far, else the prior."""
+        return sum(self._switch_costs) / len(self._switch_costs) if self._switch_costs else self.switch_cost_s
+
+    def observe_switch(self, seconds: float) -> None:
+        self._switch_costs.append(float(seconds))
+
+    def rank(self, noise_scale: float | None = None) -> list[Estimate]:
+        """Candidates by goodput, best first (ties: higher throughput, then name)."""
+        phi = self.gns.noise_scale if noise_scale is None else noise_scale
+        out = []
+        for s in self.candidates:
+            tput, src = self._throughput(s)
+            eff = self.gns.efficiency(s.global_batch, phi)
+            out.append(Estimate(s, tput, eff, goodput(tput, s.global_batch, phi, self.gns.reference_batch), src))
+        return sorted(out, key=lambda e: (-e.goodput, -e.throughput, e.strategy.name))
+
+    def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0) -> Decision:
+        """Choose the strategy for the next horizon; logged and appended to ``decisions``."""
+        phi = self.gns.noise_scale
+        ranking = tuple(self.rank(phi))
+        best = ranking[0]
+        cost = self.expected_switch_cost_s()
+        if current is None:
+            d = Decision(step, elapsed_s, None, best.strategy, True,
+                         f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
+                         f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})", phi, 0.0, ranking)  # fmt: skip
+        else:
+            cur = next((e for e in ranking if e.strategy == current), None)
+            if cur is None:
+                raise ValueError(f"current strategy {current.name} is not among the candidates")
+            keep = max(self.horizon_s - cost, 0.0)
+            new_progress = best.goodput * keep
+            cur_progress = cur.goodput * self.horizon_s * (1 + self.margin)
+            if best.strategy != current and new_progress > cur_progress:
+                reason = (
+                    f"switch: {best.strategy.name} goodput {best.goodput:.1f} x ({self.horizon_s:.1f}s - "
+                    f"{cost:.2f}s switch) = {new_progress:.0f} > {current.name} {cur.goodput:.1f} x "
+                    f"{self.horizon_s:.1f}s x (1+{self.margin:g}) = {cur_progress:.0f} (noise scale {phi:.1f})"
+                )
+                d = Decision(step, elapsed_s, current, best.strategy, True, reason, phi, cost, ranking)
+            else:
+                if best.strategy == current:
+                    reason = f"stay: {current.name} is still best (goodput {cur.goodput:.1f}, noise scale {phi:.1f})"
+                else:
+                    reason = (
+                        f"stay: best {best.strategy.name} goodput {best.goodput:.1f} does not beat "
+                        f"{current.name} {cur.goodput:.1f} by the {self.margin:g} margin after a {cost:.2f}s switch "
+                        f"over {self.horizon_s:.1f}s (noise scale {phi:.1f})"
+                    )
+                d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
+        self.decisions.append(d)
+        log.info("step %d: %s", step, d.reason)
+        return d

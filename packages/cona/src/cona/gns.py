@@ -1,0 +1,127 @@
+"""Gradient statistics: online unbiased |G|^2 and gradient variance, the gradient noise scale.
+
+Two gradient estimates of the same step at different batch sizes b < B (e.g. one micro-batch and
+the whole global batch, or one data-parallel rank's gradient and the all-reduced one) give, with
+E|g_b|^2 = |G|^2 + tr(Sigma)/b (McCandlish et al. 2018, appendix A):
+
+    |G|^2 ~ (B |g_B|^2 - b |g_b|^2) / (B - b)          (unbiased)
+    tr(Sigma) ~ (|g_b|^2 - |g_B|^2) / (1/b - 1/B)       (unbiased, per-sample variance)
+
+Both are smoothed with a bias-corrected EMA; the noise scale is their ratio. Statistical efficiency
+of a global batch M relative to the reference batch M0 follows Pollux/AdaScale: one step at batch M
+makes the progress of ``gain(M) = M (phi + M0) / (M0 (phi + M))`` steps at M0, i.e.
+``efficiency(M) = (phi + M0) / (phi + M)`` per sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["unbiased_estimates", "GradientNoiseScale", "GnsSnapshot"]
+
+
+def unbiased_estimates(sq_small: float, b_small: float, sq_big: float, b_big: float) -> tuple[float, float]:
+    """(|G|^2, tr(Sigma)) from squared norms of gradients averaged over b_small and b_big samples."""
+    if not (b_small > 0 and b_big > 0):
+        raise ValueError(f"batch sizes must be positive, got b_small={b_small}, b_big={b_big}")
+    if b_big <= b_small:
+        raise ValueError(f"b_big must exceed b_small for an estimate, got b_small={b_small}, b_big={b_big}")
+    g2 = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
+    s = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
+    return g2, s
+
+
+@dataclass(frozen=True)
+class GnsSnapshot:
+    """What the estimator knows at one step (plain numbers, for logs and JSON)."""
+
+    step: int
+    grad_sq: float
+    variance: float
+    noise_scale: float
+    updates: int
+
+
+@dataclass
+class GradientNoiseScale:
+    """Online estimator of |G|^2, tr(Sigma) and the noise scale phi = tr(Sigma)/|G|^2.
+
+    ``decay`` is the EMA factor per update (0.9: about the last 10 steps). ``reference_batch`` is
+    M0, the batch size at which the learning rate was tuned. The estimator belongs to the training
+    run, not to a strategy, so it survives strategy switches.
+    """
+
+    reference_batch: int
+    decay: float = 0.9
+    _g2: float = 0.0
+    _s: float = 0.0
+    _w: float = 0.0  # EMA bias-correction weight
+    updates: int = 0
+    history: list[GnsSnapshot] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.reference_batch <= 0:
+            raise ValueError(f"reference_batch must be a positive batch size, got {self.reference_batch}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+
+    def update(self, sq_small: float, b_small: float, sq_big: float, b_big: float, step: int = -1) -> bool:
+        """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small."""
+        if b_big <= b_small or not (math.isfinite(sq_small) and math.isfinite(sq_big)):
+            return False
+        g2, s = unbiased_estimates(sq_small, b_small, sq_big, b_big)
+        d = self.decay
+        self._g2 = d * self._g2 + (1 - d) * g2
+        self._s = d * self._s + (1 - d) * s
+        self._w = d * self._w + (1 - d)
+        self.updates += 1
+        self.history.append(GnsSnapshot(step, self.grad_sq, self.variance, self.noise_scale, self.updates))
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return self.updates > 0
+
+    @property
+    def grad_sq(self) -> float:
+        """Smoothed |G|^2 (bias corrected); 0 before the first update."""
+        return self._g2 / self._w if self._w > 0 else 0.0
+
+    @property
+    def variance(self) -> float:
+        """Smoothed tr(Sigma), the per-sample gradient variance."""
+        return self._s / self._w if self._w > 0 else 0.0
+
+    @property
+    def noise_scale(self) -> float:
+        """phi = tr(Sigma)/|G|^2 in samples; small early in training, grows as the gradient shrinks.
+
+        Clamped to [0, 1e9]: a non-positive |G|^2 estimate (pure noise) means "use any batch".
+        """
+        g2, s = self.grad_sq, max(self.variance, 0.0)
+        if g2 <= 0:
+            return 1e9 if s > 0 else 0.0
+        return min(s / g2, 1e9)
+
+    def efficiency(self, batch: float, noise_scale: float | None = None) -> float:
+        """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)."""
+        phi = self.noise_scale if noise_scale is None else noise_scale
+        return (phi + self.reference_batch) / (phi + batch)
+
+    def gain(self, batch: float, noise_scale: float | None = None) -> float:
+        """Progress of one step at ``batch`` in reference-batch steps (the AdaScale gain; scales the LR)."""
+        return batch / self.reference_batch * self.efficiency(batch, noise_scale)
+
+    def snapshot(self, step: int = -1) -> GnsSnapshot:
+        return GnsSnapshot(step, self.grad_sq, self.variance, self.noise_scale, self.updates)
+
+    def state_dict(self) -> dict:
+        return {"reference_batch": self.reference_batch, "decay": self.decay, "g2": self._g2, "s": self._s,
+                "w": self._w, "updates": self.updates}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reference_batch = int(state["reference_batch"])
+        self.decay = float(state["decay"])
+        self._g2, self._s, self._w = float(state["g2"]), float(state["s"]), float(state["w"])
+        self.updates = int(state["updates"])

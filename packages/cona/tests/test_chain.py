@@ -1,0 +1,75 @@
+import logging
+
+import pytest
+
+from cona.chain import Chainer, goodput
+from cona.gns import GradientNoiseScale
+from cona.space import Strategy
+
+SMALL = Strategy(2, 1, 1, 4, 8)
+BIG = Strategy(2, 1, 1, 16, 64)
+TP = Strategy(1, 2, 1, 8, 64)
+TPUT = {SMALL: 100.0, BIG: 200.0, TP: 150.0}
+
+
+def _set_phi(gns, phi, g2=1.0):
+    s = phi * g2
+    gns.update(g2 + s / 4, 4, g2 + s / 64, 64)
+
+
+def test_goodput_formula():
+    assert goodput(100.0, 8, 2.0, 8) == pytest.approx(100.0)
+    assert goodput(200.0, 64, 2.0, 8) == pytest.approx(200 * 10 / 66)
+
+
+def test_chainer_switches_on_schedule_and_logs_reasons(caplog):
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    ch = Chainer([SMALL, BIG, TP], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=1.0)
+    chosen = []
+    cur = None
+    with caplog.at_level(logging.INFO, logger="cona.chain"):
+        for step, phi in enumerate([1.0, 2.0, 5.0, 20.0, 100.0, 1000.0, 1000.0]):
+            _set_phi(gns, phi)
+            d = ch.decide(cur, step=step)
+            cur = d.chosen
+            chosen.append(cur)
+    assert chosen[0] == SMALL  # low noise scale: the small batch is more efficient
+    assert chosen[-1] == BIG  # high noise scale: the fastest hardware strategy wins
+    assert sum(d.switched for d in ch.decisions[1:]) == 1
+    sw = next(d for d in ch.decisions[1:] if d.switched)
+    assert "switch" in sw.reason and BIG.name in sw.reason
+    assert all(d.reason for d in ch.decisions)
+    assert "switch:" in caplog.text and "stay:" in caplog.text
+    assert ch.decisions[-1].to_dict()["ranking"][0]["strategy"] == BIG.name
+
+
+def test_hysteresis_and_switch_cost_prevent_thrashing():
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    # phi where BIG is ~3% better than SMALL: inside the 5% margin -> stay
+    phi = 0.0
+    for p in [x / 10 for x in range(1, 2000)]:
+        if goodput(200, 64, p, 8) > 1.03 * goodput(100, 8, p, 8):
+            phi = p
+            break
+    _set_phi(gns, phi)
+    ch = Chainer([SMALL, BIG], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=0.0)
+    assert ch.rank()[0].strategy == BIG
+    assert not ch.decide(SMALL).switched
+    # clearly better, but the switch costs more than the horizon gains -> stay
+    _set_phi(gns, 1000.0)
+    ch2 = Chainer([SMALL, BIG], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=6.0)
+    d = ch2.decide(SMALL)
+    assert not d.switched and "switch" in d.reason
+    # measured switch costs replace the prior
+    ch2.observe_switch(0.1)
+    assert ch2.expected_switch_cost_s() == pytest.approx(0.1)
+    assert ch2.decide(SMALL).switched
+
+
+def test_chainer_rejects_bad_input():
+    gns = GradientNoiseScale(reference_batch=8)
+    with pytest.raises(ValueError, match="candidates"):
+        Chainer([], TPUT, gns)
+    ch = Chainer([SMALL], TPUT, gns)
+    with pytest.raises(ValueError, match="not among the candidates"):
+        ch.decide(BIG)

@@ -1,0 +1,63 @@
+import numpy as np
+import pytest
+
+from cona.gns import GradientNoiseScale, unbiased_estimates
+
+
+def _trials(n_trials, b, B, d=50, seed=0):
+    rng = np.random.default_rng(seed)
+    G = rng.normal(size=d) * 0.3
+    sd = rng.uniform(0.5, 2.0, size=d)  # per-sample gradient noise, tr(Sigma) = sum(sd^2)
+    g2s, ss, naive = [], [], []
+    for _ in range(n_trials):
+        samples = G + rng.normal(size=(B, d)) * sd
+        g_small = samples[:b].mean(0)  # a micro-batch inside the global batch
+        g_big = samples.mean(0)
+        g2, s = unbiased_estimates(g_small @ g_small, b, g_big @ g_big, B)
+        g2s.append(g2)
+        ss.append(s)
+        naive.append(g_big @ g_big)
+    return float(G @ G), float((sd**2).sum()), np.array(g2s), np.array(ss), np.array(naive)
+
+
+def test_estimates_are_unbiased_on_known_variance():
+    true_g2, true_s, g2s, ss, naive = _trials(4000, 4, 32)
+    se_g2 = g2s.std() / np.sqrt(len(g2s))
+    se_s = ss.std() / np.sqrt(len(ss))
+    assert abs(g2s.mean() - true_g2) < 4 * se_g2
+    assert abs(ss.mean() - true_s) < 4 * se_s
+    # the naive |g_B|^2 is biased upward by tr(Sigma)/B: the test can tell them apart
+    assert naive.mean() - true_g2 > 10 * se_g2
+
+
+def test_ema_tracks_noise_scale_and_efficiency():
+    true_g2, true_s, g2s, ss, _ = _trials(1, 4, 32)
+    gns = GradientNoiseScale(reference_batch=8, decay=0.95)
+    rng = np.random.default_rng(1)
+    d = 50
+    G = rng.normal(size=d) * 0.3
+    sd = rng.uniform(0.5, 2.0, size=d)
+    for step in range(1500):
+        samples = G + rng.normal(size=(32, d)) * sd
+        a, b = samples[:4].mean(0), samples.mean(0)
+        assert gns.update(a @ a, 4, b @ b, 32, step)
+    phi = (sd**2).sum() / (G @ G)
+    assert gns.noise_scale == pytest.approx(phi, rel=0.25)
+    assert gns.efficiency(8) == pytest.approx(1.0)
+    assert gns.efficiency(64) == pytest.approx((gns.noise_scale + 8) / (gns.noise_scale + 64))
+    assert gns.gain(64) == pytest.approx(8 * gns.efficiency(64))
+    assert 1.0 < gns.gain(64) < 8.0
+    state = gns.state_dict()
+    other = GradientNoiseScale(reference_batch=1)
+    other.load_state_dict(state)
+    assert other.noise_scale == gns.noise_scale
+
+
+def test_degenerate_pairs_are_skipped_and_bad_input_named():
+    gns = GradientNoiseScale(reference_batch=8)
+    assert not gns.update(1.0, 8, 1.0, 8)
+    assert not gns.ready
+    with pytest.raises(ValueError, match="b_big must exceed b_small"):
+        unbiased_estimates(1.0, 8, 1.0, 4)
+    with pytest.raises(ValueError, match="reference_batch"):
+        GradientNoiseScale(reference_batch=0)
