@@ -1,0 +1,177 @@
+"""Local multi-process launch (spawn) and torchrun-style env rendezvous, with dead-rank detection.
+
+Each worker runs with one thread, optionally throttled to a relative speed through
+``hwtopo.throttle`` (emulated heterogeneity), joins a gloo group with a timeout, runs ``fn`` and
+writes its result atomically to a per-rank file. The parent polls the workers: a rank that exits
+with an error or dies stops the run with a message naming the rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["WorkerError", "spawn", "free_port", "init_group", "init_from_env", "emulate_speed"]
+
+log = logging.getLogger(__name__)
+
+# cgroup quota period for emulated slow ranks. hwtopo uses 100 ms; a TP step synchronises every few
+# milliseconds, so a long period turns a steady 0.5x into bursts of full speed and full stops.
+THROTTLE_PERIOD_US = 10_000
+
+
+class WorkerError(RuntimeError):
+    """A rank failed, died or timed out; the message names the rank."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world_size: int, port: int, timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
+    """Join a gloo process group over TCP with a timeout on rendezvous and every collective."""
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("XRONOS_BACKEND") == "nccl" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=_dt.timedelta(seconds=timeout_s),
+    )
+
+
+def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
+    """torchrun / multi-node: rendezvous from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise WorkerError(f"environment variable {missing[0]} is not set; launch with torchrun or set it")
+    dist.init_process_group("gloo", init_method="env://", timeout=_dt.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def emulate_speed(speed: float):
+    """Throttle this process to ``speed`` of one CPU (emulated). Returns the hwtopo throttle or None."""
+    if speed >= 1.0:
+        return None
+    import hwtopo
+
+    t = hwtopo.throttle(os.getpid(), speed=speed, cpus=1)
+    if t.group is not None and t.method == "cgroup-v1":
+        try:  # finer period: quota first (it must stay <= the period), then the period
+            quota = max(1000, int(speed * THROTTLE_PERIOD_US))
+            (t.group / "cpu.cfs_quota_us").write_text(str(quota))
+            (t.group / "cpu.cfs_period_us").write_text(str(THROTTLE_PERIOD_US))
+        except OSError:
+            log.warning("could not shorten the cgroup period of %s", t.group)
+    elif t.group is not None and t.method == "cgroup-v2":
+        try:
+            quota = max(1000, int(speed * THROTTLE_PERIOD_US))
+            (t.group / "cpu.max").write_text(f"{quota} {THROTTLE_PERIOD_US}")
+        except OSError:
+            log.warning("could not shorten the cgroup period of %s", t.group)
+    return t
+
+
+def _atomic_pickle(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def _worker(rank, world_size, port, fn, args, out_dir, speed, pg_timeout_s):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    throttle = None
+    try:
+        throttle = emulate_speed(speed)
+        init_group(rank, world_size, port, pg_timeout_s)
+        result = fn(rank, world_size, *args)
+        _atomic_pickle(result, out / f"rank{rank}.pkl")
+        dist.barrier()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the rank
+        msg = f"{type(e).__name__}: {e}".strip()
+        (out / f"rank{rank}.err").write_text(msg + "\n\n" + traceback.format_exc())
+        os._exit(1)
+    finally:
+        if throttle is not None:
+            throttle.close()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def spawn(
+    fn,
+    world_size: int,
+    args: tuple = (),
+    speeds: list[float] | None = None,
+    timeout_s: float = 600.0,
+    pg_timeout_s: float = 60.0,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return each rank's result."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, not {world_size}")
+    speeds = list(speeds) if speeds is not None else [1.0] * world_size
+    if len(speeds) != world_size:
+        raise ValueError(f"speeds has {len(speeds)} entries but world_size is {world_size}")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="xronos-") as tmp:
+        procs = []
+        for r in range(world_size):
+            p = ctx.Process(
+                target=_worker, args=(r, world_size, port, fn, args, tmp, speeds[r], pg_timeout_s), daemon=False
+            )
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                codes = [p.exitcode for p in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    # prefer the rank that reported an error of its own over ranks that timed out after it
+                    errs = {r: (Path(tmp) / f"rank{r}.err") for r, _ in bad}
+                    first = next((r for r, _ in bad if errs[r].exists() and "Timeout" not in errs[r].read_text()), None)
+                    if first is None:
+                        first = bad[0][0]
+                    msg = errs[first].read_text().split("\n\n")[0] if errs[first].exists() else ""
+                    code = codes[first]
+                    detail = msg or f"exited with code {code}" + (" (killed by a signal)" if code < 0 else "")
+                    raise WorkerError(f"rank {first} failed: {detail}")
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    waiting = [r for r, c in enumerate(codes) if c is None]
+                    raise WorkerError(f"timed out after {timeout_s:.0f}s waiting for rank(s) {waiting}")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = []
+        for r in range(world_size):
+            with open(Path(tmp) / f"rank{r}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,56 @@
+"""Worker functions for spawned tests (module level so that spawn can pickle them)."""
+
+import torch
+from torch import nn
+
+from xronos.layers import ColumnParallelLinear, RowParallelLinear, gather_uneven, sync_partial_grads
+
+
+def layer_parity(rank, world, sizes, lora):
+    torch.manual_seed(0)
+    d_in, d_out = 12, 10
+    hidden = sum(sizes)
+    fc1, fc2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+    x = torch.randn(3, 5, d_in, requires_grad=True)
+    col = ColumnParallelLinear.from_linear(fc1, sizes, rank)
+    row = RowParallelLinear.from_linear(fc2, sizes, rank)
+    if lora:
+        g = torch.Generator().manual_seed(1)
+        col.enable_lora(4, 8.0, g)
+        row.enable_lora(4, 8.0, g)
+        with torch.no_grad():  # non-zero B so the adapters change the output
+            col.lora_B.normal_(generator=torch.Generator().manual_seed(2 + rank))
+            row.lora_B.copy_(torch.randn(row.lora_B.shape, generator=torch.Generator().manual_seed(9)))
+    xs = x.detach().clone().requires_grad_(True)
+    y = row(torch.relu(col(xs)))
+    (y * torch.arange(y.numel()).view_as(y).float().sin()).sum().backward()
+    sync_partial_grads(nn.ModuleList([col, row]))
+    out = {"y": y.detach(), "dx": xs.grad, "rank": rank}
+    if lora:
+        out.update(
+            colA=col.lora_A.detach(),
+            colA_g=col.lora_A.grad,
+            colB=gather_uneven(col.lora_B, sizes, 0),
+            colB_g=gather_uneven(col.lora_B.grad, sizes, 0),
+            rowA=gather_uneven(row.lora_A, sizes, 1),
+            rowA_g=gather_uneven(row.lora_A.grad, sizes, 1),
+            rowB=row.lora_B.detach(),
+            rowB_g=row.lora_B.grad,
+        )
+    else:
+        out.update(
+            w1_g=gather_uneven(col.weight.grad, sizes, 0),
+            b1_g=gather_uneven(col.bias.grad, sizes, 0),
+            w2_g=gather_uneven(row.weight.grad, sizes, 1),
+            b2_g=row.bias.grad,
+        )
+    return out
+
+
+def fail_on_rank1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits for the dead rank: must end as an error, not a hang
+    return rank

@@ -1,0 +1,60 @@
+import pytest
+import torch
+from dist_helpers import fail_on_rank1, layer_parity
+from torch import nn
+
+from xronos.launch import WorkerError, spawn
+
+
+def reference(sizes, lora, res):
+    torch.manual_seed(0)
+    d_in, d_out = 12, 10
+    hidden = sum(sizes)
+    fc1, fc2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+    x = torch.randn(3, 5, d_in, requires_grad=True)
+    if lora:
+        a1, b1 = res[0]["colA"].clone().requires_grad_(True), res[0]["colB"].clone().requires_grad_(True)
+        a2, b2 = res[0]["rowA"].clone().requires_grad_(True), res[0]["rowB"].clone().requires_grad_(True)
+        h = fc1(x) + (x @ a1.T) @ b1.T * 2.0
+        h = torch.relu(h)
+        y = fc2(h) + (h @ a2.T) @ b2.T * 2.0
+        grads = lambda: {"colA_g": a1.grad, "colB_g": b1.grad, "rowA_g": a2.grad, "rowB_g": b2.grad}  # noqa: E731
+    else:
+        y = fc2(torch.relu(fc1(x)))
+        grads = lambda: {"w1_g": fc1.weight.grad, "b1_g": fc1.bias.grad, "w2_g": fc2.weight.grad, "b2_g": fc2.bias.grad}  # noqa: E731
+    (y * torch.arange(y.numel()).view_as(y).float().sin()).sum().backward()
+    return y.detach(), x.grad, grads()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_uneven_pair_matches_nn_linear(lora):
+    sizes = [13, 3]  # deliberately uneven and odd
+    res = spawn(layer_parity, 2, (sizes, lora), timeout_s=120)
+    y, dx, grads = reference(sizes, lora, res)
+    for r in res:
+        torch.testing.assert_close(r["y"], y, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["dx"], dx, rtol=1e-5, atol=1e-6)
+        for k, v in grads.items():
+            torch.testing.assert_close(r[k], v, rtol=1e-5, atol=1e-6 * max(1.0, v.abs().max().item()), msg=k)
+
+
+def test_single_process_layers_equal_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 8)
+    x = torch.randn(4, 6)
+    col = layer = None
+    from xronos.layers import ColumnParallelLinear, RowParallelLinear
+
+    col = ColumnParallelLinear.from_linear(lin, [8], 0)
+    layer = RowParallelLinear.from_linear(lin, [6], 0)
+    torch.testing.assert_close(col(x), lin(x))
+    torch.testing.assert_close(layer(x), lin(x))
+    with pytest.raises(ValueError, match="out_sizes sum to 7"):
+        ColumnParallelLinear.from_linear(lin, [4, 3], 0)
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        ColumnParallelLinear(6, [4, 4], 2)
+
+
+def test_dead_rank_is_named_not_a_hang():
+    with pytest.raises(WorkerError, match="rank 1 failed: ValueError: boom on purpose"):
+        spawn(fail_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
