@@ -1,0 +1,130 @@
+"""Build a pool's device stores from paths, an hwtopo spec or a probe, and measure their bandwidth.
+
+Memory modules: one ``MemoryStore`` arena per NUMA node (or ``memory_modules`` arenas on a
+single-node host). SSDs: one ``PassthroughStore`` slab per path; a path that is missing, full or
+locked is skipped with a warning. Optional per-device bandwidth caps (``Throttle``) emulate
+several SSDs on one physical disk; they are labelled emulated in ``describe``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import hwtopo
+
+from .passthrough import DeviceUnavailable, PassthroughStore
+from .stores import MemoryStore, Throttle
+
+__all__ = ["DeviceSet", "build_devices", "from_machine", "measure_read_bandwidth"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeviceSet:
+    stores: list = field(default_factory=list)
+    bandwidths: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # device -> why
+    emulated: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+
+def measure_read_bandwidth(store, unit_bytes: int = 1 << 20, units: int = 8, reps: int = 3) -> float:
+    """Read bandwidth of ``store`` through its own read path (O_DIRECT, caps included), bytes/s."""
+    unit_bytes = max(512, min(unit_bytes, store.capacity_bytes // (2 * units) // 4096 * 4096 - 4096))
+    payload = torch.randint(0, 255, (unit_bytes,), dtype=torch.uint8)
+    names = [f"__probe__.{os.getpid()}.{i}" for i in range(units)]
+    written = [n for n in names if store.put(n, payload)]
+    if not written:
+        raise DeviceUnavailable(0, f"device {store.name!r}: no room to measure bandwidth")
+    staging = store.staging(unit_bytes)
+    try:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for n in written:
+                v = store.read(n, staging)
+                if v is not None and store.kind == "memory":
+                    payload.copy_(v)  # a memory read is a copy out of the arena
+            times.append(time.perf_counter() - t0)
+        return len(written) * unit_bytes / statistics.median(times)
+    finally:
+        for n in written:
+            store.delete(n)
+        for key in ("bytes_read", "reads", "hits", "read_s", "bytes_written", "writes", "write_s"):
+            setattr(store.stats, key, type(getattr(store.stats, key))(0))
+
+
+def build_devices(
+    ssd_paths: Sequence[str | os.PathLike],
+    memory_modules: int = 2,
+    memory_bytes: int = 64 << 20,
+    ssd_bytes: int = 256 << 20,
+    ssd_read_cap: float | None = None,
+    ssd_write_cap: float | None = None,
+    memory_read_cap: float | None = None,
+    measure: bool = True,
+    bandwidths: dict[str, float] | None = None,
+) -> DeviceSet:
+    """Memory arenas plus one slab per SSD path; bandwidths measured unless given."""
+    if memory_modules < 0:
+        raise ValueError(f"memory_modules must be >= 0, not {memory_modules!r}")
+    out = DeviceSet()
+    for i in range(memory_modules):
+        thr = Throttle(memory_read_cap) if memory_read_cap else None
+        out.stores.append(MemoryStore(f"mem{i}", memory_bytes, throttle=thr))
+    for i, p in enumerate(ssd_paths):
+        name = f"ssd{i}"
+        thr = Throttle(ssd_read_cap, ssd_write_cap) if (ssd_read_cap or ssd_write_cap) else None
+        try:
+            out.stores.append(PassthroughStore(name, p, ssd_bytes, throttle=thr))
+        except DeviceUnavailable as e:
+            out.skipped[name] = str(e)
+            log.warning("skipping %s: %s", name, e)
+    if not out.stores:
+        raise DeviceUnavailable(0, "no usable device: every SSD path was skipped and memory_modules is 0")
+    for s in out.stores:
+        if bandwidths and s.name in bandwidths:
+            out.bandwidths[s.name] = float(bandwidths[s.name])
+        elif measure:
+            out.bandwidths[s.name] = measure_read_bandwidth(s)
+        else:
+            out.bandwidths[s.name] = float(ssd_read_cap or 1e9) if s.kind == "ssd" else float(memory_read_cap or 1e10)
+    caps = {s.name: s.throttle.describe() for s in out.stores if s.throttle is not None}
+    out.emulated = (
+        {"devices": caps, "note": "per-device bandwidth caps (token bucket) on one physical disk"} if caps else {}
+    )
+    return out
+
+
+def from_machine(
+    machine: hwtopo.Machine, workdir: str | os.PathLike, memory_fraction: float = 0.01, ssd_bytes: int = 256 << 20
+) -> DeviceSet:
+    """Devices of an hwtopo machine: an arena per NUMA node, a slab per disk with a path.
+
+    Disk paths that do not exist here are skipped with a warning; bandwidths come from the spec
+    where given, else are measured.
+    """
+    nodes = machine.numa_nodes or ()
+    modules = max(1, len(nodes))
+    per = int(max(16 << 20, machine.total_memory_bytes * memory_fraction / modules))
+    paths = [d.path for d in machine.disks if d.path]
+    given = {}
+    for i, n in enumerate(nodes):
+        if n.bandwidth_bytes_per_s:
+            given[f"mem{i}"] = n.bandwidth_bytes_per_s
+    for i, d in enumerate(d for d in machine.disks if d.path):
+        if d.read_bandwidth_bytes_per_s:
+            given[f"ssd{i}"] = d.read_bandwidth_bytes_per_s
+    del workdir  # slabs live on the disks' own paths
+    return build_devices(paths, memory_modules=modules, memory_bytes=per, ssd_bytes=ssd_bytes, bandwidths=given)

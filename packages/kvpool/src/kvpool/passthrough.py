@@ -1,0 +1,373 @@
+"""The SSD store: one preallocated slab per SSD, the pool's own allocator and index, O_DIRECT I/O.
+
+No file per chunk and no page cache: a unit (one (chunk, layer) of KV) is an extent of the slab
+file ``<path>/kvpool.slab`` written and read with O_DIRECT through page-aligned (mmap) buffers.
+Each extent starts with a 64-byte header (magic, a digest of the unit's name, payload length,
+CRC32 of the payload, sequence number); every read checks all of them, so a corrupt, truncated or
+reused extent is a miss, never wrong KV.
+
+The index survives a killed process: every put/delete is appended to ``kvpool.journal`` as a
+length+CRC framed record after the data write, and every ``snapshot_every`` records the whole index
+is written atomically to ``kvpool.index`` (temp file + rename) and the journal restarts. Reopening
+loads the snapshot, replays newer journal records and stops at a torn tail. Power loss needs
+``sync=True`` (fdatasync after each data write and journal append).
+
+A slab that cannot be created (directory missing, disk full) raises ``DeviceUnavailable``; the
+pool then runs without that device and says so. A second process opening the same slab gets a
+clear error (flock); processes share a pool through ``kvpool serve``. An io_uring or SPDK backend
+would implement the same methods (put/read/delete/names/staging/page_cache_bytes/close).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from hashlib import blake2b
+from pathlib import Path
+
+import torch
+
+from hwtopo import atomic_write_text
+
+from .pagecache import resident_bytes
+from .stores import ExtentAllocator, StoreStats, Throttle, as_bytes_tensor
+
+__all__ = ["PassthroughStore", "DeviceUnavailable", "AlignedBuffer", "ALIGN", "HEADER_BYTES"]
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+HEADER_BYTES = 64
+MAGIC = b"KVPU"
+VERSION = 1
+_HEADER = struct.Struct("<4sHH16sQIQ")  # magic, version, flags, name digest, length, crc32, seq
+_FRAME = struct.Struct("<II")  # journal record: body length, crc32 of body
+SLAB, JOURNAL, SNAPSHOT = "kvpool.slab", "kvpool.journal", "kvpool.index"
+
+
+class DeviceUnavailable(OSError):
+    """The SSD path cannot serve as a pool device (missing, full, locked, refused)."""
+
+
+def _digest(name: str) -> bytes:
+    return blake2b(name.encode(), digest_size=16).digest()
+
+
+class AlignedBuffer:
+    """A page-aligned anonymous mapping, viewed as a uint8 tensor and a memoryview (for O_DIRECT)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        self._map = mmap.mmap(-1, self.nbytes)
+        self.view = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+
+class PassthroughStore:
+    """One SSD of the pool: slab + allocator + journaled index, O_DIRECT reads and writes."""
+
+    kind = "ssd"
+    align_bytes = ALIGN
+    unit_overhead_bytes = HEADER_BYTES
+
+    def __init__(
+        self,
+        name: str,
+        path: str | os.PathLike,
+        capacity_bytes: int,
+        throttle: Throttle | None = None,
+        sync: bool = False,
+        direct: bool = True,
+        snapshot_every: int = 4096,
+    ):
+        self.name = name
+        self.dir = Path(path)
+        self.throttle = throttle
+        self.sync = sync
+        self.snapshot_every = snapshot_every
+        self.stats = StoreStats()
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        if capacity_bytes < ALIGN:
+            raise ValueError(f"SSD device {name!r}: capacity_bytes must be at least {ALIGN}, not {capacity_bytes!r}")
+        if not self.dir.is_dir():
+            raise DeviceUnavailable(errno.ENOENT, f"SSD device {name!r}: path {str(self.dir)!r} is not a directory")
+        self.capacity_bytes = int(capacity_bytes) // ALIGN * ALIGN
+        self.slab_path = self.dir / SLAB
+        self.journal_path = self.dir / JOURNAL
+        self.snapshot_path = self.dir / SNAPSHOT
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        flags = os.O_RDWR | os.O_CREAT
+        try:
+            self.fd = os.open(self.slab_path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError as e:
+            if not self.direct or e.errno != errno.EINVAL:
+                raise DeviceUnavailable(
+                    e.errno, f"SSD device {name!r}: cannot open {self.slab_path}: {e.strerror}"
+                ) from e
+            log.warning("%s: O_DIRECT refused by the filesystem at %s; using buffered I/O", name, self.dir)
+            self.direct = False
+            self.fd = os.open(self.slab_path, flags, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self.fd)
+            raise DeviceUnavailable(
+                e.errno,
+                f"SSD device {name!r}: {self.slab_path} is in use by another process (share it via kvpool serve)",
+            ) from e
+        try:
+            on_disk = os.fstat(self.fd).st_size
+            self._load_index(on_disk)
+            if on_disk < self.capacity_bytes:
+                try:
+                    os.posix_fallocate(self.fd, 0, self.capacity_bytes)
+                except OSError as e:
+                    raise DeviceUnavailable(
+                        e.errno,
+                        f"SSD device {name!r}: cannot reserve {self.capacity_bytes} bytes at {self.dir}: {e.strerror}",
+                    ) from e
+            self.jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    # --- index -----------------------------------------------------------------------------------
+    def _load_index(self, on_disk: int) -> None:
+        entries: dict[str, list[int]] = {}  # name -> [off, length, crc, seq]
+        seq = 0
+        if self.snapshot_path.exists():
+            try:
+                snap = json.loads(self.snapshot_path.read_text())
+                entries = {k: list(v) for k, v in snap["entries"].items()}
+                seq = int(snap["seq"])
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning(
+                    "%s: index snapshot %s unreadable (%s); starting from the journal", self.name, self.snapshot_path, e
+                )
+                entries, seq = {}, 0
+        replayed, good_end = 0, 0
+        if self.journal_path.exists():
+            raw = self.journal_path.read_bytes()
+            pos = 0
+            while pos + _FRAME.size <= len(raw):
+                ln, crc = _FRAME.unpack_from(raw, pos)
+                body = raw[pos + _FRAME.size : pos + _FRAME.size + ln]
+                if len(body) != ln or zlib.crc32(body) != crc:
+                    break
+                try:
+                    rec = json.loads(body)
+                except ValueError:
+                    break
+                pos += _FRAME.size + ln
+                good_end = pos
+                if rec["s"] <= seq:
+                    continue
+                seq = rec["s"]
+                replayed += 1
+                if rec["o"] == "p":
+                    entries[rec["n"]] = [rec["off"], rec["len"], rec["crc"], rec["s"]]
+                else:
+                    entries.pop(rec["n"], None)
+            if good_end < len(raw):
+                log.warning(
+                    "%s: journal has a torn tail of %d bytes (killed mid-write); ignored",
+                    self.name,
+                    len(raw) - good_end,
+                )
+                os.truncate(self.journal_path, good_end)
+        self.alloc = ExtentAllocator(self.capacity_bytes, ALIGN)
+        self.index: dict[str, tuple[int, int, int, int]] = {}
+        dropped = 0
+        for nm, (off, ln, crc, s) in sorted(entries.items(), key=lambda kv: kv[1][3]):
+            ext = HEADER_BYTES + ln
+            if off + self.alloc.round(ext) > on_disk or not self.alloc.reserve(off, ext):
+                dropped += 1
+                continue
+            self.index[nm] = (off, ln, crc, s)
+        if dropped:
+            log.warning(
+                "%s: %d index entries point past the slab's end or overlap (truncated slab?); dropped",
+                self.name,
+                dropped,
+            )
+        self._seq = seq
+        self._since_snapshot = replayed
+        self.dropped_on_open = dropped
+
+    def _journal(self, rec: dict) -> None:
+        body = json.dumps(rec, separators=(",", ":")).encode()
+        os.write(self.jfd, _FRAME.pack(len(body), zlib.crc32(body)) + body)
+        if self.sync:
+            os.fdatasync(self.jfd)
+        self._since_snapshot += 1
+        if self._since_snapshot >= self.snapshot_every:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        """Write the whole index atomically and restart the journal."""
+        with self._lock:
+            data = {
+                "version": VERSION,
+                "seq": self._seq,
+                "capacity_bytes": self.capacity_bytes,
+                "entries": {k: list(v) for k, v in self.index.items()},
+            }
+            atomic_write_text(self.snapshot_path, json.dumps(data, separators=(",", ":")))
+            os.ftruncate(self.jfd, 0)
+            self._since_snapshot = 0
+
+    # --- buffers -------------------------------------------------------------------------------
+    def staging(self, nbytes: int) -> AlignedBuffer:
+        """A buffer large enough to read a unit of ``nbytes`` payload (one per reader thread)."""
+        return AlignedBuffer(HEADER_BYTES + nbytes)
+
+    def _write_buffer(self, ext: int) -> AlignedBuffer:
+        buf = getattr(self._local, "wbuf", None)
+        if buf is None or buf.nbytes < ext:
+            buf = AlignedBuffer(ext)
+            self._local.wbuf = buf
+        return buf
+
+    # --- data ----------------------------------------------------------------------------------
+    def put(self, name: str, data) -> bool:
+        """Store a unit. False when the slab has no room (or the device failed); True if stored or present."""
+        src = as_bytes_tensor(data)
+        n = src.numel()
+        ext_bytes = HEADER_BYTES + n
+        with self._lock:
+            if name in self.index:
+                return True
+            off = self.alloc.alloc(ext_bytes)
+            if off is None:
+                return False
+            self._seq += 1
+            seq = self._seq
+        ext = self.alloc.round(ext_bytes)
+        t0 = time.perf_counter()
+        buf = self._write_buffer(ext)
+        buf.tensor[HEADER_BYTES : HEADER_BYTES + n].copy_(src)
+        if ext > ext_bytes:
+            buf.tensor[ext_bytes:ext].zero_()
+        crc = zlib.crc32(buf.view[HEADER_BYTES : HEADER_BYTES + n])
+        header = _HEADER.pack(MAGIC, VERSION, 0, _digest(name), n, crc, seq)
+        buf.view[: len(header)] = header
+        buf.view[len(header) : HEADER_BYTES] = bytes(HEADER_BYTES - len(header))
+        try:
+            written = os.pwrite(self.fd, buf.view[:ext], off)
+            if written != ext:
+                raise OSError(errno.EIO, f"short write ({written} of {ext} bytes)")
+            if self.sync:
+                os.fdatasync(self.fd)
+        except OSError as e:
+            with self._lock:
+                self.alloc.free(off, ext_bytes)
+            self.stats.add(errors=1)
+            log.warning("%s: write of %s failed (%s); unit not stored", self.name, name, e.strerror or e)
+            if e.errno in (errno.ENOSPC, errno.EIO, errno.EROFS, errno.ENODEV):
+                self.failed = e
+            return False
+        if self.throttle:
+            self.throttle.after_write(ext, t0)
+        with self._lock:
+            self.index[name] = (off, n, crc, seq)
+            self._journal({"s": seq, "o": "p", "n": name, "off": off, "len": n, "crc": crc})
+        self.stats.add(bytes_written=ext, writes=1, write_s=time.perf_counter() - t0)
+        return True
+
+    failed: OSError | None = None
+
+    def read(self, name: str, staging: AlignedBuffer | None = None) -> torch.Tensor | None:
+        """The unit's payload as a uint8 view into ``staging``; None on a miss or a failed check."""
+        with self._lock:
+            ent = self.index.get(name)
+        if ent is None:
+            self.stats.add(misses=1)
+            return None
+        off, n, crc, seq = ent
+        ext = self.alloc.round(HEADER_BYTES + n)
+        if staging is None or staging.nbytes < ext:
+            staging = AlignedBuffer(ext)
+        t0 = time.perf_counter()
+        try:
+            got = os.preadv(self.fd, [staging.view[:ext]], off)
+        except OSError as e:
+            self.stats.add(errors=1, misses=1)
+            log.warning("%s: read of %s failed (%s); treated as a miss", self.name, name, e.strerror or e)
+            return None
+        if self.throttle:
+            self.throttle.after_read(ext, t0)
+        why = None
+        if got < HEADER_BYTES + n:
+            why = f"short read ({got} of {HEADER_BYTES + n} bytes: truncated slab?)"
+        else:
+            magic, ver, _flags, dig, ln, hcrc, hseq = _HEADER.unpack_from(staging.view, 0)
+            if magic != MAGIC or ver != VERSION or dig != _digest(name) or ln != n or hcrc != crc or hseq != seq:
+                why = "header does not match the index"
+            elif zlib.crc32(staging.view[HEADER_BYTES : HEADER_BYTES + n]) != crc:
+                why = "checksum mismatch"
+        if why is not None:
+            log.warning("%s: unit %s is corrupt (%s); dropped, will be recomputed", self.name, name, why)
+            self.delete(name)
+            self.stats.add(corrupt=1, misses=1, read_s=time.perf_counter() - t0)
+            return None
+        self.stats.add(bytes_read=ext, reads=1, hits=1, read_s=time.perf_counter() - t0)
+        return staging.tensor[HEADER_BYTES : HEADER_BYTES + n]
+
+    def delete(self, name: str) -> bool:
+        with self._lock:
+            ent = self.index.pop(name, None)
+            if ent is None:
+                return False
+            self._seq += 1
+            self._journal({"s": self._seq, "o": "d", "n": name})
+            self.alloc.free(ent[0], HEADER_BYTES + ent[1])
+            return True
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def names(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v[1] for k, v in self.index.items()}
+
+    def page_cache_bytes(self) -> int:
+        """Bytes of the slab resident in the page cache right now (mincore)."""
+        return resident_bytes(self.slab_path)
+
+    def close(self) -> None:
+        if getattr(self, "fd", None) is None:
+            return
+        try:
+            self.snapshot()
+        except OSError as e:
+            log.warning("%s: final index snapshot failed (%s); the journal still holds the index", self.name, e)
+        os.close(self.jfd)
+        os.close(self.fd)  # releases the flock
+        self.fd = None
+
+    def __enter__(self) -> PassthroughStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "path": str(self.dir),
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.alloc.used,
+            "o_direct": self.direct,
+            "units": len(self.index),
+            "emulated_cap": self.throttle.describe() if self.throttle else None,
+        }

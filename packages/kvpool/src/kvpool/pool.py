@@ -1,0 +1,268 @@
+"""The pool: keys + placement + device stores + layer-wise retrieval, behind put/lookup/retrieve.
+
+Plumbing around ``placement`` (which decides) and the stores (which do the I/O): writes a request's
+new chunks to the devices placement chose (one writer thread per device), deletes what it
+evicted, moves what it promotes, takes failed devices out with a warning, and re-adopts the
+chunks an SSD's index still holds after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .keys import ChunkKey, KVLayout, chunk_keys, longest_prefix, unit_name
+from .placement import CapacityError, DeviceInfo, Placement
+from .retrieval import TORCH_DTYPES, LayerwiseLoad
+
+__all__ = ["KVPool"]
+
+log = logging.getLogger(__name__)
+
+
+class KVPool:
+    """One logical KV pool over memory modules and SSDs for one model and KV layout."""
+
+    def __init__(
+        self,
+        stores: Sequence,
+        layout: KVLayout,
+        model_id: str,
+        bandwidths: dict[str, float],
+        latencies: dict[str, float] | None = None,
+        promote_after: int = 2,
+        promote: bool = True,
+    ):
+        if not stores:
+            raise ValueError("KVPool needs at least one device store")
+        self.layout = layout
+        self.model_id = model_id
+        self.stores = {s.name: s for s in stores}
+        missing = [s.name for s in stores if s.name not in bandwidths]
+        if missing:
+            raise ValueError(f"bandwidths: no read bandwidth given for device(s) {missing}")
+        latencies = latencies or {}
+        self.placement = Placement(
+            [
+                DeviceInfo(
+                    s.name,
+                    s.kind,
+                    float(bandwidths[s.name]),
+                    int(s.capacity_bytes),
+                    float(latencies.get(s.name, 0.0)),
+                    int(s.align_bytes),
+                    int(s.unit_overhead_bytes),
+                )
+                for s in stores
+            ],
+            promote_after=promote_after,
+        )
+        self.promote = promote
+        self.counters = {"lookups": 0, "hit_tokens": 0, "miss_tokens": 0, "chunks_stored": 0, "promotions": 0}
+        self.counters.update({"evictions": 0, "lost_chunks": 0, "failed_writes": 0})
+        self.warnings: list[str] = []
+        self._lock = threading.Lock()
+        self._adopt()
+
+    # --- restart -------------------------------------------------------------------------------
+    def _adopt(self) -> None:
+        """Chunks whose every layer is intact on one SSD come back into the pool after a restart."""
+        L, ub = self.layout.num_layers, self.layout.unit_bytes
+        for name, store in self.stores.items():
+            units = store.names()
+            chunks: dict[str, int] = {}
+            for u, n in units.items():
+                hx, _, layer = u.rpartition(".")
+                if n == ub and layer.isdigit() and int(layer) < L:
+                    chunks[hx] = chunks.get(hx, 0) + 1
+            for hx, cnt in chunks.items():
+                if cnt == L and self.placement.adopt(hx, self.layout.chunk_bytes, L, name):
+                    continue
+                for layer in range(L):
+                    store.delete(unit_name(hx, layer))
+
+    # --- keys and lookup -----------------------------------------------------------------------
+    def keys(self, tokens) -> list[ChunkKey]:
+        return chunk_keys(tokens, self.model_id, self.layout)
+
+    def lookup(self, tokens, keys: Sequence[ChunkKey] | None = None) -> int:
+        """Tokens of the longest cached prefix of ``tokens`` (a multiple of the chunk size)."""
+        keys = self.keys(tokens) if keys is None else keys
+        return longest_prefix(keys, self.placement) * self.layout.chunk_tokens
+
+    # --- writing -------------------------------------------------------------------------------
+    def put(self, tokens, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Store the full chunks of ``tokens`` not yet in the pool. ``kv``: per layer (K, V) of ``[1, H, >=T, D]``.
+
+        Returns the number of chunks stored. Chunks that cannot be written (device full or failed)
+        are left out, never half-stored.
+        """
+        L = self.layout.num_layers
+        if len(kv) != L:
+            raise ValueError(f"kv: expected {L} layers of (K, V), got {len(kv)}")
+        keys = self.keys(tokens)
+        dtype = TORCH_DTYPES[self.layout.dtype]
+        want = (1, self.layout.kv_heads, self.layout.head_dim)
+        for i, (k, v) in enumerate(kv):
+            for name, t in (("K", k), ("V", v)):
+                if (t.shape[0], t.shape[1], t.shape[3]) != want or t.shape[2] < len(keys) * self.layout.chunk_tokens:
+                    raise ValueError(
+                        f"kv[{i}] {name}: shape {tuple(t.shape)} does not match the layout "
+                        f"[1, {want[1]}, >= {len(keys) * self.layout.chunk_tokens}, {want[2]}]"
+                    )
+                if t.dtype != dtype:
+                    raise ValueError(f"kv[{i}] {name}: dtype {t.dtype} does not match the layout's {self.layout.dtype}")
+        present = [k.hex for k in keys if k.hex in self.placement]
+        new = [k for k in keys if k.hex not in self.placement]
+        if not new:
+            return 0
+        try:
+            plan = self.placement.place([(k.hex, self.layout.chunk_bytes, L) for k in new], context=present)
+        except CapacityError as e:
+            self.warnings.append(str(e))
+            log.warning("%s", e)
+            return 0
+        for r in plan.evicted:
+            self._delete_units(r.device, r.key)
+        self.counters["evictions"] += len(plan.evicted)
+        by_dev: dict[str, list[ChunkKey]] = {}
+        for k in new:
+            if k.hex in plan.assign:
+                by_dev.setdefault(plan.assign[k.hex], []).append(k)
+        n = self.layout.chunk_tokens
+        stored = 0
+
+        def write(dev: str, ks: list[ChunkKey]) -> int:
+            store, ok = self.stores[dev], 0
+            for key in ks:
+                s, e = key.index * n, (key.index + 1) * n
+                good = True
+                for layer, (k, v) in enumerate(kv):
+                    unit = torch.stack([k[0, :, s:e], v[0, :, s:e]]).contiguous()
+                    if not store.put(unit_name(key, layer), unit):
+                        good = False
+                        break
+                if good:
+                    ok += 1
+                    continue
+                self._delete_units(dev, key.hex)
+                self.placement.remove(key.hex)
+                self.counters["failed_writes"] += 1
+                if getattr(store, "failed", None) is not None:
+                    self._fail_device(dev, store.failed)
+                    break
+            return ok
+
+        with ThreadPoolExecutor(max_workers=max(1, len(by_dev))) as ex:
+            for r in ex.map(lambda item: write(*item), by_dev.items()):
+                stored += r
+        self.counters["chunks_stored"] += stored
+        return stored
+
+    def _delete_units(self, dev: str, hx: str) -> None:
+        store = self.stores[dev]
+        for layer in range(self.layout.num_layers):
+            store.delete(unit_name(hx, layer))
+
+    def _fail_device(self, dev: str, why) -> None:
+        lost = self.placement.disable(dev)
+        msg = f"device {dev} failed ({why}); running without it, {len(lost)} chunk(s) lost and will be recomputed"
+        self.warnings.append(msg)
+        log.warning("%s", msg)
+        self.counters["lost_chunks"] += len(lost)
+
+    # --- reading -------------------------------------------------------------------------------
+    def retrieve(self, tokens, max_tokens: int | None = None, keys: Sequence[ChunkKey] | None = None) -> LayerwiseLoad:
+        """Start loading the longest cached prefix (at most ``max_tokens``); returns the load in flight."""
+        keys = self.keys(tokens) if keys is None else list(keys)
+        with self._lock:
+            m = longest_prefix(keys, self.placement)
+            if max_tokens is not None:
+                m = min(m, max_tokens // self.layout.chunk_tokens)
+            hit = keys[:m]
+            where = {k.hex: self.placement.location(k.hex) for k in hit}
+            self.counters["lookups"] += 1
+            self.counters["hit_tokens"] += m * self.layout.chunk_tokens
+            self.counters["miss_tokens"] += max(0, len(tokens) - m * self.layout.chunk_tokens)
+            self.placement.touch([k.hex for k in hit])
+        return LayerwiseLoad(self.stores, self.layout, hit, where)
+
+    def forget_lost(self, load: LayerwiseLoad) -> None:
+        """Drop the chunks a load could not read (corrupt or missing) so they are rewritten later."""
+        for i in sorted(load.lost):
+            hx = load.keys[i].hex
+            dev = self.placement.location(hx)
+            if dev is not None:
+                self._delete_units(dev, hx)
+                self.placement.remove(hx)
+                self.counters["lost_chunks"] += 1
+
+    def promote_hot(self, keys: Sequence[ChunkKey] | None = None, max_moves: int = 8) -> int:
+        """Move hot SSD chunks (hit ``promote_after`` times) of ``keys`` into memory. Returns moves done."""
+        if not self.promote:
+            return 0
+        hexes = [k.hex for k in keys] if keys is not None else list(self.placement.records)
+        moves = self.placement.plan_promotions(hexes, max_moves=max_moves)
+        if not moves:
+            return 0
+        # read every moved chunk first (a swap frees the room its partner needs), then rewrite
+        data: dict[str, list[torch.Tensor]] = {}
+        for mv in moves:
+            src = self.stores[mv.src]
+            units = []
+            for layer in range(self.layout.num_layers):
+                view = src.read(unit_name(mv.key, layer))
+                if view is None:
+                    break
+                units.append(view.clone())
+            data[mv.key] = units
+        done = 0
+        for mv in moves:
+            self._delete_units(mv.src, mv.key)
+        for mv in moves:
+            units = data[mv.key]
+            dst = self.stores[mv.dst]
+            ok = len(units) == self.layout.num_layers and all(
+                dst.put(unit_name(mv.key, layer), u) for layer, u in enumerate(units)
+            )
+            if ok:
+                done += 1
+            else:
+                self._delete_units(mv.dst, mv.key)
+                self.placement.remove(mv.key)
+                self.counters["lost_chunks"] += 1
+        self.counters["promotions"] += sum(1 for m in moves if m.reason == "promote")
+        return done
+
+    # --- reporting -----------------------------------------------------------------------------
+    def page_cache_bytes(self) -> int:
+        return sum(s.page_cache_bytes() for s in self.stores.values())
+
+    def stats(self) -> dict:
+        looked = self.counters["hit_tokens"] + self.counters["miss_tokens"]
+        return {
+            "model_id": self.model_id,
+            "layout": self.layout.tag(),
+            "counters": dict(self.counters),
+            "hit_rate_tokens": self.counters["hit_tokens"] / looked if looked else None,
+            "devices": {
+                name: {**info, "io": self.stores[name].stats.as_dict(), "store": self.stores[name].describe()}
+                for name, info in self.placement.snapshot().items()
+            },
+            "page_cache_bytes": self.page_cache_bytes(),
+            "warnings": list(self.warnings),
+        }
+
+    def close(self) -> None:
+        for s in self.stores.values():
+            s.close()
+
+    def __enter__(self) -> KVPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,170 @@
+"""Parallel, layer-wise retrieval: one reader thread per device into preallocated tensors.
+
+Every device reads its own chunks (as placed by ``placement``) layer by layer: all of its layer-0
+units, then layer 1, and so on. A layer is ready when every device has finished it, so the model
+can compute layer 0 of the uncached suffix while later layers are still on their way. Reads use
+``os.preadv`` (O_DIRECT) or tensor copies, both of which release the GIL, so the threads overlap.
+A unit that fails its checks marks its chunk as lost: ``valid_tokens`` then says how much of the
+prefix is intact, and the caller recomputes the rest (never wrong KV).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from .keys import ChunkKey, KVLayout, unit_name
+
+__all__ = ["LayerwiseLoad", "TORCH_DTYPES"]
+
+log = logging.getLogger(__name__)
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+class LayerwiseLoad:
+    """A retrieval in flight: ``wait(layer)`` returns that layer's (K, V) once every device has it."""
+
+    def __init__(
+        self,
+        stores: dict,
+        layout: KVLayout,
+        keys: Sequence[ChunkKey],
+        placement: dict[str, str],
+        staging: dict | None = None,
+    ):
+        self.layout = layout
+        self.keys = list(keys)
+        self.tokens = len(self.keys) * layout.chunk_tokens
+        L, H, D = layout.num_layers, layout.kv_heads, layout.head_dim
+        dtype = TORCH_DTYPES[layout.dtype]
+        self.k = [torch.empty(1, H, self.tokens, D, dtype=dtype) for _ in range(L)]
+        self.v = [torch.empty(1, H, self.tokens, D, dtype=dtype) for _ in range(L)]
+        groups: dict[str, list[tuple[int, ChunkKey]]] = {}
+        for i, k in enumerate(self.keys):
+            groups.setdefault(placement[k.hex], []).append((i, k))
+        self.groups = groups
+        self.ready = [threading.Event() for _ in range(L)]
+        self._left = [len(groups)] * L
+        self._lock = threading.Lock()
+        self._threads_left = len(groups)
+        self.lost: set[int] = set()
+        self.device_bytes = {d: 0 for d in groups}
+        self.device_s = {d: 0.0 for d in groups}
+        self.blocked_s = 0.0
+        self.errors: list[str] = []
+        self.t_start = time.perf_counter()
+        self.t_done: float | None = None
+        staging = staging or {}
+        self.threads = [
+            threading.Thread(
+                target=self._worker, args=(stores[d], d, g, staging.get(d)), name=f"kvpool-read-{d}", daemon=True
+            )
+            for d, g in groups.items()
+        ]
+        if not groups:
+            for e in self.ready:
+                e.set()
+            self.t_done = self.t_start
+        for t in self.threads:
+            t.start()
+
+    def _worker(self, store, dev: str, group: list[tuple[int, ChunkKey]], staging) -> None:
+        n = self.layout.chunk_tokens
+        H, D = self.layout.kv_heads, self.layout.head_dim
+        dtype = TORCH_DTYPES[self.layout.dtype]
+        if staging is None:
+            staging = store.staging(self.layout.unit_bytes)
+        t0 = time.perf_counter()
+        try:
+            for layer in range(self.layout.num_layers):
+                for i, key in group:
+                    if i in self.lost:
+                        continue
+                    try:
+                        view = store.read(unit_name(key, layer), staging)
+                    except Exception as e:  # a broken device must not hang the request
+                        self.errors.append(f"{dev}: {e}")
+                        view = None
+                    if view is None or view.numel() != self.layout.unit_bytes:
+                        self.lost.add(i)
+                        continue
+                    unit = view.view(dtype).view(2, H, n, D)
+                    self.k[layer][0, :, i * n : (i + 1) * n].copy_(unit[0])
+                    self.v[layer][0, :, i * n : (i + 1) * n].copy_(unit[1])
+                    self.device_bytes[dev] += view.numel()
+                self._layer_done(layer)
+        finally:
+            self.device_s[dev] = time.perf_counter() - t0
+            self._finish_thread()
+
+    def _layer_done(self, layer: int) -> None:
+        with self._lock:
+            self._left[layer] -= 1
+            if self._left[layer] == 0:
+                self.ready[layer].set()
+
+    def _finish_thread(self) -> None:
+        with self._lock:
+            self._threads_left -= 1
+            if self._threads_left == 0:
+                self.t_done = time.perf_counter()
+                for e in self.ready:  # a worker that died early must not leave waiters hanging
+                    e.set()
+
+    def wait(self, layer: int, timeout: float | None = 600.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block until layer ``layer`` is loaded on every device; returns its (K, V) ``[1, H, T, D]``."""
+        t0 = time.perf_counter()
+        if not self.ready[layer].wait(timeout):
+            raise TimeoutError(f"layer {layer} of the cached prefix did not load within {timeout} s")
+        self.blocked_s += time.perf_counter() - t0
+        return self.k[layer], self.v[layer]
+
+    def join(self, timeout: float | None = 600.0) -> LayerwiseLoad:
+        for layer in range(self.layout.num_layers):
+            self.wait(layer, timeout)
+        for t in self.threads:
+            t.join(timeout)
+        if self.t_done is None:
+            self.t_done = time.perf_counter()
+        return self
+
+    @property
+    def valid_tokens(self) -> int:
+        """Tokens of the prefix whose KV is intact (all layers): up to the first lost chunk."""
+        first = min(self.lost) if self.lost else len(self.keys)
+        return first * self.layout.chunk_tokens
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.t_done or time.perf_counter()) - self.t_start
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(self.device_bytes.values())
+
+    def describe(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "valid_tokens": self.valid_tokens,
+            "bytes": self.bytes_read,
+            "elapsed_s": self.elapsed_s,
+            "blocked_s": self.blocked_s,
+            "per_device": {
+                d: {
+                    "chunks": len(self.groups[d]),
+                    "bytes": self.device_bytes[d],
+                    "seconds": self.device_s[d],
+                    "bytes_per_s": self.device_bytes[d] / self.device_s[d] if self.device_s[d] else None,
+                }
+                for d in self.groups
+            },
+        }
