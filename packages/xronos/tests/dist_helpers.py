@@ -54,3 +54,43 @@ def fail_on_rank1(rank, world):
 
     dist.barrier()  # rank 0 waits for the dead rank: must end as an error, not a hang
     return rank
+
+
+def hf_parity(rank, world, families, attn_units, mlp_units, save_dir):
+    return {f: _hf_parity(rank, f, attn_units, mlp_units, f"{save_dir}/{f}") for f in families}
+
+
+def _hf_parity(rank, family, attn_units, mlp_units, save_dir):
+    import torch.distributed as dist
+
+    from xronos.partition import ModelShape, Partition
+    from xronos.shard import build_model, gather_state_dict, save_full, shard_model, tiny_config
+
+    cfg = tiny_config(
+        family, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4
+    )
+    shape = ModelShape.from_config(cfg, mlp_block=8)
+    part = Partition(shape, tuple(attn_units), tuple(mlp_units))
+    model = shard_model(build_model(cfg, seed=3), part, rank)
+    attn = model.model.layers[0].self_attn
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "shard_dim"):
+            from xronos.layers import gather_uneven
+
+            grads[name + ".weight"] = gather_uneven(mod.weight.grad, mod.sizes, mod.shard_dim)
+    grads["model.norm.weight"] = model.model.norm.weight.grad.clone()
+    grads["model.embed_tokens.weight"] = model.model.embed_tokens.weight.grad.clone()
+    state = gather_state_dict(model)
+    save_full(model, save_dir, rank=rank)
+    dist.barrier()
+    return {
+        "logits": out.logits.detach(),
+        "loss": out.loss.item(),
+        "grads": grads,
+        "state": state,
+        "heads": (attn.num_heads, attn.num_key_value_heads, attn.q_proj.out_features, attn.k_proj.out_features),
+    }
