@@ -12,11 +12,23 @@ from .balance import (
     token_weights,
     uniform_plan,
 )
+from .diloco import COMPRESSIONS, DiLoCo, GeoMeshError, SyncStats
+from .launch import free_port, init_from_env, spawn
 from .signcompress import SignCodec, SignCompressor, contraction, pack_signs, unpack_signs
+from .wan import WanEmulator, ring_wire_bytes
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "COMPRESSIONS",
+    "DiLoCo",
+    "GeoMeshError",
+    "SyncStats",
+    "free_port",
+    "init_from_env",
+    "spawn",
+    "WanEmulator",
+    "ring_wire_bytes",
     "BalanceError",
     "MemoryModel",
     "Plan",

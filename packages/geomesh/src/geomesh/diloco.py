@@ -1,0 +1,292 @@
+"""The outer/inner loop (DiLoCo family) as a small wrapper around a user's own training loop.
+
+    outer = DiLoCo(model, inner_opt, inner_steps=H_i, compression="sign")
+    for batch in data:                       # the user's loop, inner optimizer of their choice
+        loss(model, batch).backward(); inner_opt.step(); inner_opt.zero_grad()
+        outer.step(tokens=batch.numel())     # every H_i local steps: one synchronous outer step
+
+At an outer step each worker forms its pseudo-gradient (weights at the last sync - current weights),
+exchanges it (sign-compressed bytes via all_gather, or a dense fp32/fp16 all_reduce for the
+baselines), averages them weighted by token counts, and applies the same Nesterov SGD step to the
+same last-synced weights on every worker, so all workers leave the outer step with identical weights.
+A ``Rebalancer`` (optional) re-plans b_i and H_i from the measured throughputs exchanged at each sync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .balance import Plan, Rebalancer, token_weights
+from .signcompress import SignCompressor
+from .wan import WanEmulator, ring_wire_bytes
+
+__all__ = ["DiLoCo", "SyncStats", "GeoMeshError", "COMPRESSIONS"]
+
+log = logging.getLogger(__name__)
+COMPRESSIONS = ("sign", "fp32", "fp16")
+
+
+class GeoMeshError(RuntimeError):
+    """A distributed training failure with a clear cause (mismatched models, a dead or stalled rank)."""
+
+
+@dataclass
+class SyncStats:
+    """What one outer step cost this worker."""
+
+    outer_step: int
+    tokens: int
+    all_tokens: list[int]
+    weights: list[float]
+    compute_s: float
+    wait_s: float  # blocked at the sync point waiting for slower workers (straggler idle)
+    comm_s: float  # exchanging pseudo-gradients (incl. emulated WAN time)
+    payload_bytes: int  # this worker's message
+    wire_bytes: float  # what this worker sends on the wire under a ring collective
+    rates: list[float] = field(default_factory=list)  # measured tokens/s of every worker
+    replanned: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _shape_digest(params: list[torch.Tensor]) -> torch.Tensor:
+    h = hashlib.sha256(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()).digest()[:8]
+    return torch.tensor([int.from_bytes(h, "little", signed=True)], dtype=torch.int64)
+
+
+class DiLoCo:
+    """Outer/inner loop state of one worker; call ``step(tokens)`` after every inner optimizer step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        inner_steps: int,
+        *,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        compression: str = "sign",
+        chunk_size: int | None = 4096,
+        batch_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        wan: WanEmulator | None = None,
+        rebalancer: Rebalancer | None = None,
+        worker_name: str | None = None,
+    ):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        if not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"inner_steps must be a positive integer, not {inner_steps!r}")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.inner_steps = inner_steps
+        self.batch_size = batch_size
+        self.compression = compression
+        self.group = group
+        self.wan = wan
+        self.rebalancer = rebalancer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.worker_name = worker_name or f"rank{self.rank}"
+        self.synced = [torch.nn.Parameter(p.detach().clone().float(), requires_grad=False) for p in self.params]
+        self.outer_optimizer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+        shapes = [p.shape for p in self.params]
+        self.compressor = SignCompressor(shapes, chunk_size) if compression == "sign" else None
+        self.local_step = 0
+        self.outer_step = 0
+        self.tokens = 0
+        self.history: list[SyncStats] = []
+        self._phase_start = time.perf_counter()
+        if self.world > 1:
+            self._check_same_model()
+            self._broadcast_initial()
+
+    # --- set-up ---------------------------------------------------------------------------------
+    def _check_same_model(self) -> None:
+        mine = _shape_digest(self.params)
+        got = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(got, mine, group=self.group)
+        bad = [r for r, g in enumerate(got) if not torch.equal(g, got[0])]
+        if bad:
+            raise GeoMeshError(
+                f"model parameter shapes differ across workers: rank(s) {bad} do not match rank 0 "
+                f"(this rank {self.rank} has {len(self.params)} tensors, {sum(p.numel() for p in self.params)} elements)"
+            )
+
+    def _broadcast_initial(self) -> None:
+        """Start every worker from rank 0's weights, so outer steps begin identical."""
+        with torch.no_grad():
+            for s, p in zip(self.synced, self.params):
+                dist.broadcast(s.data, src=0, group=self.group)
+                p.data.copy_(s.data.to(p.dtype))
+
+    # --- the loop -------------------------------------------------------------------------------
+    def step(self, tokens: int) -> SyncStats | None:
+        """Count one inner step of ``tokens`` tokens; run the outer step when H_i steps are done."""
+        self.local_step += 1
+        self.tokens += int(tokens)
+        if self.local_step >= self.inner_steps:
+            return self.sync()
+        return None
+
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """Weights at the last sync minus current weights (the direction the outer step descends)."""
+        return [s.detach() - p.detach().float() for s, p in zip(self.synced, self.params)]
+
+    def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float]:
+        """all_gather of (tokens, compute seconds): the sync point; its blocking time is straggler idle."""
+        meta = torch.tensor([float(self.tokens), compute_s], dtype=torch.float64)
+        t0 = time.perf_counter()
+        if self.world > 1:
+            got = [torch.zeros_like(meta) for _ in range(self.world)]
+            dist.all_gather(got, meta, group=self.group)
+        else:
+            got = [meta]
+        wait_s = time.perf_counter() - t0
+        toks = [int(g[0]) for g in got]
+        rates = [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got]
+        return toks, rates, wait_s
+
+    def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
+        """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
+        if self.compression == "sign":
+            buf = self.compressor.compress(deltas, self.tokens)
+            t0 = time.perf_counter()
+            if self.world > 1:
+                bufs = [torch.empty_like(buf) for _ in range(self.world)]
+                dist.all_gather(bufs, buf, group=self.group)
+            else:
+                bufs = [buf]
+            if self.wan is not None:
+                self.wan.wait("all_gather", buf.numel(), t0)
+            decoded = [self.compressor.decode(b) for b in bufs]
+            weights = token_weights([tok for _, tok in decoded])
+            agg = [torch.zeros_like(d) for d in deltas]
+            for (tensors, _), w in zip(decoded, weights):  # rank order: identical on every worker
+                for a, t in zip(agg, tensors):
+                    a.add_(t, alpha=w)
+            return agg, buf.numel(), ring_wire_bytes("all_gather", buf.numel(), self.world)
+        dtype = torch.float32 if self.compression == "fp32" else torch.float16
+        w = token_weights(all_tokens)[self.rank]
+        flat = torch.cat([d.reshape(-1) for d in deltas]).mul_(w).to(dtype)
+        t0 = time.perf_counter()
+        if self.world > 1:
+            dist.all_reduce(flat, group=self.group)
+        nbytes = flat.numel() * flat.element_size()
+        if self.wan is not None:
+            self.wan.wait("all_reduce", nbytes, t0)
+        flat = flat.float()
+        agg, off = [], 0
+        for d in deltas:
+            agg.append(flat[off : off + d.numel()].view_as(d))
+            off += d.numel()
+        return agg, nbytes, ring_wire_bytes("all_reduce", nbytes, self.world)
+
+    def sync(self) -> SyncStats:
+        """One synchronous outer step (all workers must call it the same number of times)."""
+        compute_s = time.perf_counter() - self._phase_start
+        all_tokens, rates, wait_s = self._exchange_meta(compute_s)
+        t0 = time.perf_counter()
+        deltas = self.pseudo_gradient()
+        agg, payload, wire = self._aggregate(deltas, all_tokens)
+        comm_s = time.perf_counter() - t0
+        with torch.no_grad():
+            for s, g in zip(self.synced, agg):
+                s.grad = g
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+            for s, p in zip(self.synced, self.params):
+                p.data.copy_(s.data.to(p.dtype))
+        stats = SyncStats(
+            outer_step=self.outer_step,
+            tokens=self.tokens,
+            all_tokens=all_tokens,
+            weights=token_weights(all_tokens),
+            compute_s=compute_s,
+            wait_s=wait_s,
+            comm_s=comm_s,
+            payload_bytes=int(payload),
+            wire_bytes=float(wire),
+            rates=rates,
+        )
+        if self.rebalancer is not None:
+            names = [p.name for p in self.rebalancer.plan.profiles]
+            self.rebalancer.observe_all({n: (t, t / r) for n, t, r in zip(names, all_tokens, rates) if r > 0})
+            new = self.rebalancer.maybe_replan()
+            if new is not None:
+                self.apply_plan(new)
+                stats.replanned = True
+        self.history.append(stats)
+        self.outer_step += 1
+        self.local_step = 0
+        self.tokens = 0
+        self._phase_start = time.perf_counter()
+        return stats
+
+    def apply_plan(self, plan: Plan) -> None:
+        """Take this worker's (b_i, H_i) from a plan (the same plan is computed on every worker)."""
+        mine = plan.worker(self.worker_name)
+        self.inner_steps = mine.inner_steps
+        self.batch_size = mine.batch
+        log.info("worker %s: batch %d, inner steps %d", self.worker_name, mine.batch, mine.inner_steps)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "synced": [s.detach().clone() for s in self.synced],
+            "compressor": self.compressor.state_dict() if self.compressor else None,
+            "local_step": self.local_step,
+            "outer_step": self.outer_step,
+            "tokens": self.tokens,
+            "inner_steps": self.inner_steps,
+            "batch_size": self.batch_size,
+            "compression": self.compression,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("compression") != self.compression:
+            raise ValueError(
+                f"checkpoint was made with compression={state.get('compression')!r}, not {self.compression!r}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        with torch.no_grad():
+            for s, v in zip(self.synced, state["synced"]):
+                s.data.copy_(v)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        if self.compressor is not None and state["compressor"] is not None:
+            self.compressor.load_state_dict(state["compressor"])
+        for k in ("local_step", "outer_step", "tokens", "inner_steps", "batch_size"):
+            setattr(self, k, state[k])
+        self._phase_start = time.perf_counter()
+
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
+        """Atomic checkpoint (temp file + os.replace) of this worker's whole state."""
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save({"diloco": self.state_dict(), "extra": extra or {}}, tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """Restore from ``save``; returns the ``extra`` dict stored with it."""
+        blob = torch.load(os.fspath(path), weights_only=False)
+        self.load_state_dict(blob["diloco"])
+        return blob["extra"]
+
+
+def default_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("GEOMESH_TIMEOUT_S", "120")))

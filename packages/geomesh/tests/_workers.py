@@ -1,0 +1,61 @@
+"""Worker functions for the multi-process tests (importable by spawned processes)."""
+
+import os
+
+import torch
+
+from geomesh import DiLoCo
+
+
+def tiny_model(seed: int, hidden: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+
+def batch(rank: int, step: int, size: int = 4):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(size, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def train(rank, world, compression, outer_steps, inner_steps_by_rank, ckpt=None, save_at=None, resume=False):
+    model = tiny_model(seed=rank)  # different inits: DiLoCo must start everyone from rank 0's weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dl = DiLoCo(model, opt, inner_steps_by_rank[rank], compression=compression, chunk_size=16)
+    step = 0
+    if resume:
+        step = dl.load(os.path.join(ckpt, f"rank{rank}.pt"))["step"]
+    while dl.outer_step < outer_steps:
+        x, y = batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        stats = dl.step(tokens=x.shape[0])
+        if stats is not None and save_at is not None and dl.outer_step == save_at:
+            dl.save(os.path.join(ckpt, f"rank{rank}.pt"), extra={"step": step})
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "history": [h.to_dict() for h in dl.history],
+    }
+
+
+def all_variants(rank, world):
+    out = {}
+    for comp in ("sign", "fp32", "fp16"):
+        out[comp] = train(rank, world, comp, outer_steps=3, inner_steps_by_rank=[2, 3, 5][:world])
+    return out
+
+
+def mismatched(rank, world):
+    model = tiny_model(0, hidden=16 if rank == 0 else 17)
+    DiLoCo(model, torch.optim.AdamW(model.parameters()), 2)
+
+
+def dies(rank, world):
+    model = tiny_model(0)
+    dl = DiLoCo(model, torch.optim.AdamW(model.parameters()), 1)
+    if rank == 1:
+        os._exit(3)
+    dl.step(tokens=1)

@@ -1,0 +1,66 @@
+import pytest
+import torch
+from _workers import all_variants, dies, mismatched, tiny_model, train
+
+import geomesh
+from geomesh import DiLoCo, GeoMeshError, spawn
+
+pytestmark = pytest.mark.slow
+
+
+def test_outer_step_identical_across_workers_with_heterogeneous_inner_steps():
+    res = spawn(all_variants, 3, timeout_s=240, start_method="fork")
+    for comp in ("sign", "fp32", "fp16"):
+        p0 = res[0][comp]["params"]
+        for r in (1, 2):
+            assert all(torch.equal(a, b) for a, b in zip(p0, res[r][comp]["params"])), (comp, r)
+        h = res[0][comp]["history"]
+        assert len(h) == 3
+        # tokens differ per worker (H = 2, 3, 5 at batch 4) and weight the average
+        assert h[0]["all_tokens"] == [8, 12, 20]
+        assert h[0]["weights"] == pytest.approx([0.2, 0.3, 0.5])
+    # training moved the weights away from rank 0's initial weights
+    init = list(tiny_model(0).parameters())
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(res[0]["sign"]["params"], init))
+    # sign payload is ~32x smaller than the fp32 one (small model: scales and header weigh more)
+    sign_b = res[0]["sign"]["history"][0]["payload_bytes"]
+    fp32_b = res[0]["fp32"]["history"][0]["payload_bytes"]
+    n = sum(p.numel() for p in init)
+    assert fp32_b == 4 * n and res[0]["fp16"]["history"][0]["payload_bytes"] == 2 * n
+    assert sign_b == 8 + 4 * len(init) + (n + 7) // 8 + 4 * sum((p.numel() - 1) // 16 for p in init)
+
+
+def test_resume_from_checkpoint_is_bit_identical(tmp_path):
+    full = spawn(train, 2, ("sign", 4, [2, 3], str(tmp_path), 2), timeout_s=240, start_method="fork")
+    resumed = spawn(train, 2, ("sign", 4, [2, 3], str(tmp_path), None, True), timeout_s=240, start_method="fork")
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(full[r]["params"], resumed[r]["params"]))
+    assert len(resumed[0]["history"]) == 2
+
+
+def test_mismatched_models_and_dead_rank_are_clear_errors():
+    with pytest.raises(GeoMeshError, match="shapes differ.*rank\\(s\\) \\[1\\]"):
+        spawn(mismatched, 2, timeout_s=120, start_method="fork")
+    with pytest.raises(GeoMeshError, match="rank 1 .*exit code 3"):
+        spawn(dies, 2, timeout_s=120, pg_timeout_s=20, start_method="fork")
+
+
+def test_single_process_matches_manual_nesterov():
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = DiLoCo(model, opt, 1, compression="fp32", outer_lr=0.5, outer_momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    ref = [torch.nn.Parameter(b.clone()) for b in before]
+    ref_opt = torch.optim.SGD(ref, lr=0.5, momentum=0.9, nesterov=True)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()
+    pg = [b - p.detach() for b, p in zip(before, model.parameters())]
+    dl.step(tokens=4)
+    for r, g in zip(ref, pg):
+        r.grad = g
+    ref_opt.step()
+    assert all(torch.allclose(a, b) for a, b in zip(model.parameters(), ref))
+    with pytest.raises(ValueError, match="compression"):
+        DiLoCo(model, opt, 1, compression="int3")
+    assert geomesh.__version__
