@@ -36,6 +36,7 @@ class KVPool:
         latencies: dict[str, float] | None = None,
         promote_after: int = 2,
         promote: bool = True,
+        ssd_readers: int = 2,
     ):
         if not stores:
             raise ValueError("KVPool needs at least one device store")
@@ -62,6 +63,7 @@ class KVPool:
             promote_after=promote_after,
         )
         self.promote = promote
+        self.readers = {"ssd": max(1, ssd_readers), "memory": 1}
         self.counters = {"lookups": 0, "hit_tokens": 0, "miss_tokens": 0, "chunks_stored": 0, "promotions": 0}
         self.counters.update({"evictions": 0, "lost_chunks": 0, "failed_writes": 0})
         self.warnings: list[str] = []
@@ -176,8 +178,18 @@ class KVPool:
         self.counters["lost_chunks"] += len(lost)
 
     # --- reading -------------------------------------------------------------------------------
-    def retrieve(self, tokens, max_tokens: int | None = None, keys: Sequence[ChunkKey] | None = None) -> LayerwiseLoad:
-        """Start loading the longest cached prefix (at most ``max_tokens``); returns the load in flight."""
+    def retrieve(
+        self,
+        tokens,
+        max_tokens: int | None = None,
+        keys: Sequence[ChunkKey] | None = None,
+        extra_tokens: int | None = 0,
+    ) -> LayerwiseLoad:
+        """Start loading the longest cached prefix (at most ``max_tokens``); returns the load in flight.
+
+        ``extra_tokens``: room to leave after the prefix in the destination tensors (the suffix);
+        None leaves room for the rest of ``tokens``.
+        """
         keys = self.keys(tokens) if keys is None else list(keys)
         with self._lock:
             m = longest_prefix(keys, self.placement)
@@ -189,7 +201,8 @@ class KVPool:
             self.counters["hit_tokens"] += m * self.layout.chunk_tokens
             self.counters["miss_tokens"] += max(0, len(tokens) - m * self.layout.chunk_tokens)
             self.placement.touch([k.hex for k in hit])
-        return LayerwiseLoad(self.stores, self.layout, hit, where)
+        extra = max(0, len(tokens) - len(hit) * self.layout.chunk_tokens) if extra_tokens is None else extra_tokens
+        return LayerwiseLoad(self.stores, self.layout, hit, where, extra_tokens=extra, readers=self.readers)
 
     def forget_lost(self, load: LayerwiseLoad) -> None:
         """Drop the chunks a load could not read (corrupt or missing) so they are rewritten later."""

@@ -40,25 +40,38 @@ class LayerwiseLoad:
         keys: Sequence[ChunkKey],
         placement: dict[str, str],
         staging: dict | None = None,
+        extra_tokens: int = 0,
+        readers: dict[str, int] | None = None,
     ):
         self.layout = layout
         self.keys = list(keys)
         self.tokens = len(self.keys) * layout.chunk_tokens
         L, H, D = layout.num_layers, layout.kv_heads, layout.head_dim
         dtype = TORCH_DTYPES[layout.dtype]
-        self.k = [torch.empty(1, H, self.tokens, D, dtype=dtype) for _ in range(L)]
-        self.v = [torch.empty(1, H, self.tokens, D, dtype=dtype) for _ in range(L)]
-        groups: dict[str, list[tuple[int, ChunkKey]]] = {}
+        # preallocated with room for ``extra_tokens`` more (the suffix the model computes next)
+        cap = self.tokens + max(0, extra_tokens)
+        self.kbuf = [torch.empty(1, H, cap, D, dtype=dtype) for _ in range(L)]
+        self.vbuf = [torch.empty(1, H, cap, D, dtype=dtype) for _ in range(L)]
+        self.k = [b[:, :, : self.tokens] for b in self.kbuf]
+        self.v = [b[:, :, : self.tokens] for b in self.vbuf]
+        per_dev: dict[str, list[tuple[int, ChunkKey]]] = {}
         for i, k in enumerate(self.keys):
-            groups.setdefault(placement[k.hex], []).append((i, k))
-        self.groups = groups
+            per_dev.setdefault(placement[k.hex], []).append((i, k))
+        self.groups = per_dev
+        # ``readers[kind]`` threads per device (queue depth); each takes every r-th chunk of its device
+        readers = readers or {}
+        groups: dict[tuple[str, int], list[tuple[int, ChunkKey]]] = {}
+        for d, g in per_dev.items():
+            r = max(1, min(len(g), int(readers.get(getattr(stores[d], "kind", ""), 1))))
+            for j in range(r):
+                groups[(d, j)] = g[j::r]
         self.ready = [threading.Event() for _ in range(L)]
         self._left = [len(groups)] * L
         self._lock = threading.Lock()
         self._threads_left = len(groups)
         self.lost: set[int] = set()
-        self.device_bytes = {d: 0 for d in groups}
-        self.device_s = {d: 0.0 for d in groups}
+        self.device_bytes = {d: 0 for d in per_dev}
+        self.device_s = {d: 0.0 for d in per_dev}
         self.blocked_s = 0.0
         self.errors: list[str] = []
         self.t_start = time.perf_counter()
@@ -66,9 +79,12 @@ class LayerwiseLoad:
         staging = staging or {}
         self.threads = [
             threading.Thread(
-                target=self._worker, args=(stores[d], d, g, staging.get(d)), name=f"kvpool-read-{d}", daemon=True
+                target=self._worker,
+                args=(stores[d], d, g, staging.get(d) if j == 0 else None),
+                name=f"kvpool-read-{d}-{j}",
+                daemon=True,
             )
-            for d, g in groups.items()
+            for (d, j), g in groups.items()
         ]
         if not groups:
             for e in self.ready:
@@ -100,10 +116,12 @@ class LayerwiseLoad:
                     unit = view.view(dtype).view(2, H, n, D)
                     self.k[layer][0, :, i * n : (i + 1) * n].copy_(unit[0])
                     self.v[layer][0, :, i * n : (i + 1) * n].copy_(unit[1])
-                    self.device_bytes[dev] += view.numel()
+                    with self._lock:
+                        self.device_bytes[dev] += view.numel()
                 self._layer_done(layer)
         finally:
-            self.device_s[dev] = time.perf_counter() - t0
+            with self._lock:
+                self.device_s[dev] = max(self.device_s[dev], time.perf_counter() - t0)
             self._finish_thread()
 
     def _layer_done(self, layer: int) -> None:
@@ -127,6 +145,10 @@ class LayerwiseLoad:
             raise TimeoutError(f"layer {layer} of the cached prefix did not load within {timeout} s")
         self.blocked_s += time.perf_counter() - t0
         return self.k[layer], self.v[layer]
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The preallocated (K, V) of ``layer`` with room for the suffix: ``[1, H, tokens + extra, D]``."""
+        return self.kbuf[layer], self.vbuf[layer]
 
     def join(self, timeout: float | None = 600.0) -> LayerwiseLoad:
         for layer in range(self.layout.num_layers):

@@ -1,0 +1,293 @@
+"""The headline comparison, side by side in one run: recompute, serialized tiers, kvpool.
+
+A long-context request (real text: Python stdlib sources, byte tokens) goes through a tiny Llama
+built locally whose KV is large (many layers, no GQA). The first (cold) pass stores its KV in both
+kvpool and the LMCache-style serialized tiers; warm passes then measure TTFT, retrieval
+bandwidth, time the caller is blocked on I/O, page-cache footprint and the filesystem's share of
+the serialized disk tier. Run twice: with per-device bandwidth caps emulating several SSDs on the
+one disk of this machine (labelled emulated), and raw (no caps; all "SSDs" share one disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hwtopo
+
+from . import __version__
+from .baselines import SerialTiers
+from .devices import build_devices
+from .hf import PoolCache, _run, cache_kv, layout_for, prefill
+from .pagecache import meminfo_cached_bytes
+from .pool import KVPool
+from .stores import Throttle
+
+__all__ = ["BenchConfig", "run_bench", "build_model", "stdlib_tokens"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    tokens: int = 2048 + 32  # cached prefix (full chunks) + a short new turn
+    layers: int = 16
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 8
+    intermediate: int = 1024
+    chunk_tokens: int = 128  # quick: 2k tokens in 16 chunks so striping has something to balance
+    reps: int = 3
+    memory_modules: int = 2
+    memory_share: float = 0.25  # fraction of the prefix's KV the memory modules hold together
+    ssds: int = 2
+    # emulated per-SSD read bandwidth, bytes/s. Chosen so that retrieval, not the suffix's compute,
+    # dominates TTFT as in the paper (16 GB of KV at ~3.5 GB/s vs a GPU prefill of a short turn);
+    # here 100+ MB of KV against ~0.3 s of CPU compute for the suffix.
+    ssd_read_cap: float = 200e6
+    ssd_write_cap: float | None = None
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> BenchConfig:
+        return cls()
+
+    @classmethod
+    def full(cls) -> BenchConfig:
+        return cls(tokens=8192 + 32, chunk_tokens=256, reps=5)
+
+    def validate(self) -> None:
+        if self.tokens <= self.chunk_tokens:
+            raise ValueError(f"tokens must exceed chunk_tokens ({self.chunk_tokens}), not {self.tokens}")
+        if self.ssds < 1:
+            raise ValueError(f"ssds must be >= 1, not {self.ssds}")
+        if not 0 < self.memory_share < 1:
+            raise ValueError(f"memory_share must be in (0, 1), not {self.memory_share}")
+
+
+def build_model(cfg: BenchConfig) -> LlamaForCausalLM:
+    torch.manual_seed(cfg.seed)
+    conf = LlamaConfig(
+        vocab_size=256,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=max(4096, cfg.tokens + 64),
+    )
+    return LlamaForCausalLM(conf).eval()
+
+
+def stdlib_tokens(n: int) -> torch.Tensor:
+    """``n`` byte tokens of real text: the Python standard library's own sources."""
+    base = Path(os.path.dirname(os.__file__))
+    data = bytearray()
+    for name in ("os.py", "functools.py", "collections/__init__.py", "typing.py", "argparse.py"):
+        p = base / name
+        if p.exists():
+            data += p.read_bytes()
+        if len(data) >= n:
+            break
+    while len(data) < n:
+        data += data or b"x"
+    return torch.tensor(list(data[:n]), dtype=torch.long).unsqueeze(0)
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _serial_ttft(model, ids, serial: SerialTiers, T: int):
+    t0 = time.perf_counter()
+    load = serial.retrieve(ids[0].tolist(), max_tokens=T - 1, extra_tokens=None)
+    if load.tokens:
+        cache = PoolCache(load, model.config)  # same compute path as kvpool's; only retrieval differs
+        logits = _run(model, ids[:, load.tokens :], cache)
+    else:
+        cache = DynamicCache(config=model.config)
+        logits = _run(model, ids, cache)
+    return time.perf_counter() - t0, logits, load
+
+
+def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress) -> dict:
+    layout = layout_for(model, cfg.chunk_tokens)
+    T = ids.shape[1]
+    prefix_chunks = (T - 1) // cfg.chunk_tokens
+    mem_total = int(prefix_chunks * layout.chunk_bytes * cfg.memory_share)
+    mem_each = max(layout.chunk_bytes, mem_total // max(1, cfg.memory_modules))
+    ssd_each = int(prefix_chunks * layout.chunk_bytes * 1.2 / max(1, cfg.ssds)) + (8 << 20)
+    paths = []
+    for i in range(cfg.ssds):
+        p = workdir / f"ssd{i}"
+        p.mkdir(parents=True, exist_ok=True)
+        paths.append(p)
+    cap = cfg.ssd_read_cap if emulated else None
+    devs = build_devices(
+        paths,
+        memory_modules=cfg.memory_modules,
+        memory_bytes=mem_each,
+        ssd_bytes=ssd_each,
+        ssd_read_cap=cap,
+        ssd_write_cap=cfg.ssd_write_cap if emulated else None,
+    )
+    pool = KVPool(devs.stores, layout, "bench-llama", devs.bandwidths, promote=False)
+    serial = SerialTiers(
+        layout,
+        "bench-llama",
+        memory_bytes=cfg.memory_modules * mem_each,
+        disk_dir=workdir / "serial",
+        throttle=Throttle(cap) if cap else None,
+    )
+    try:
+        cold = prefill(model, ids, pool)
+        serial.put(ids[0].tolist(), cache_kv(cold.cache))
+        ref = cold.logits
+        progress(
+            f"{'emulated' if emulated else 'raw'}: cold prefill {cold.ttft_s:.2f}s, stored {cold.stored_chunks} chunks"
+        )
+        out = {k: [] for k in ("pool_ttft", "pool_blocked", "pool_ret", "ser_ttft", "ser_ret", "fs_frac")}
+        diffs = []
+        pool_bytes = ser_bytes = 0
+        pc_pool_max = pc_ser_max = 0
+        cached_delta = []
+        last_pool_ret = None
+        last_ser = None
+        for _ in range(cfg.reps):
+            serial.drop_page_cache()
+            c0 = meminfo_cached_bytes()
+            r = prefill(model, ids, pool, store=False)
+            c1 = meminfo_cached_bytes()
+            if c0 is not None and c1 is not None:
+                cached_delta.append(c1 - c0)
+            out["pool_ttft"].append(r.ttft_s)
+            out["pool_blocked"].append(r.blocked_s)
+            diffs.append(float((r.logits - ref).abs().max()))
+            pc_pool_max = max(pc_pool_max, pool.page_cache_bytes())
+            load = pool.retrieve(ids[0].tolist(), max_tokens=T - 1).join()
+            out["pool_ret"].append(load.elapsed_s)
+            pool_bytes = load.bytes_read
+            last_pool_ret = load.describe()
+            serial.drop_page_cache()
+            t, logits, sload = _serial_ttft(model, ids, serial, T)
+            out["ser_ttft"].append(t)
+            diffs.append(float((logits - ref).abs().max()))
+            pc_ser_max = max(pc_ser_max, serial.page_cache_bytes())
+            serial.drop_page_cache()
+            sload = serial.retrieve(ids[0].tolist(), max_tokens=T - 1)
+            out["ser_ret"].append(sload.elapsed_s)
+            out["fs_frac"].append(sload.fs_time_frac)
+            ser_bytes = sload.bytes["memory"] + sload.bytes["disk"]
+            last_ser = sload.describe()
+        m = {k: _median([x for x in v if x is not None]) for k, v in out.items()}
+        kv_bytes = prefix_chunks * layout.chunk_bytes
+        res = {
+            "emulated": emulated,
+            "cached_tokens": r.cached_tokens,
+            "kv_bytes": kv_bytes,
+            "kvpool": {
+                "ttft_s": m["pool_ttft"],
+                "blocked_io_s": m["pool_blocked"],
+                "retrieval_s": m["pool_ret"],
+                "retrieval_bytes_per_s": kv_bytes / m["pool_ret"],
+                "bytes_read": pool_bytes,
+                "page_cache_bytes": pc_pool_max,
+                "meminfo_cached_delta_bytes": _median(cached_delta),
+                "retrieval": last_pool_ret,
+                "devices": {s.name: s.describe() for s in devs.stores},
+                "bandwidths_measured": devs.bandwidths,
+                "placement": pool.placement.snapshot(),
+            },
+            "serial": {
+                "ttft_s": m["ser_ttft"],
+                "blocked_io_s": m["ser_ret"],
+                "retrieval_s": m["ser_ret"],
+                "retrieval_bytes_per_s": kv_bytes / m["ser_ret"],
+                "bytes_read": ser_bytes,
+                "page_cache_bytes": pc_ser_max,
+                "fs_time_frac": m["fs_frac"],
+                "retrieval": last_ser,
+                "files": len(serial.files()),
+            },
+            "max_abs_logit_diff_vs_cold": max(diffs),
+            "emulation": devs.emulated if emulated else False,
+        }
+        return res
+    finally:
+        pool.close()
+        devs.close()
+
+
+def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progress=None) -> dict:
+    """Recompute, serialized tiers and kvpool on one request; emulated and raw. Returns the JSON dict."""
+    cfg.validate()
+    progress = progress or (lambda msg: None)
+    torch.set_num_threads(1)
+    model = build_model(cfg)
+    ids = stdlib_tokens(cfg.tokens)
+    own = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="kvpool-bench-")) if own else Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        with torch.no_grad():
+            rec = []
+            for _ in range(max(1, min(cfg.reps, 3))):
+                t0 = time.perf_counter()
+                _run(model, ids, DynamicCache(config=model.config))
+                rec.append(time.perf_counter() - t0)
+            progress(f"recompute: {statistics.median(rec):.2f}s")
+            emu = _mode(model, ids, cfg, root / "emulated", True, progress)
+            raw = _mode(model, ids, cfg, root / "raw", False, progress)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            for sub in ("emulated", "raw"):
+                shutil.rmtree(root / sub, ignore_errors=True)
+    recompute = statistics.median(rec)
+
+    def ratios(r: dict) -> dict:
+        kp, se = r["kvpool"], r["serial"]
+        return {
+            "ttft_ratio_vs_serial": kp["ttft_s"] / se["ttft_s"],
+            "ttft_ratio_vs_recompute": kp["ttft_s"] / recompute,
+            "retrieval_bw_ratio_vs_serial": kp["retrieval_bytes_per_s"] / se["retrieval_bytes_per_s"],
+            "page_cache_bytes_passthrough": kp["page_cache_bytes"],
+            "page_cache_frac_passthrough": kp["page_cache_bytes"] / max(1, kp["bytes_read"]),
+            "blocked_io_ratio_vs_serial": kp["blocked_io_s"] / se["blocked_io_s"],
+            "fs_time_frac_serial": se["fs_time_frac"],
+        }
+
+    h_emu, h_raw = ratios(emu), ratios(raw)
+    headline = dict(h_emu)
+    headline["fs_time_frac_serial"] = h_raw["fs_time_frac_serial"]  # measured without emulated waits
+    headline["ttft_ratio_vs_serial_raw"] = h_raw["ttft_ratio_vs_serial"]
+    headline["retrieval_bw_ratio_vs_serial_raw"] = h_raw["retrieval_bw_ratio_vs_serial"]
+    headline["blocked_io_ratio_vs_serial_raw"] = h_raw["blocked_io_ratio_vs_serial"]
+    return {
+        "package": "kvpool",
+        "version": __version__,
+        "config": asdict(cfg),
+        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
+        "results": {
+            "recompute": {"ttft_s": recompute, "runs_s": rec},
+            "emulated": emu,
+            "raw": raw,
+            "ratios_emulated": h_emu,
+            "ratios_raw": h_raw,
+        },
+        "headline": headline,
+        "headline_conditions": (
+            "ratios from the emulated run (per-SSD read caps) except fs_time_frac_serial (raw run) and *_raw keys"
+        ),
+        "emulated": emu["emulation"],
+    }
