@@ -1,0 +1,3 @@
+"""sysprdict: system performance prediction."""
+
+__version__ = "0.1.0"

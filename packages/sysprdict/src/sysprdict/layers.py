@@ -1,0 +1,511 @@
+"""Layer decomposition shared by the time and memory predictors.
+
+`decompose(model, shape, precision)` runs one forward pass of the model on *fake* tensors
+(`torch._subclasses.FakeTensorMode`: shapes and dtypes only, no data, no memory) and attributes every
+aten op to the innermost module that issued it.  Each module that owns parameters or ops becomes a
+`LayerRecord`: its kind, parameter count, forward/backward FLOPs and bytes moved, and the bytes of
+the tensors autograd saves for backward, per dtype.  Multimodal models are traced stage by stage
+(vision tower, projector, language model) so no stage needs data-dependent ops.
+
+FLOP conventions (the hand-checked ones in the tests):
+  * matmul `mm/addmm [m,k]x[k,n]` = 2*m*k*n; `bmm/baddbmm` = 2*b*m*k*n
+  * convolution = 2 * output elements * (C_in / groups) * prod(kernel)
+  * fused attention (SDPA) = 4 * b * heads * s_q * s_k * d  (QK^T and PV)
+  * other non-view ops: one FLOP per output element
+  * backward = 2x forward for matmul/conv/attention ops, 1x for the others
+Bytes moved per op = bytes of its tensor inputs + outputs (views move nothing); backward moves 2x.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .zoo import Shape, ZooModel
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "KINDS",
+    "PRECISIONS",
+    "Decomposition",
+    "LayerRecord",
+    "classify",
+    "decompose",
+    "op_flops",
+    "precision_setup",
+]
+
+PRECISIONS = ("fp32", "bf16", "fp16", "mixed")
+"""fp32; bf16 = pure bf16 weights and optimizer; fp16 = fp16 autocast + grad scaler over fp32 weights;
+mixed = bf16 autocast over fp32 master weights."""
+
+KINDS = (
+    "linear",
+    "conv",
+    "embedding",
+    "norm",
+    "activation",
+    "attention",
+    "dropout",
+    "rotary",
+    "container",
+    "loss",
+    "unknown",
+)
+
+_VIEW_OPS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "expand",
+    "transpose",
+    "permute",
+    "t",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "detach",
+    "alias",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "chunk",
+    "narrow",
+    "lift_fresh",
+    "_reshape_alias",
+    "expand_as",
+    "view_as",
+    "unflatten",
+    "flatten",
+    "contiguous",
+    "sym_size",
+    "sym_numel",
+    "sym_stride",
+    "dim",
+    "is_same_size",
+    "_local_scalar_dense",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+}
+_SDPA_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "scaled_dot_product_attention",
+}
+_HEAVY = {"mm", "addmm", "bmm", "baddbmm", "convolution", *_SDPA_OPS}
+
+_KIND_PATTERNS = [
+    ("rotary", re.compile(r"Rotary")),
+    ("attention", re.compile(r"Attention$|Attn$|SelfAttention|SdpaAttention")),
+    ("linear", re.compile(r"^(Linear|Conv1D|NonDynamicallyQuantizableLinear|LazyLinear)$")),
+    ("conv", re.compile(r"^(Conv[123]d|ConvTranspose[123]d)$")),
+    ("embedding", re.compile(r"^Embedding$|PatchEmbed|Embeddings?$")),
+    ("norm", re.compile(r"Norm(2d)?$|RMSNorm|LayerNorm|GroupNorm|BatchNorm")),
+    (
+        "activation",
+        re.compile(r"GELU|SiLU|ReLU|Tanh|Sigmoid|Activation$|QuickGELU|Mish|Softmax$|^Identity$"),
+    ),
+    ("dropout", re.compile(r"Dropout")),
+    (
+        "container",
+        re.compile(
+            r"(Layer|Block|Model|MLP|Mlp|Encoder|Decoder|Projector|Pooler|Head|Output|Intermediate|Classifier"
+            r"|ForCausalLM|LMHeadModel|ForConditionalGeneration|ForImageClassification|ModuleList|Sequential"
+            r"|Transformer)$"
+        ),
+    ),
+]
+
+
+def classify(module_or_name: nn.Module | str) -> str:
+    """The layer kind of a module class ('linear', 'attention', ...; 'unknown' if unrecognized)."""
+    name = module_or_name if isinstance(module_or_name, str) else type(module_or_name).__name__
+    if name == "<loss>":
+        return "loss"
+    for kind, pat in _KIND_PATTERNS:
+        if pat.search(name):
+            return kind
+    return "unknown"
+
+
+def _numel(shape: Iterable[int]) -> int:
+    return int(math.prod(int(s) for s in shape))
+
+
+def op_flops(name: str, args: tuple, out: object) -> int:
+    """Forward FLOPs of one aten op from its argument shapes (see module docstring)."""
+    if name in _VIEW_OPS:
+        return 0
+    if name == "mm":
+        (m, k), n = args[0].shape, args[1].shape[1]
+        return 2 * m * k * n
+    if name == "addmm":
+        (m, k), n = args[1].shape, args[2].shape[1]
+        return 2 * m * k * n
+    if name in ("bmm", "baddbmm"):
+        a, b = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
+        bs, m, k = a.shape
+        return 2 * bs * m * k * b.shape[2]
+    if name == "convolution":
+        w = args[1]
+        outs = out[0] if isinstance(out, (tuple, list)) else out
+        return 2 * outs.numel() * w.shape[1] * _numel(w.shape[2:])
+    if name in _SDPA_OPS:
+        q, k = args[0], args[1]
+        *lead, sq, d = q.shape
+        return 4 * _numel(lead) * sq * k.shape[-2] * d
+    return sum(t.numel() for t in _tensors(out))
+
+
+def _tensors(x: object) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for y in x for t in _tensors(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _tensors(y)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclasses.dataclass
+class LayerRecord:
+    """One layer of the decomposition (a module that owns parameters or issues ops directly)."""
+
+    name: str
+    cls: str
+    kind: str
+    stage: str
+    block: str
+    order: int
+    params: int = 0
+    param_bytes: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+    saved_bytes: dict = dataclasses.field(default_factory=dict)
+    max_out_bytes: int = 0
+    in_bytes: int = 0
+    out_bytes: int = 0
+    ops: int = 0
+
+    @property
+    def saved_total(self) -> int:
+        return int(sum(self.saved_bytes.values()))
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["saved_total"] = self.saved_total
+        return d
+
+
+@dataclasses.dataclass
+class Decomposition:
+    """The per-layer records of one model at one shape and precision."""
+
+    model: str
+    family: str
+    modality: str
+    shape: Shape
+    precision: str
+    records: list[LayerRecord]
+    unknown: collections.Counter
+    param_dtype_bytes: int
+    compute_dtype_bytes: int
+    held_output_bytes: int
+    input_bytes: int
+    largest_param_bytes: int
+    tokens: int
+
+    @property
+    def params(self) -> int:
+        return sum(r.params for r in self.records)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(r.param_bytes for r in self.records)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(r.fwd_flops for r in self.records)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(r.bwd_flops for r in self.records)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(r.saved_total for r in self.records)
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        """Sums of the numeric fields per layer kind (the time predictor's features)."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.records:
+            d = out.setdefault(r.kind, collections.defaultdict(float))
+            d["count"] += 1
+            d["params"] += r.params
+            d["fwd_flops"] += r.fwd_flops
+            d["bwd_flops"] += r.bwd_flops
+            d["fwd_bytes"] += r.fwd_bytes
+            d["bwd_bytes"] += r.bwd_bytes
+            d["saved_bytes"] += r.saved_total
+        return {k: dict(v) for k, v in out.items()}
+
+    def saved_by_dtype(self) -> dict[str, int]:
+        out: collections.Counter = collections.Counter()
+        for r in self.records:
+            out.update(r.saved_bytes)
+        return dict(out)
+
+    def summary(self) -> dict:
+        return {
+            "model": self.model,
+            "shape": dataclasses.asdict(self.shape),
+            "precision": self.precision,
+            "layers": len(self.records),
+            "params": self.params,
+            "fwd_flops": self.fwd_flops,
+            "bwd_flops": self.bwd_flops,
+            "saved_bytes": self.saved_bytes,
+            "saved_by_dtype": self.saved_by_dtype(),
+            "unknown_kinds": dict(self.unknown),
+        }
+
+
+def precision_setup(precision: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None) of a precision setting."""
+    if precision == "fp32":
+        return torch.float32, None
+    if precision == "bf16":
+        return torch.bfloat16, None
+    if precision == "fp16":
+        return torch.float32, torch.float16
+    if precision == "mixed":
+        return torch.float32, torch.bfloat16
+    raise ValueError(f"precision: {precision!r} is not known; use one of {list(PRECISIONS)}")
+
+
+_BLOCK_RE = re.compile(r"^(.*?\.(?:layers|layer|h|blocks)\.\d+)(?:\.|$)")
+
+
+def _block_of(name: str) -> str:
+    m = _BLOCK_RE.match(name)
+    return m.group(1) if m else ""
+
+
+class _Tracer(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, owner: _Trace):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.owner.on_op(func.overloadpacket.__name__, args, out)
+        return out
+
+
+class _Trace:
+    def __init__(self, module: nn.Module, param_keys: set):
+        self.names = {m: n for n, m in module.named_modules()}
+        self.stack: list[nn.Module] = []
+        self.records: dict[str, LayerRecord] = {}
+        self.stage = ""
+        self.seen_storages: set = set()
+        self.param_keys = param_keys
+        self.handles = []
+        for m in module.modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre))
+            self.handles.append(m.register_forward_hook(self._post))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, mod, args):
+        self.stack.append(mod)
+        rec = self.record(mod)
+        rec.in_bytes = max(rec.in_bytes, sum(_nbytes(t) for t in _tensors(args) if t.is_floating_point()))
+
+    def _post(self, mod, args, out):
+        if self.stack and self.stack[-1] is mod:
+            self.stack.pop()
+        rec = self.record(mod)
+        rec.out_bytes = max(rec.out_bytes, sum(_nbytes(t) for t in _tensors(out) if t.is_floating_point()))
+
+    def record(self, mod: nn.Module | None) -> LayerRecord:
+        if mod is None:
+            name, cls = f"<{self.stage}>", "<loss>"
+        else:
+            name, cls = self.names.get(mod, type(mod).__name__) or "<root>", type(mod).__name__
+        rec = self.records.get(name)
+        if rec is None:
+            rec = LayerRecord(name, cls, classify(cls), self.stage, _block_of(name), len(self.records))
+            if mod is not None:
+                for p in mod.parameters(recurse=False):
+                    rec.params += p.numel()
+                    rec.param_bytes += _nbytes(p)
+            self.records[name] = rec
+        return rec
+
+    def on_op(self, name: str, args: tuple, out: object) -> None:
+        rec = self.record(self.stack[-1] if self.stack else None)
+        rec.ops += 1
+        outs = _tensors(out)
+        if name in _VIEW_OPS or not outs:  # views and metadata queries (prim.device, sizes) move nothing
+            return
+        fl = op_flops(name, args, out)
+        rec.fwd_flops += fl
+        rec.bwd_flops += fl * (2 if name in _HEAVY else 1)
+        moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in outs)
+        rec.fwd_bytes += moved
+        rec.bwd_bytes += 2 * moved
+        rec.max_out_bytes = max(rec.max_out_bytes, max(_nbytes(t) for t in outs))
+
+    def on_saved(self, t: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        try:
+            key = StorageWeakRef(t.untyped_storage())
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - exotic tensor subclasses
+            return
+        if key in self.param_keys or key in self.seen_storages:
+            return
+        self.seen_storages.add(key)
+        rec = self.record(self.stack[-1] if self.stack else None)
+        dt = str(t.dtype).replace("torch.", "")
+        rec.saved_bytes[dt] = rec.saved_bytes.get(dt, 0) + t.untyped_storage().nbytes()
+
+    def held_bytes(self, outputs: object) -> int:
+        """Bytes of returned tensors (e.g. logits) that stay alive and were not saved already."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        total = 0
+        for t in _tensors(outputs):
+            key = StorageWeakRef(t.untyped_storage())
+            if key in self.seen_storages or key in self.param_keys:
+                continue
+            self.seen_storages.add(key)
+            total += t.untyped_storage().nbytes()
+        return total
+
+
+def _output_tensors(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if dataclasses.is_dataclass(out):
+        return _tensors([getattr(out, f.name) for f in dataclasses.fields(out)])
+    if hasattr(out, "to_tuple"):
+        return _tensors(list(out.to_tuple()))
+    return _tensors(out)
+
+
+def decompose(model: ZooModel, shape: Shape, precision: str = "fp32") -> Decomposition:
+    """Per-layer records of `model` for one training batch of `shape` at `precision`.
+
+    The model's own weights are never touched: tracing runs on a fake copy (no memory, no compute).
+    Unknown layer kinds are logged by class name and counted in `Decomposition.unknown`.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    param_dtype, autocast_dtype = precision_setup(precision)
+    fm = FakeTensorMode(allow_non_fake_inputs=False)
+    real = model.module
+    fake_mod = _fake_copy(real, fm, param_dtype)
+    real_batch = model.make_batch(shape, dtype=param_dtype)
+    batch = {k: fm.from_tensor(v) for k, v in real_batch.items()}
+    with fm:
+        fake_model = dataclasses.replace(model, module=fake_mod)
+        param_keys = {StorageWeakRef(p.untyped_storage()) for p in fake_mod.parameters()}
+        param_keys |= {StorageWeakRef(b.untyped_storage()) for b in fake_mod.buffers()}
+        tr = _Trace(fake_mod, param_keys)
+        held = 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (tr.on_saved(t), t)[1], lambda t: t):
+                with _Tracer(tr):
+                    ctx = (
+                        torch.autocast("cpu", dtype=autocast_dtype)
+                        if autocast_dtype is not None
+                        else torch.autocast("cpu", enabled=False)
+                    )
+                    with ctx:
+                        outs = []
+                        for stage, fn in fake_model.stages(batch):
+                            tr.stage = stage
+                            outs.append(fn())
+            for o in outs[-1:]:
+                held += tr.held_bytes(_output_tensors(o))
+        finally:
+            tr.close()
+    called = set(tr.records)
+    for name, mod in fake_mod.named_modules():
+        if name not in called and any(True for _ in mod.parameters(recurse=False)):
+            tr.stage = "unused"
+            tr.record(mod)  # parameters of modules the forward never calls still occupy memory
+    seen_params: set[int] = set()
+    for r, mod in ((tr.records[n], m) for n, m in fake_mod.named_modules() if n in tr.records):
+        # tied weights (e.g. GPT-2's lm_head = wte) are counted once, at their first owner
+        r.params = r.param_bytes = 0
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                r.params += p.numel()
+                r.param_bytes += _nbytes(p)
+    records = [r for r in tr.records.values() if r.params or r.ops or r.saved_total]
+    unknown = collections.Counter(r.cls for r in records if r.kind == "unknown" and r.ops)
+    for cls, n in unknown.items():
+        log.warning("unknown layer kind %s (%d instance(s)); counted as 'unknown'", cls, n)
+    compute_dtype = autocast_dtype or param_dtype
+    input_bytes = sum(_nbytes(v) for v in real_batch.values())
+    largest = max((_nbytes(p) for p in fake_mod.parameters()), default=0)
+    return Decomposition(
+        model=model.name,
+        family=model.family,
+        modality=model.modality,
+        shape=shape,
+        precision=precision,
+        records=records,
+        unknown=unknown,
+        param_dtype_bytes=torch.finfo(param_dtype).bits // 8,
+        compute_dtype_bytes=torch.finfo(compute_dtype).bits // 8,
+        held_output_bytes=held,
+        input_bytes=input_bytes,
+        largest_param_bytes=largest,
+        tokens=shape.batch * model.total_tokens(shape),
+    )
+
+
+def _fake_copy(module: nn.Module, fm, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A structural copy of `module` whose parameters and buffers are fake tensors (shared weights kept
+    shared), so tracing never allocates or computes on real weights."""
+    import copy
+
+    memo: dict[int, torch.Tensor] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in memo:
+            continue
+        f = fm.from_tensor(t.detach())
+        if dtype != torch.float32 and f.is_floating_point():
+            with fm:
+                f = f.to(dtype)
+        memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+    return copy.deepcopy(module, memo)

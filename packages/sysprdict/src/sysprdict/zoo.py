@@ -1,0 +1,263 @@
+"""Tiny models of real transformers architectures, built locally from configs (never downloaded).
+
+Each entry is a *family* (llama, qwen2, gpt2, clip-vit, siglip-vit, vit, llava-clip, llava-siglip)
+and a *size* (width/depth).  `build(name)` returns a `ZooModel` that knows how to make a training
+batch for a (batch, seq_len, image) shape and how to split itself into stages for tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["FAMILIES", "MODALITY", "Shape", "ZooModel", "build", "model_names", "parse_model_name"]
+
+# name -> (hidden, intermediate, layers, heads)
+SIZES = {
+    "xs": (32, 64, 1, 2),
+    "s": (64, 128, 2, 4),
+    "m": (96, 192, 3, 4),
+    "l": (128, 256, 4, 4),
+}
+FAMILIES = ["llama", "qwen2", "gpt2", "clip-vit", "siglip-vit", "vit", "llava-clip", "llava-siglip"]
+MODALITY = {
+    "llama": "text",
+    "qwen2": "text",
+    "gpt2": "text",
+    "clip-vit": "vision",
+    "siglip-vit": "vision",
+    "vit": "vision",
+    "llava-clip": "multimodal",
+    "llava-siglip": "multimodal",
+}
+VOCAB = 512
+IMAGE_TOKEN = VOCAB - 1
+NUM_CLASSES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A training batch shape: batch size, text tokens per sample, image side in pixels (0 = none)."""
+
+    batch: int
+    seq_len: int = 64
+    image_size: int = 32
+
+    def __post_init__(self) -> None:
+        for f in ("batch", "seq_len", "image_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0 or (f == "batch" and v < 1):
+                raise ValueError(f"shape.{f}: {v!r} is not valid; use a positive integer")
+
+
+def model_names() -> list[str]:
+    return [f"{f}-{s}" for f in FAMILIES for s in SIZES]
+
+
+def parse_model_name(name: str) -> tuple[str, str]:
+    """'llama-s' -> ('llama', 's'); a clear error naming the valid choices otherwise."""
+    fam, _, size = name.rpartition("-")
+    if fam not in FAMILIES or size not in SIZES:
+        raise ValueError(
+            f"model: {name!r} is not a known model; use FAMILY-SIZE with FAMILY in {FAMILIES} "
+            f"and SIZE in {list(SIZES)} (e.g. llama-s)"
+        )
+    return fam, size
+
+
+class VisionClassifier(nn.Module):
+    """A vision tower (CLIP or SigLIP) with a linear classification head on the pooled output."""
+
+    def __init__(self, tower: nn.Module, hidden: int):
+        super().__init__()
+        self.vision_model = tower
+        self.classifier = nn.Linear(hidden, NUM_CLASSES)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None):
+        out = self.vision_model(pixel_values=pixel_values)
+        logits = self.classifier(out.pooler_output)
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return _Out(loss=loss, logits=logits)
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+def _patch(image_size: int) -> int:
+    return 8 if image_size >= 16 else max(1, image_size // 2)
+
+
+def _text_config(family: str, size: str, max_pos: int = 2048):
+    import transformers as T
+
+    h, i, n, a = SIZES[size]
+    if family == "llama":
+        return T.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=h,
+            intermediate_size=i,
+            num_hidden_layers=n,
+            num_attention_heads=a,
+            num_key_value_heads=max(1, a // 2),
+            max_position_embeddings=max_pos,
+        )
+    if family == "qwen2":
+        return T.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=h,
+            intermediate_size=i,
+            num_hidden_layers=n,
+            num_attention_heads=a,
+            num_key_value_heads=max(1, a // 2),
+            max_position_embeddings=max_pos,
+        )
+    if family == "gpt2":
+        return T.GPT2Config(vocab_size=VOCAB, n_embd=h, n_layer=n, n_head=a, n_positions=max_pos, n_inner=i)
+    raise ValueError(family)
+
+
+def _vision_config(kind: str, size: str, image_size: int):
+    import transformers as T
+
+    h, i, n, a = SIZES[size]
+    kw = dict(
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=n,
+        num_attention_heads=a,
+        image_size=image_size,
+        patch_size=_patch(image_size),
+    )
+    if kind == "clip":
+        return T.CLIPVisionConfig(**kw)
+    if kind == "siglip":
+        return T.SiglipVisionConfig(**kw)
+    if kind == "vit":
+        return T.ViTConfig(**kw, num_labels=NUM_CLASSES)
+    raise ValueError(kind)
+
+
+@dataclasses.dataclass
+class ZooModel:
+    """A built model plus what tracing and training need to know about it."""
+
+    name: str
+    family: str
+    size: str
+    modality: str
+    module: nn.Module
+    image_size: int
+
+    def image_tokens(self) -> int:
+        if self.modality == "text":
+            return 0
+        p = _patch(self.image_size)
+        return (self.image_size // p) ** 2
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    def make_batch(self, shape: Shape, dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+        """Random inputs and labels of `shape` (pixel values in `dtype`)."""
+        g = torch.Generator().manual_seed(seed)
+        if self.modality == "vision":
+            px = torch.randn(shape.batch, 3, self.image_size, self.image_size, generator=g).to(dtype)
+            labels = torch.randint(0, NUM_CLASSES, (shape.batch,), generator=g)
+            return {"pixel_values": px, "labels": labels}
+        ids = torch.randint(0, VOCAB - 1, (shape.batch, shape.seq_len), generator=g)
+        if self.modality == "text":
+            return {"input_ids": ids, "labels": ids.clone()}
+        n_img = self.image_tokens()
+        ids = torch.cat([torch.full((shape.batch, n_img), IMAGE_TOKEN), ids], dim=1)
+        labels = ids.clone()
+        labels[:, :n_img] = -100
+        px = torch.randn(shape.batch, 3, self.image_size, self.image_size, generator=g).to(dtype)
+        return {"input_ids": ids, "pixel_values": px, "labels": labels}
+
+    def total_tokens(self, shape: Shape) -> int:
+        """Tokens the (language or vision) transformer processes per sample."""
+        if self.modality == "text":
+            return shape.seq_len
+        if self.modality == "vision":
+            return self.image_tokens()
+        return shape.seq_len + self.image_tokens()
+
+    def stages(self, batch: dict) -> list[tuple[str, Callable[[], object]]]:
+        """The forward pass as traceable stages (multimodal models are split into vision, projector
+        and language stages so no stage needs data-dependent ops such as token merging)."""
+        m = self.module
+        if self.modality != "multimodal":
+            return [("model", lambda: m(**batch))]
+        return _llava_stages(m, batch, self.image_tokens())
+
+
+def _llava_stages(m: nn.Module, batch: dict, n_img: int) -> list[tuple[str, Callable[[], object]]]:
+    inner = m.model
+    cfg = m.config
+    state: dict = {"n_img": n_img}
+
+    def vision():
+        out = inner.vision_tower(batch["pixel_values"], output_hidden_states=True)
+        feats = out.hidden_states[cfg.vision_feature_layer]
+        if cfg.vision_feature_select_strategy == "default" and feats.shape[1] > state["n_img"]:
+            feats = feats[:, 1:]
+        state["feats"] = feats
+        return out
+
+    def projector():
+        state["img"] = inner.multi_modal_projector(state["feats"])
+        return state["img"]
+
+    def language():
+        ids = batch["input_ids"]
+        emb = inner.get_input_embeddings()(ids)
+        n = state["n_img"]
+        emb = torch.cat([state["img"].to(emb.dtype), emb[:, n:]], dim=1)
+        hs = inner.language_model(inputs_embeds=emb).last_hidden_state
+        logits = m.lm_head(hs)
+        loss = m.loss_function(logits=logits, labels=batch["labels"], vocab_size=cfg.text_config.vocab_size)
+        return _Out(loss=loss, logits=logits)
+
+    return [("vision", vision), ("projector", projector), ("language", language)]
+
+
+def build(name: str, image_size: int = 32, seed: int = 0) -> ZooModel:
+    """Build the tiny model `name` (e.g. 'llama-s', 'llava-clip-xs') with random weights."""
+    import transformers as T
+
+    family, size = parse_model_name(name)
+    torch.manual_seed(seed)
+    modality = MODALITY[family]
+    if modality == "text":
+        cfg = _text_config(family, size)
+        cfg._attn_implementation = "sdpa"
+        cls = {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "gpt2": T.GPT2LMHeadModel}[family]
+        module = cls(cfg)
+    elif family == "vit":
+        module = T.ViTForImageClassification(_vision_config("vit", size, image_size))
+    elif modality == "vision":
+        kind = family.split("-")[0]
+        vc = _vision_config(kind, size, image_size)
+        tower = T.CLIPVisionModel(vc) if kind == "clip" else T.SiglipVisionModel(vc)
+        module = VisionClassifier(tower, vc.hidden_size)
+    else:
+        kind = family.split("-")[1]
+        vc = _vision_config(kind, "xs" if size in ("xs", "s") else "s", image_size)
+        tc = _text_config("llama" if kind == "clip" else "qwen2", size)
+        cfg = T.LlavaConfig(
+            vision_config=vc,
+            text_config=tc,
+            image_token_index=IMAGE_TOKEN,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default" if kind == "clip" else "full",
+        )
+        module = T.LlavaForConditionalGeneration(cfg)
+    module.train()
+    return ZooModel(name, family, size, modality, module, image_size)
