@@ -1,0 +1,143 @@
+"""Process launching and process groups: gloo on CPU (NCCL on GPU), timeouts, dead ranks named.
+
+``launch(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` spawned processes joined in
+one process group and returns each rank's return value. A rank that raises or dies makes ``launch``
+raise ``RankFailure`` naming the rank (the others are terminated), never hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["launch", "RankFailure", "group", "backend", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 120.0
+_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or timed out; the message names it."""
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() and os.environ.get("CONA_BACKEND", "") != "gloo" else "gloo"
+
+
+def group(ranks: tuple[int, ...]):
+    """The process group of ``ranks`` (created once per process; every rank must ask in the same order)."""
+    ranks = tuple(sorted(ranks))
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return _GROUPS[ranks]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, out_dir, timeout_s, threads, fn, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    _GROUPS.clear()
+    result_path = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group(
+            backend(),
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        value = fn(rank, world, *args)
+        payload = {"ok": True, "value": value}
+    except BaseException as e:  # noqa: BLE001 - reported to the parent by rank
+        payload = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    tmp = result_path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(payload, f)
+    os.replace(tmp, result_path)
+    if dist.is_initialized() and payload["ok"]:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(0 if payload["ok"] else 1)
+
+
+def _is_comm_error(msg: str) -> bool:
+    return any(k in msg for k in ("gloo", "Connection reset", "Connection closed", "Timed out", "timed out"))
+
+
+def _raise_root_cause(procs, out_dir, results) -> None:
+    """The failure to report: a rank that died without a result, else one that raised by itself
+    (not a peer's broken connection), lowest rank first."""
+    time.sleep(1.0)  # let the other ranks notice and report
+    for r, p in enumerate(procs):
+        path = Path(out_dir) / f"rank{r}.pkl"
+        if r not in results and path.exists():
+            with open(path, "rb") as f:
+                results[r] = pickle.load(f)
+    dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+    if dead:
+        r = dead[0]
+        raise RankFailure(f"rank {r} died with exit code {procs[r].exitcode} before reporting a result")
+    errs = sorted((_is_comm_error(v["error"]), r) for r, v in results.items() if not v["ok"])
+    if errs:
+        r = errs[0][1]
+        raise RankFailure(f"rank {r} failed: {results[r]['error']}\n{results[r]['traceback']}")
+    gone = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+    raise RankFailure(f"rank {gone[0]} exited without reporting a result")
+
+
+def launch(fn, world: int, *args, timeout_s: float = 600.0, pg_timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1):
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; their return values, by rank."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="cona-launch-") as out_dir:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, out_dir, pg_timeout_s, threads, fn, args), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, dict] = {}
+        try:
+            while len(results) < world:
+                failed = False
+                for r, p in enumerate(procs):
+                    path = Path(out_dir) / f"rank{r}.pkl"
+                    if r not in results and path.exists():
+                        with open(path, "rb") as f:
+                            results[r] = pickle.load(f)
+                    failed |= (r in results and not results[r]["ok"]) or (r not in results and p.exitcode is not None)
+                if failed:
+                    _raise_root_cause(procs, out_dir, results)
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world) if r not in results]
+                    raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f}s")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+        return [results[r]["value"] for r in range(world)]

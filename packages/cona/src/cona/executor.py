@@ -1,0 +1,411 @@
+"""Executors: one training step of a Llama-family causal LM under any dp x tp x pp strategy.
+
+Rank layout: rank = d * (pp * tp) + p * tp + t. Tensor parallelism is Megatron-style: q/k/v and
+gate/up projections are column-split (whole heads per rank), o/down projections row-split with an
+all-reduce of their output; the block inputs pass through an identity whose backward all-reduces.
+Pipeline parallelism splits the decoder layers into contiguous stages (embedding on the first,
+norm + head on the last) and runs micro-batches GPipe-style over point-to-point send/recv. Data
+parallelism averages gradients with one flat all-reduce. AdamW state is elementwise, so sharding
+it with the weights is exact.
+
+Layout-independent state: every full (unsharded) tensor under its transformers name -- weights and
+Adam moments -- plus the step. ``full_state()`` assembles it on every rank with one all-reduce in
+which each element is contributed by exactly one rank (so it is exact), and ``Executor(..., state)``
+slices it for any strategy: that is the in-memory resharding path; ``save_state``/``load_state``
+write and read the same form as a safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import dist as cdist
+from .space import ModelDims, Strategy, check_strategy
+
+__all__ = ["Executor", "StepResult", "shard_dim", "save_state", "load_state", "initial_state", "FullState"]
+
+_COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
+_ROW = ("o_proj.weight", "down_proj.weight")
+_KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension a tensor is split along under tensor parallelism (None: replicated)."""
+    if name.endswith(_COLUMN):
+        return 0
+    if name.endswith(_ROW):
+        return 1
+    return None
+
+
+@dataclass
+class FullState:
+    """Layout-independent training state: full tensors by transformers name, per kind, and the step."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]  # kind -> name -> tensor
+    step: int
+
+    def equal(self, other: FullState) -> bool:
+        return self.step == other.step and all(
+            torch.equal(self.tensors[k][n], other.tensors[k][n]) for k in _KINDS for n in self.tensors["param"]
+        )
+
+
+def initial_state(config, seed: int = 0) -> FullState:
+    """The state before step 0: a fresh model's weights and zero Adam moments."""
+    from .model import build_model
+
+    sd = {n: p.detach().clone() for n, p in build_model(config, seed).named_parameters()}
+    zeros = {n: torch.zeros_like(t) for n, t in sd.items()}
+    return FullState({"param": sd, "exp_avg": zeros, "exp_avg_sq": {n: z.clone() for n, z in zeros.items()}}, 0)
+
+
+def save_state(path: str | os.PathLike, state: FullState, meta: dict | None = None) -> None:
+    """Write a layout-independent checkpoint atomically (safetensors, flat keys 'kind/name')."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {f"{k}/{n}": t.contiguous() for k in _KINDS for n, t in state.tensors[k].items()}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(flat, str(tmp), metadata={"step": str(state.step), "meta": json.dumps(meta or {})})
+    os.replace(tmp, path)
+
+
+def load_state(path: str | os.PathLike) -> FullState:
+    from safetensors import safe_open
+
+    tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _KINDS}
+    with safe_open(str(path), framework="pt") as f:
+        step = int(f.metadata()["step"])
+        for key in f.keys():
+            kind, name = key.split("/", 1)
+            tensors[kind][name] = f.get_tensor(key)
+    return FullState(tensors, step)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+@dataclass
+class StepResult:
+    loss: float
+    sq_small: float  # |g_b|^2 of one micro-batch gradient (mean over dp replicas)
+    b_small: int
+    sq_big: float  # |g_B|^2 of the global gradient
+    b_big: int
+    compute_s: float
+    gns_s: float
+    timings: dict = field(default_factory=dict)
+
+
+class Executor:
+    """Holds this rank's shard of model + AdamW state for one strategy and runs training steps."""
+
+    def __init__(self, strategy: Strategy, config, state: FullState, lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:  # fmt: skip
+        from .model import build_model
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        check_strategy(strategy, ModelDims.from_config(config, 1), world)
+        self.s, self.config, self.rank = strategy, config, rank
+        dp, tp, pp = strategy.dp, strategy.tp, strategy.pp
+        self.d, rem = divmod(rank, pp * tp)
+        self.p, self.t = divmod(rem, tp)
+        self.first, self.last = self.p == 0, self.p == pp - 1
+        # groups: every rank creates every group in the same order
+        tp_groups = {(d, p): tuple(d * pp * tp + p * tp + t for t in range(tp)) for d in range(dp) for p in range(pp)}
+        dp_groups = {(p, t): tuple(d * pp * tp + p * tp + t for d in range(dp)) for p in range(pp) for t in range(tp)}
+        for ranks in list(tp_groups.values()) + list(dp_groups.values()):
+            if 1 < len(ranks):
+                cdist.group(ranks)
+        self.tp_group = cdist.group(tp_groups[self.d, self.p]) if tp > 1 else None
+        self.dp_group = cdist.group(dp_groups[self.p, self.t]) if dp > 1 else None
+        self.prev_rank = rank - tp if not self.first else None
+        self.next_rank = rank + tp if not self.last else None
+        # stage layers
+        L = config.num_hidden_layers
+        bounds = [round(i * L / pp) for i in range(pp + 1)]
+        self.lo, self.hi = bounds[self.p], bounds[self.p + 1]
+        with torch.device("meta"):
+            full = build_model(config, 0)
+        model = full.model
+        self.rotary = type(model.rotary_emb)(config)
+        self.embed = model.embed_tokens if self.first else None
+        self.layers = nn.ModuleList([model.layers[i] for i in range(self.lo, self.hi)])
+        self.norm = model.norm if self.last else None
+        self.lm_head = full.lm_head if self.last else None
+        keep = [f"model.layers.{i}." for i in range(self.lo, self.hi)]
+        if self.first:
+            keep.append("model.embed_tokens.")
+        if self.last:
+            keep += ["model.norm.", "lm_head."]
+        names = [n for n, _ in full.named_parameters() if n.startswith(tuple(keep))]
+        self.full_shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
+        # materialise this rank's shards from the full state
+        modules = dict(full.named_modules())
+        self.params: dict[str, nn.Parameter] = {}
+        for n in names:
+            mod_name, attr = n.rsplit(".", 1)
+            piece = self._slice(n, state.tensors["param"][n]).clone()
+            param = nn.Parameter(piece)
+            setattr(modules[mod_name], attr, param)
+            self.params[n] = param
+        if tp > 1:
+            self._install_tp_hooks()
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay, foreach=False)  # fmt: skip
+        self.step = state.step
+        if state.step > 0:
+            for n, p in self.params.items():
+                self.opt.state[p] = {
+                    "step": torch.tensor(float(state.step)),
+                    "exp_avg": self._slice(n, state.tensors["exp_avg"][n]).clone(),
+                    "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).clone(),
+                }
+        self.owned = [p for n, p in self.params.items() if shard_dim(n) is not None or self.t == 0]
+
+    # --- layout ------------------------------------------------------------------------------------
+    def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        dim = shard_dim(name)
+        if dim is None or self.s.tp == 1:
+            return full
+        n = full.shape[dim] // self.s.tp
+        return full.narrow(dim, self.t * n, n)
+
+    def _install_tp_hooks(self) -> None:
+        g = self.tp_group
+
+        def copy_kw(module, args, kwargs):
+            if "hidden_states" in kwargs:
+                kwargs["hidden_states"] = _CopyToTP.apply(kwargs["hidden_states"], g)
+                return args, kwargs
+            return (_CopyToTP.apply(args[0], g), *args[1:]), kwargs
+
+        def reduce_out(module, args, out):
+            return _ReduceFromTP.apply(out, g)
+
+        for layer in self.layers:
+            layer.self_attn.register_forward_pre_hook(copy_kw, with_kwargs=True)
+            layer.mlp.register_forward_pre_hook(copy_kw, with_kwargs=True)
+            layer.self_attn.o_proj.register_forward_hook(reduce_out)
+            layer.mlp.down_proj.register_forward_hook(reduce_out)
+
+    # --- compute -----------------------------------------------------------------------------------
+    def _stage(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.first else x
+        pos = torch.arange(h.shape[1]).unsqueeze(0)
+        pe = self.rotary(h, pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        if self.last:
+            return self.lm_head(self.norm(h))
+        return h
+
+    @staticmethod
+    def _ce(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+    def _local_micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        s = self.s
+        if batch.shape[0] != s.global_batch:
+            raise ValueError(f"batch has {batch.shape[0]} samples but {s.name} needs global_batch={s.global_batch}")
+        per = s.global_batch // s.dp
+        mine = batch[self.d * per : (self.d + 1) * per]
+        return list(mine.split(s.micro_batch))
+
+    def _sq_norm(self, scale: float = 1.0) -> float:
+        tot = torch.zeros((), dtype=torch.float64)
+        for p in self.owned:
+            if p.grad is not None:
+                tot += p.grad.double().pow(2).sum()
+        return float(tot) * scale * scale
+
+    def _hidden_shape(self, mb: torch.Tensor) -> tuple[int, ...]:
+        return (mb.shape[0], mb.shape[1], self.config.hidden_size)
+
+    def _forward_backward(self, mbs: list[torch.Tensor], want_small: bool) -> tuple[float, float, float]:
+        """Run all micro-batches; returns (sum of scaled losses, |first micro-batch grad|^2, gns seconds)."""
+        accum = len(mbs)
+        loss_sum, sq_small, gns_s = 0.0, 0.0, 0.0
+        if self.s.pp == 1:
+            for k, ids in enumerate(mbs):
+                loss = self._ce(self._stage(ids), ids) / accum
+                loss.backward()
+                loss_sum += float(loss.detach())
+                if k == 0 and want_small:
+                    t0 = time.perf_counter()
+                    sq_small = self._sq_norm(accum)
+                    gns_s += time.perf_counter() - t0
+            return loss_sum, sq_small, gns_s
+        saved = []
+        for ids in mbs:  # GPipe: all forwards, then all backwards
+            if self.first:
+                inp = ids
+            else:
+                inp = torch.empty(self._hidden_shape(ids))
+                dist.recv(inp, src=self.prev_rank)
+                inp.requires_grad_(True)
+            out = self._stage(inp)
+            if self.last:
+                out = self._ce(out, ids) / accum
+                loss_sum += float(out.detach())
+            else:
+                dist.send(out.detach().contiguous(), dst=self.next_rank)
+            saved.append((inp, out))
+        for k in reversed(range(accum)):
+            inp, out = saved[k]
+            if self.last:
+                out.backward()
+            else:
+                g = torch.empty_like(out)
+                dist.recv(g, src=self.next_rank)
+                out.backward(g)
+            if not self.first:
+                dist.send(inp.grad.contiguous(), dst=self.prev_rank)
+            saved[k] = None
+            if k == accum - 1 and want_small:
+                t0 = time.perf_counter()
+                sq_small = self._sq_norm(accum)
+                gns_s += time.perf_counter() - t0
+        return loss_sum, sq_small, gns_s
+
+    def _grads_zero(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def _dp_allreduce(self) -> None:
+        if self.dp_group is None:
+            return
+        grads = [p.grad for p in self.params.values()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.s.dp
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def compute_grads(self, batch: torch.Tensor, gns: bool = True) -> StepResult:
+        """Forward + backward of one global batch, gradients averaged; no optimizer step."""
+        s = self.s
+        t0 = time.perf_counter()
+        self._grads_zero()
+        mbs = self._local_micro_batches(batch)
+        want = gns and s.dp * s.accum > 1
+        loss_sum, sq_small, gns_s = self._forward_backward(mbs, want)
+        self._dp_allreduce()
+        t1 = time.perf_counter()
+        sq_big = self._sq_norm() if want else 0.0
+        gns_s += time.perf_counter() - t1
+        loss_part = loss_sum if (self.last and self.t == 0) else 0.0
+        red = torch.tensor([loss_part, sq_small, sq_big], dtype=torch.float64)
+        dist.all_reduce(red)
+        loss, sq_small, sq_big = (red / s.dp).tolist()
+        compute_s = time.perf_counter() - t0 - gns_s
+        return StepResult(loss, sq_small, s.micro_batch, sq_big, s.global_batch, compute_s, gns_s)
+
+    def train_step(self, batch: torch.Tensor, lr: float | None = None, gns: bool = True) -> StepResult:
+        """One optimizer step on ``batch`` (the whole global batch; each rank takes its part)."""
+        res = self.compute_grads(batch, gns)
+        t0 = time.perf_counter()
+        if lr is not None:
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+        self.opt.step()
+        self.step += 1
+        res.compute_s += time.perf_counter() - t0
+        return res
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor, micro_batch: int = 8) -> float:
+        """Mean next-token loss over ``ids`` (split across dp replicas); the same value on every rank."""
+        s = self.s
+        if ids.shape[0] % s.dp:
+            raise ValueError(f"validation set of {ids.shape[0]} samples does not split over dp={s.dp}")
+        per = ids.shape[0] // s.dp
+        mine = ids[self.d * per : (self.d + 1) * per]
+        total = 0.0
+        for mb in mine.split(micro_batch):
+            if self.first:
+                inp = mb
+            else:
+                inp = torch.empty(self._hidden_shape(mb))
+                dist.recv(inp, src=self.prev_rank)
+            out = self._stage(inp)
+            if self.last:
+                total += float(self._ce(out, mb)) * mb.shape[0]
+            else:
+                dist.send(out.contiguous(), dst=self.next_rank)
+        part = total if (self.last and self.t == 0) else 0.0
+        red = torch.tensor([part], dtype=torch.float64)
+        dist.all_reduce(red)
+        return float(red[0]) / ids.shape[0]
+
+    # --- state -------------------------------------------------------------------------------------
+    def _gather(self, pick) -> dict[str, torch.Tensor]:
+        """Full tensors on every rank: each element comes from exactly one rank (dp replica 0)."""
+        names = list(self.full_shapes)
+        sizes = [int(torch.Size(self.full_shapes[n]).numel()) for n in names]
+        flat = torch.zeros(sum(sizes))
+        off = {}
+        o = 0
+        for n, k in zip(names, sizes):
+            off[n] = o
+            o += k
+        if self.d == 0:
+            for n, p in self.params.items():
+                t = pick(n, p)
+                if t is None:
+                    continue
+                view = flat[off[n] : off[n] + sizes[names.index(n)]].view(self.full_shapes[n])
+                dim = shard_dim(n)
+                if dim is None or self.s.tp == 1:
+                    if self.t == 0:
+                        view.copy_(t)
+                else:
+                    w = t.shape[dim]
+                    view.narrow(dim, self.t * w, w).copy_(t)
+        dist.all_reduce(flat)
+        return {n: flat[off[n] : off[n] + k].view(self.full_shapes[n]).clone() for n, k in zip(names, sizes)}
+
+    def full_state(self) -> FullState:
+        """The layout-independent state, assembled on every rank (exact)."""
+        out = {"param": self._gather(lambda n, p: p.detach())}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            out[kind] = self._gather(lambda n, p, kind=kind: self.opt.state.get(p, {}).get(kind))
+        return FullState(out, self.step)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return self._gather(lambda n, p: p.grad)

@@ -1,0 +1,169 @@
+"""Every 2-rank executor against a single-process transformers reference; exact resharding."""
+
+import os
+
+import pytest
+import torch
+
+from cona.dist import RankFailure, launch
+from cona.executor import Executor, initial_state, load_state, save_state
+from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
+from cona.space import Strategy, StrategyError
+
+SEQ = 32
+LR = 3e-3
+EPS = 1e-4  # Adam divides by sqrt(v)+eps: a tiny eps turns fp-order noise in ~0 gradients into +-lr steps
+STRATEGIES = [
+    Strategy(2, 1, 1, 2, 8),  # dp with accumulation
+    Strategy(2, 1, 1, 4, 8),  # dp, one micro-batch per replica
+    Strategy(1, 2, 1, 4, 8),  # tp (Megatron column/row)
+    Strategy(1, 1, 2, 2, 8),  # pp, 4 micro-batches GPipe
+]
+
+
+def _data():
+    return TextData(stdlib_tokens(200_000), SEQ)
+
+
+def _worker(rank, world, ckpt_dir):
+    cfg = tiny_llama_config()
+    data = _data()
+    st0 = initial_state(cfg, 0)
+    b0, b1 = data.samples(0, 8), data.samples(8, 8)
+    out = {"per": {}, "reshard": {}}
+    for s in STRATEGIES:
+        ex = Executor(s, cfg, st0, lr=LR, eps=EPS)
+        r1 = ex.train_step(b0)
+        g1 = ex.full_grads()
+        r2 = ex.train_step(b1)
+        out["per"][s.name] = {"loss": [r1.loss, r2.loss], "grads": g1, "state": ex.full_state(),
+                              "gns": (r1.sq_small, r1.b_small, r1.sq_big, r1.b_big)}  # fmt: skip
+    # resharding: every ordered pair, in memory and through a checkpoint, then keep training
+    for a in STRATEGIES:
+        ex_a = Executor(a, cfg, st0, lr=LR, eps=EPS)
+        ex_a.train_step(b0)
+        sa = ex_a.full_state()
+        for b in STRATEGIES:
+            if a == b:
+                continue
+            ex_b = Executor(b, cfg, sa, lr=LR, eps=EPS)
+            sb = ex_b.full_state()
+            back = Executor(a, cfg, sb, lr=LR, eps=EPS).full_state()
+            path = os.path.join(ckpt_dir, f"{a.name}.safetensors")
+            if rank == 0:
+                save_state(path, sa, {"strategy": a.name})
+            torch.distributed.barrier()
+            ex_c = Executor(b, cfg, load_state(path), lr=LR, eps=EPS)
+            via_ckpt = ex_c.full_state()
+            torch.distributed.barrier()
+            ex_b.train_step(b1)
+            out["reshard"][(a.name, b.name)] = {
+                "memory_exact": sb.equal(sa) and back.equal(sa),
+                "ckpt_exact": via_ckpt.equal(sa),
+                "continued": ex_b.full_state(),
+            }
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch(_worker, 2, str(tmp_path_factory.mktemp("ckpt")), timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    cfg = tiny_llama_config()
+    model = build_model(cfg, 0)
+    data = _data()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0)
+    losses, grads = [], None
+    for start in (0, 8):
+        ids = data.samples(start, 8)
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(float(loss.detach()))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"loss": losses, "grads": grads, "params": params}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in STRATEGIES])
+def test_executor_matches_single_process_reference(results, reference, name):
+    got = results["per"][name]
+    assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    for n, g in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-6, msg=f"{name}: grad {n}")
+    for n, p in reference["params"].items():
+        torch.testing.assert_close(got["state"].tensors["param"][n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
+    assert got["state"].step == 2
+    # the gradient-statistics inputs: |first micro-batch grad|^2 (mean over dp replicas) and |G_B|^2
+    sq_small, b_small, sq_big, b_big = got["gns"]
+    s = next(x for x in STRATEGIES if x.name == name)
+    assert (b_small, b_big) == (s.micro_batch, 8)
+    per = 8 // s.dp
+    first = (s.accum - 1) * s.micro_batch if s.pp > 1 else 0  # GPipe runs backward last micro-batch first
+    want = sum(_sq_grad(range(d * per + first, d * per + first + s.micro_batch)) for d in range(s.dp)) / s.dp
+    assert sq_small == pytest.approx(want, rel=1e-4)
+    assert sq_big == pytest.approx(_sq_grad(range(8)), rel=1e-4)
+
+
+def _sq_grad(rows):
+    model = build_model(tiny_llama_config(), 0)
+    ids = _data().samples(0, 8)[list(rows)]
+    model(input_ids=ids, labels=ids).loss.backward()
+    return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+
+
+@pytest.mark.slow
+def test_resharding_round_trips_exactly_and_training_continues(results, reference):
+    pairs = results["reshard"]
+    assert len(pairs) == len(STRATEGIES) * (len(STRATEGIES) - 1)
+    for (a, b), r in pairs.items():
+        assert r["memory_exact"], f"in-memory reshard {a} -> {b} -> {a} not bit-exact"
+        assert r["ckpt_exact"], f"checkpoint reshard {a} -> {b} not bit-exact"
+        for n, p in reference["params"].items():
+            torch.testing.assert_close(r["continued"].tensors["param"][n], p, rtol=1e-4, atol=1e-5,
+                                       msg=f"{a} -> {b} then a step: {n}")  # fmt: skip
+
+
+def _fail_on_rank1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    torch.distributed.barrier()
+
+
+def _die_on_rank1(rank, world):
+    if rank == 1:
+        os._exit(3)
+    torch.distributed.barrier()
+
+
+def test_failed_and_dead_ranks_are_named():
+    with pytest.raises(RankFailure, match="rank 1 failed: ValueError: boom on purpose"):
+        launch(_fail_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
+    with pytest.raises(RankFailure, match="rank 1 died with exit code 3"):
+        launch(_die_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
+
+
+def _bad_strategy(rank, world):
+    Executor(Strategy(2, 1, 1, 3, 8), tiny_llama_config(), initial_state(tiny_llama_config()))
+
+
+def test_bad_strategy_is_named_on_the_rank():
+    with pytest.raises(RankFailure, match="global_batch=8 is not a multiple of dp\\*micro_batch=6"):
+        launch(_bad_strategy, 2, timeout_s=120, pg_timeout_s=20)
+
+
+def test_check_strategy_messages():
+    from cona.space import ModelDims, check_strategy
+
+    dims = ModelDims.from_config(tiny_llama_config(heads=4, kv_heads=2), SEQ)
+    with pytest.raises(StrategyError, match="num_key_value_heads=2 is not divisible by tp=4"):
+        check_strategy(Strategy(1, 4, 1, 1, 4), dims)
+    with pytest.raises(StrategyError, match="world has 4 ranks"):
+        check_strategy(Strategy(2, 1, 1, 1, 4), dims, world=4)
