@@ -152,7 +152,7 @@ class Placement:
                     continue
                 dev = self._best(load, nbytes, units)
                 while dev is None:
-                    victim = self._lru_victim(guard)
+                    victim = self._lru_victim(guard, self._could_fit(guard, nbytes, units))
                     if victim is None:
                         raise CapacityError(
                             f"no device can hold a chunk of {nbytes} bytes even after evicting every unprotected chunk"
@@ -165,6 +165,9 @@ class Placement:
                 self.records[key] = ChunkRecord(key, nbytes, units, dev, charged, next(self._clock))
                 load[dev] = load.get(dev, 0.0) + info.read_time_s(nbytes, units)
                 plan.assign[key] = dev
+            # a new request's head is its most recent chunk, like after ``touch``
+            for key in reversed(list(plan.assign)):
+                self.records[key].last_use = next(self._clock)
             return plan
 
     def _best(self, load: dict[str, float], nbytes: int, units: int) -> str | None:
@@ -179,8 +182,17 @@ class Placement:
                 best, best_t = d.name, rank
         return best
 
-    def _lru_victim(self, guard: set[str]) -> str | None:
-        cands = [r for r in self.records.values() if r.key not in guard]
+    def _could_fit(self, guard: set[str], nbytes: int, units: int) -> set[str]:
+        """Devices where evicting every unprotected chunk would make room for this chunk."""
+        reclaim = {d: 0 for d in self.devices}
+        for r in self.records.values():
+            if r.key not in guard:
+                reclaim[r.device] += r.charged
+        return {d.name for d in self.active() if self.free(d.name) + reclaim[d.name] >= d.charge(nbytes, units)}
+
+    def _lru_victim(self, guard: set[str], devices: set[str]) -> str | None:
+        """The least recently used unprotected chunk on one of ``devices`` (evicting elsewhere would not help)."""
+        cands = [r for r in self.records.values() if r.key not in guard and r.device in devices]
         if not cands:
             return None
         return min(cands, key=lambda r: r.last_use).key

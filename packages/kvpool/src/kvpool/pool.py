@@ -165,6 +165,67 @@ class KVPool:
         self.counters["chunks_stored"] += stored
         return stored
 
+    def put_chunk(self, hx: str, chunk: torch.Tensor, context: Sequence[str] = ()) -> bool:
+        """Store one chunk given as ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` under key ``hx``.
+
+        ``context``: keys of the same request already stored (they count in the striping balance).
+        """
+        L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
+        if tuple(chunk.shape) != (L, 2, H, n, D) or chunk.dtype != TORCH_DTYPES[self.layout.dtype]:
+            raise ValueError(
+                f"chunk: expected shape {(L, 2, H, n, D)} of {self.layout.dtype}, got {tuple(chunk.shape)} of {chunk.dtype}"
+            )
+        if hx in self.placement:
+            return True
+        try:
+            plan = self.placement.place([(hx, self.layout.chunk_bytes, L)], context=list(context))
+        except CapacityError as e:
+            self.warnings.append(str(e))
+            return False
+        for r in plan.evicted:
+            self._delete_units(r.device, r.key)
+        self.counters["evictions"] += len(plan.evicted)
+        dev = plan.assign[hx]
+        store = self.stores[dev]
+        if all(store.put(unit_name(hx, layer), chunk[layer]) for layer in range(L)):
+            self.counters["chunks_stored"] += 1
+            return True
+        self._delete_units(dev, hx)
+        self.placement.remove(hx)
+        self.counters["failed_writes"] += 1
+        if getattr(store, "failed", None) is not None:
+            self._fail_device(dev, store.failed)
+        return False
+
+    def get_chunk(self, hx: str) -> torch.Tensor | None:
+        """One chunk as ``[layers, 2, kv_heads, chunk_tokens, head_dim]``, or None (miss or failed check)."""
+        dev = self.placement.location(hx)
+        if dev is None:
+            return None
+        L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
+        out = torch.empty(L, 2, H, n, D, dtype=TORCH_DTYPES[self.layout.dtype])
+        store = self.stores[dev]
+        staging = store.staging(self.layout.unit_bytes)
+        for layer in range(L):
+            view = store.read(unit_name(hx, layer), staging)
+            if view is None or view.numel() != self.layout.unit_bytes:
+                self._delete_units(dev, hx)
+                self.placement.remove(hx)
+                self.counters["lost_chunks"] += 1
+                return None
+            out[layer].view(-1).view(torch.uint8).copy_(view)
+        self.placement.touch([hx])
+        return out
+
+    def cached_chunks(self, hexes: Sequence[str]) -> int:
+        """Leading keys of ``hexes`` present in the pool (the longest cached prefix, in chunks)."""
+        n = 0
+        for h in hexes:
+            if h not in self.placement:
+                break
+            n += 1
+        return n
+
     def _delete_units(self, dev: str, hx: str) -> None:
         store = self.stores[dev]
         for layer in range(self.layout.num_layers):

@@ -1,0 +1,228 @@
+"""``kvpool serve``: one pool shared by several serving processes over HTTP (aiohttp).
+
+Endpoints (all under /v1): ``GET layout`` (model id and KV layout, for clients to check),
+``POST lookup`` ({"keys": [hex, ...]} -> longest cached prefix in chunks), ``PUT chunks/{key}``
+(raw chunk bytes, ``[layers, 2, kv_heads, chunk_tokens, head_dim]``; ``?context=k1,k2`` names the
+request's earlier chunks for striping), ``GET chunks/{key}`` (raw bytes or 404) and ``GET stats``
+(hit rate, per-device bytes and bandwidth, page-cache bytes). Clients compute keys themselves with
+``kvpool.chunk_keys``; ``PoolClient`` is a small blocking client (urllib).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+import torch
+
+from .devices import build_devices
+from .keys import KVLayout
+from .pool import KVPool
+from .retrieval import TORCH_DTYPES
+
+__all__ = ["parse_layout", "make_app", "serve_forever", "PoolClient", "BackgroundServer"]
+
+log = logging.getLogger(__name__)
+_LAYOUT = re.compile(r"^L(\d+)-H(\d+)-D(\d+)-(\w+)-N(\d+)$")
+_KEY = re.compile(r"^[0-9a-f]{32}$")
+
+
+def parse_layout(tag: str) -> KVLayout:
+    """``L16-H8-D64-float32-N256`` -> KVLayout (the inverse of ``KVLayout.tag``)."""
+    m = _LAYOUT.match(tag)
+    if not m:
+        raise ValueError(f"{tag!r} is not a layout tag; use e.g. 'L16-H8-D64-float32-N256'")
+    return KVLayout(int(m[1]), int(m[2]), int(m[3]), m[4], int(m[5]))
+
+
+def _require_aiohttp():
+    try:
+        from aiohttp import web
+    except ImportError:
+        raise RuntimeError("kvpool serve needs aiohttp: pip install 'kvpool[serve]'") from None
+    return web
+
+
+def make_app(pool: KVPool):
+    """The aiohttp application serving ``pool``; blocking I/O runs in the default executor."""
+    web = _require_aiohttp()
+    lock = threading.Lock()  # placement decisions are serialized; reads run in parallel
+
+    def _key(request) -> str:
+        key = request.match_info["key"]
+        if not _KEY.match(key):
+            raise web.HTTPBadRequest(text=f"key must be 32 lowercase hex digits, not {key!r}")
+        return key
+
+    async def layout(request):
+        return web.json_response({"model_id": pool.model_id, "layout": pool.layout.tag()})
+
+    async def lookup(request):
+        try:
+            body = await request.json()
+            keys = body["keys"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise web.HTTPBadRequest(text='body must be {"keys": ["<hex>", ...]}') from None
+        return web.json_response({"cached_chunks": pool.cached_chunks(keys)})
+
+    async def put_chunk(request):
+        key = _key(request)
+        data = await request.read()
+        if len(data) != pool.layout.chunk_bytes:
+            raise web.HTTPBadRequest(
+                text=f"chunk must be {pool.layout.chunk_bytes} bytes for {pool.layout.tag()}, not {len(data)}"
+            )
+        L, H, n, D = pool.layout.num_layers, pool.layout.kv_heads, pool.layout.chunk_tokens, pool.layout.head_dim
+        chunk = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[pool.layout.dtype]).view(L, 2, H, n, D)
+        context = [c for c in request.query.get("context", "").split(",") if c]
+
+        def do():
+            with lock:
+                return pool.put_chunk(key, chunk, context)
+
+        ok = await asyncio.get_running_loop().run_in_executor(None, do)
+        if not ok:
+            raise web.HTTPInsufficientStorage(text="the pool has no room for this chunk")
+        return web.Response(status=201)
+
+    async def get_chunk(request):
+        key = _key(request)
+        t = await asyncio.get_running_loop().run_in_executor(None, pool.get_chunk, key)
+        if t is None:
+            raise web.HTTPNotFound(text="not in the pool")
+        return web.Response(
+            body=t.reshape(-1).view(torch.uint8).numpy().tobytes(), content_type="application/octet-stream"
+        )
+
+    async def stats(request):
+        return web.Response(text=json.dumps(pool.stats(), default=str), content_type="application/json")
+
+    app = web.Application(client_max_size=max(1 << 20, pool.layout.chunk_bytes + (1 << 16)))
+    app.router.add_get("/v1/layout", layout)
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_put("/v1/chunks/{key}", put_chunk)
+    app.router.add_get("/v1/chunks/{key}", get_chunk)
+    app.router.add_get("/v1/stats", stats)
+    return app
+
+
+def serve_forever(
+    host: str,
+    port: int,
+    ssd_paths: Sequence[str],
+    memory_modules: int,
+    memory_bytes: int,
+    ssd_bytes: int,
+    model_id: str,
+    layout: KVLayout,
+) -> None:
+    web = _require_aiohttp()
+    devs = build_devices(ssd_paths, memory_modules=memory_modules, memory_bytes=memory_bytes, ssd_bytes=ssd_bytes)
+    for name, why in devs.skipped.items():
+        log.warning("serving without %s: %s", name, why)
+    pool = KVPool(devs.stores, layout, model_id, devs.bandwidths)
+    try:
+        web.run_app(make_app(pool), host=host, port=port, print=lambda msg: log.warning("%s", msg))
+    finally:
+        pool.close()
+
+
+class BackgroundServer:
+    """Serve a pool on 127.0.0.1 from a background thread (tests, notebooks). ``.url`` once started."""
+
+    def __init__(self, pool: KVPool, host: str = "127.0.0.1", port: int = 0):
+        self.pool, self.host, self.port = pool, host, port
+        self.url: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpool-serve", daemon=True)
+
+    def _run(self) -> None:
+        web = _require_aiohttp()
+        asyncio.set_event_loop(self._loop)
+        runner = web.AppRunner(make_app(self.pool))
+        self._loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, self.host, self.port)
+        self._loop.run_until_complete(site.start())
+        port = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+        self._runner = runner
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError("kvpool server did not start")
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class PoolClient:
+    """Blocking client of ``kvpool serve``; checks the server's model and layout on connect."""
+
+    def __init__(self, url: str, model_id: str | None = None, layout: KVLayout | None = None, timeout: float = 30.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        info = self._json("GET", "/v1/layout")
+        self.model_id = info["model_id"]
+        self.layout = parse_layout(info["layout"])
+        if model_id is not None and model_id != self.model_id:
+            raise ValueError(f"server pools KV of model {self.model_id!r}, not {model_id!r}")
+        if layout is not None and layout != self.layout:
+            raise ValueError(f"server layout is {self.layout.tag()}, not {layout.tag()}")
+
+    def _req(self, method: str, path: str, data: bytes | None = None, headers: dict | None = None):
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
+        return urllib.request.urlopen(req, timeout=self.timeout)
+
+    def _json(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        with self._req(method, path, data, {"Content-Type": "application/json"}) as r:
+            return json.loads(r.read())
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        return int(self._json("POST", "/v1/lookup", {"keys": list(keys)})["cached_chunks"])
+
+    def put_chunk(self, key: str, chunk: torch.Tensor, context: Sequence[str] = ()) -> bool:
+        q = f"?context={','.join(context)}" if context else ""
+        data = chunk.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        try:
+            with self._req("PUT", f"/v1/chunks/{key}{q}", data, {"Content-Type": "application/octet-stream"}):
+                return True
+        except urllib.error.HTTPError as e:
+            if e.code == 507:
+                return False
+            raise
+
+    def get_chunk(self, key: str) -> torch.Tensor | None:
+        L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
+        try:
+            with self._req("GET", f"/v1/chunks/{key}") as r:
+                data = r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+        return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[self.layout.dtype]).view(L, 2, H, n, D)
+
+    def stats(self) -> dict:
+        return self._json("GET", "/v1/stats")
