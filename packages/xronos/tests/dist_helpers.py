@@ -94,3 +94,70 @@ def _hf_parity(rank, family, attn_units, mlp_units, save_dir):
         "state": state,
         "heads": (attn.num_heads, attn.num_key_value_heads, attn.q_proj.out_features, attn.k_proj.out_features),
     }
+
+
+def small_cfg(**kw):
+    from xronos.train import TrainConfig
+
+    base = dict(
+        hidden=64,
+        layers=2,
+        heads=8,
+        kv_heads=4,
+        intermediate=128,
+        mlp_block=16,
+        seq_len=32,
+        batch=2,
+        micro_batches=2,
+        steps=4,
+        eval_batches=1,
+        max_bytes=200_000,
+        lr=1e-3,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def train_checks(rank, world, ckpt_dir):
+    from xronos.partition import Partition
+    from xronos.shard import gather_state_dict
+    from xronos.train import PPTrainer, TPTrainer
+
+    cfg = small_cfg()
+    part = Partition(cfg.shape(), (3, 1), (5, 3))
+    a = TPTrainer(cfg, part, rank)
+    full = [a.step()["loss"] for _ in range(4)]
+    eval_a = a.evaluate()
+    state_a = gather_state_dict(a.model)
+    b = TPTrainer(cfg, part, rank)
+    first = [b.step()["loss"] for _ in range(2)]
+    b.save(ckpt_dir)
+    c = TPTrainer(cfg, part, rank)
+    assert c.load(ckpt_dir) and c.step_idx == 2
+    resumed = first + [c.step()["loss"] for _ in range(2)]
+    state_c = gather_state_dict(c.model)
+    same = all(torch.equal(state_a[k], state_c[k]) for k in state_a)
+    wrong = TPTrainer(cfg, Partition(cfg.shape(), (2, 2), (4, 4)), rank)
+    try:
+        wrong.load(ckpt_dir)
+        mismatch = None
+    except ValueError as e:
+        mismatch = str(e)
+    lcfg = small_cfg(lora_r=4)
+    lora = TPTrainer(lcfg, part, rank)
+    lora_losses = [lora.step()["loss"] for _ in range(3)]
+    n_trainable = sum(p.numel() for p in lora.params)
+    pp = PPTrainer(cfg, [1.0, 0.5], rank, world)
+    pp_losses = [pp.step()["loss"] for _ in range(2)]
+    return {
+        "full": full,
+        "eval": eval_a,
+        "resumed": resumed,
+        "same_state": same,
+        "mismatch": mismatch,
+        "state": state_a,
+        "lora": lora_losses,
+        "lora_params": n_trainable,
+        "pp": pp_losses,
+        "pp_eval": pp.evaluate(),
+    }

@@ -34,6 +34,7 @@ __all__ = [
     "RowParallelLinear",
     "sync_partial_grads",
     "gather_uneven",
+    "clip_grad_norm",
 ]
 
 
@@ -167,6 +168,9 @@ class ColumnParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype)) if bias else None
         self.shard_dim = 0
+        self.weight.xronos_sharded = True
+        if self.bias is not None:
+            self.bias.xronos_sharded = True
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, out_sizes, rank, group=None, sync_input_grad=True) -> ColumnParallelLinear:
@@ -198,6 +202,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def enable_lora(self, r: int, alpha: float, generator=None) -> None:
         super().enable_lora(r, alpha, generator)
         self.lora_A.xronos_partial_grad = True  # replicated input side: per-rank partial gradient
+        self.lora_B.xronos_sharded = True
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_shard={self.out_features} of {self.full_out}, rank={self.rank}"
@@ -224,6 +229,7 @@ class RowParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.shard_dim = 1
+        self.weight.xronos_sharded = True
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, in_sizes, rank, group=None) -> RowParallelLinear:
@@ -247,6 +253,7 @@ class RowParallelLinear(_ParallelLinear):
     def enable_lora(self, r: int, alpha: float, generator=None) -> None:
         super().enable_lora(r, alpha, generator)
         self.lora_B.xronos_partial_grad = True
+        self.lora_A.xronos_sharded = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -273,6 +280,29 @@ def sync_partial_grads(module: nn.Module, group=None) -> None:
     for g in grads:
         g.copy_(flat[i : i + g.numel()].view_as(g))
         i += g.numel()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> float:
+    """Clip gradients by the global norm over all ranks (sharded parts summed, replicated ones once).
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping.
+    """
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    grads = [p for p in params if p.grad is not None]
+    for p in grads:
+        sq = p.grad.detach().double().pow(2).sum()
+        if getattr(p, "xronos_sharded", False):
+            sharded += sq
+        else:
+            replicated += sq
+    all_reduce(sharded, group)
+    total = float((sharded + replicated).sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for p in grads:
+            p.grad.detach().mul_(coef)
+    return total
 
 
 def gather_uneven(shard: torch.Tensor, sizes: Sequence[int], dim: int, group=None) -> torch.Tensor:

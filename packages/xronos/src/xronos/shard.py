@@ -148,7 +148,7 @@ def shard_model(model, part: Partition, rank: int, group=None):
         replaced += 1
     if replaced == 0:
         raise PartitionError("no module of the model matched its tensor-parallel plan; is it a decoder LM?")
-    for pname, parent in parents.items():
+    for parent in parents.values():
         parent.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
         if hasattr(parent, "q_proj"):  # attention: this rank's head counts
             parent.num_heads = part.q_heads[rank]

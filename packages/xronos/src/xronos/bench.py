@@ -1,0 +1,181 @@
+"""Side-by-side comparison: Xronos vs even TP vs GPipe PP vs the single-process reference.
+
+One spawned run holds every variant on the same (emulated) ranks. Steps are interleaved (step i of
+each variant before step i+1 of any), so load on the machine touches all variants alike. Each step
+starts after a barrier; a rank's idle time in a step is the time it spent inside collectives or
+transfers plus the time it finished before the slowest rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch.distributed as dist
+
+from .launch import THROTTLE_PERIOD_US, spawn
+from .layers import COMM
+from .partition import even_partition, partition
+from .profile import profile_group
+from .train import PPTrainer, TPTrainer, TrainConfig, make_corpus
+
+__all__ = ["VARIANTS", "run_comparison", "summarize", "headline"]
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("reference", "xronos", "tp", "pp")
+
+
+def _worker(rank: int, world: int, cfg_dict: dict, speeds: list[float], variants: list[str], timeline_step: int):
+    import hwtopo
+
+    cfg = TrainConfig(**cfg_dict)
+    corpus = make_corpus(cfg)
+    shape = cfg.shape()
+    solo = [dist.new_group([r]) for r in range(world)]  # one-rank groups: the reference runs without peers
+    costs, prof = profile_group(shape, cfg.batch, cfg.seq_len, group=None)
+    parts = {"xronos": partition(shape, costs), "tp": even_partition(shape, world)}
+    trainers = {}
+    for name in variants:
+        if name == "reference":
+            if rank == 0:
+                ref_part = even_partition(shape, 1) if cfg.lora_r else None
+                trainers[name] = TPTrainer(cfg, ref_part, 0, solo[0], corpus)
+        elif name in parts:
+            trainers[name] = TPTrainer(cfg, parts[name], rank, None, corpus)
+        elif name == "pp":
+            trainers[name] = PPTrainer(cfg, speeds, rank, world, None, corpus)
+    records = {name: [] for name in variants}
+    timelines = {}
+    t_start = time.perf_counter()
+    for step in range(cfg.steps):
+        for name in variants:
+            if name == "reference":
+                if rank == 0:
+                    records[name].append(trainers[name].step())
+                continue
+            dist.barrier()
+            record = step == timeline_step and name in parts
+            COMM.events = [] if record else None
+            records[name].append(trainers[name].step())
+            if record:
+                timelines[name] = {
+                    "t0": records[name][-1]["t0"],
+                    "step_s": records[name][-1]["step_s"],
+                    "events": list(COMM.events),
+                }
+            COMM.events = None
+    train_s = time.perf_counter() - t_start
+    evals = {}
+    for name in variants:
+        if name == "reference":
+            if rank == 0:
+                evals[name] = trainers[name].evaluate()
+        else:
+            evals[name] = trainers[name].evaluate()
+    return {
+        "rank": rank,
+        "speed": speeds[rank],
+        "machine_method": hwtopo.cgroup_available(),
+        "records": records,
+        "eval_loss": evals,
+        "profile": prof["ranks"][rank],
+        "partitions": {k: v.describe() for k, v in parts.items()},
+        "pp_layers": trainers["pp"].counts if "pp" in trainers else None,
+        "timelines": timelines,
+        "train_s": train_s,
+    }
+
+
+def run_comparison(
+    cfg: TrainConfig, speeds: list[float], variants=VARIANTS, timeout_s: float = 900.0, timeline_step: int | None = None
+) -> list[dict]:
+    """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results."""
+    cfg.validate()
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"variants: {bad[0]!r} is not one of {', '.join(VARIANTS)}")
+    if "pp" in variants and cfg.lora_r:
+        variants = [v for v in variants if v != "pp"]
+        log.info("the pipeline baseline fine-tunes all weights; skipped with LoRA")
+    ts = cfg.steps // 2 if timeline_step is None else timeline_step
+    return spawn(
+        _worker,
+        len(speeds),
+        (cfg.to_dict(), list(speeds), list(variants), ts),
+        speeds=speeds,
+        timeout_s=timeout_s,
+        pg_timeout_s=300,
+    )
+
+
+def summarize(results: list[dict], skip: int = 1) -> dict:
+    """Per variant: median step time, per-rank idle ratios, compute stall, losses."""
+    out = {}
+    world = len(results)
+    variants = list(results[0]["records"])
+    for name in variants:
+        if name == "reference":
+            recs = results[0]["records"][name]
+            steps = [r["step_s"] for r in recs[skip:]] or [r["step_s"] for r in recs]
+            out[name] = {
+                "step_time_s": statistics.median(steps),
+                "final_train_loss": recs[-1]["loss"] if recs else None,
+                "eval_loss": results[0]["eval_loss"][name],
+                "train_losses": [r["loss"] for r in recs],
+            }
+            continue
+        per_rank = [res["records"][name] for res in results]
+        n = len(per_rank[0])
+        sys_t, idle = [], [[] for _ in range(world)]
+        for i in range(min(skip, n - 1) if n > 1 else 0, n):
+            t_sys = max(per_rank[r][i]["step_s"] for r in range(world))
+            sys_t.append(t_sys)
+            for r in range(world):
+                rec = per_rank[r][i]
+                idle[r].append((rec["comm_s"] + t_sys - rec["step_s"]) / t_sys)
+        idle_med = [statistics.median(x) for x in idle]
+        out[name] = {
+            "step_time_s": statistics.median(sys_t),
+            "idle_ratio_per_rank": idle_med,
+            "idle_ratio": max(idle_med),
+            "compute_stall_ratio": min(idle_med),
+            "final_train_loss": per_rank[0][-1]["loss"],
+            "eval_loss": results[0]["eval_loss"][name],
+            "train_losses": [r["loss"] for r in per_rank[0]],
+        }
+        if name in results[0]["partitions"]:
+            out[name]["partition"] = results[0]["partitions"][name]
+        if name == "pp":
+            out[name]["layers_per_stage"] = results[0]["pp_layers"]
+    return out
+
+
+def headline(summary: dict) -> dict:
+    h = {}
+    if "xronos" in summary:
+        h["idle_ratio_xronos"] = summary["xronos"]["idle_ratio"]
+    if "tp" in summary:
+        h["idle_ratio_tp"] = summary["tp"]["idle_ratio"]
+        if "xronos" in summary:
+            h["step_time_ratio_vs_tp"] = summary["xronos"]["step_time_s"] / summary["tp"]["step_time_s"]
+    if "pp" in summary and "xronos" in summary:
+        h["step_time_ratio_vs_pp"] = summary["xronos"]["step_time_s"] / summary["pp"]["step_time_s"]
+    if "reference" in summary and "xronos" in summary:
+        ref = summary["reference"]["eval_loss"]
+        h["loss_rel_diff_vs_reference"] = abs(summary["xronos"]["eval_loss"] - ref) / abs(ref)
+    return h
+
+
+def emulation_info(speeds: list[float]) -> dict:
+    import hwtopo
+
+    method = "cgroup" if hwtopo.cgroup_available() else "duty-cycle"
+    return {
+        "emulated": True,
+        "relative_speeds": list(speeds),
+        "method": method,
+        "cgroup_period_us": THROTTLE_PERIOD_US if method == "cgroup" else None,
+        "note": "ranks share one machine; slower ranks are CPU-throttled with hwtopo.throttle",
+    }

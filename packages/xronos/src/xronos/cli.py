@@ -1,0 +1,357 @@
+"""Command line: ``xronos demo | bench | train | partition``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+
+log = logging.getLogger("xronos")
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit 2)."""
+
+
+def _speeds(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--speeds: {text!r} is not a comma-separated list of numbers, e.g. 1.0,0.5") from None
+    if len(vals) < 1 or any(not 0 < v <= 1 for v in vals):
+        raise UsageError(f"--speeds: {text!r} must list relative speeds in (0, 1], e.g. 1.0,0.5")
+    return vals
+
+
+def _cfg(args, **extra):
+    from .train import TrainConfig
+
+    fields = dict(
+        family=args.family,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        steps=args.steps,
+        seed=args.seed,
+        data=getattr(args, "data", None),
+    )
+    fields.update(extra)
+    cfg = TrainConfig(**fields)
+    try:
+        cfg.validate()
+        cfg.shape()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if cfg.family not in ("llama", "qwen2"):
+        raise UsageError(f"--family must be llama or qwen2, not {cfg.family!r}")
+    return cfg
+
+
+def _model_args(p: argparse.ArgumentParser, steps: int) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--family", default="llama", help="llama or qwen2 (tiny config built locally)")
+    g.add_argument("--hidden", type=int, default=256)
+    g.add_argument("--layers", type=int, default=4)
+    g.add_argument("--heads", type=int, default=8)
+    g.add_argument("--kv-heads", type=int, default=4)
+    g.add_argument("--intermediate", type=int, default=1024)
+    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--batch", type=int, default=4)
+    g.add_argument("--steps", type=int, default=steps)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
+    rows = [["variant", "step time (s)", "idle ratio (max rank)", "compute stall", "eval loss", "shards / stages"]]
+    for name, s in summary.items():
+        if "partition" in s:
+            p = s["partition"]
+            shards = f"heads {p['q_heads']} mlp {p['mlp_columns']}"
+        elif "layers_per_stage" in s:
+            shards = f"layers {s['layers_per_stage']}"
+        else:
+            shards = "1 process, full model"
+        rows.append(
+            [
+                name,
+                f"{s['step_time_s']:.3f}",
+                f"{s['idle_ratio']:.3f}" if "idle_ratio" in s else "-",
+                f"{s['compute_stall_ratio']:.3f}" if "compute_stall_ratio" in s else "-",
+                f"{s['eval_loss']:.5f}",
+                shards,
+            ]
+        )
+    return rows
+
+
+def _fmt_table(rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+        return "\n".join(out)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _timeline_plot(results: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install 'xronos[plot]'); no plot written")
+        return False
+    names = [n for n in ("xronos", "tp") if n in results[0]["timelines"]]
+    if not names:
+        return False
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.6 + 1.1 * len(results) * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        t_base = min(r["timelines"][name]["t0"] for r in results)
+        for r in results:
+            tl = r["timelines"][name]
+            y = r["rank"]
+            ax.broken_barh([(tl["t0"] - t_base, tl["step_s"])], (y - 0.35, 0.7), color="tab:green")
+            ax.broken_barh([(a - t_base, b - a) for a, b in tl["events"]], (y - 0.35, 0.7), color="tab:red")
+        ax.set_yticks([r["rank"] for r in results], [f"rank {r['rank']} (speed {r['speed']})" for r in results])
+        ax.set_title(f"{name}: one step, green = computing, red = waiting in all-reduce (emulated speeds)")
+        ax.set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _run_compare(args, cfg, speeds, variants):
+    from .bench import headline, run_comparison, summarize
+
+    t0 = time.perf_counter()
+    results = run_comparison(cfg, speeds, variants)
+    summary = summarize(results)
+    return results, summary, headline(summary), time.perf_counter() - t0
+
+
+def cmd_demo(args) -> int:
+    speeds = _speeds(args.speeds)
+    cfg = _cfg(args, lora_r=8)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.quiet:
+        print(
+            f"xronos demo: LoRA fine-tune on {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps",
+            file=sys.stderr,
+        )
+    results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp"])
+    rows = _table(summary, speeds)
+    print(_fmt_table(rows, False))
+    print(json.dumps(head, indent=2))
+    plotted = _timeline_plot(results, out / "timeline.png")
+    import hwtopo
+
+    md = [
+        f"# xronos demo ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"LoRA (r=8) fine-tuning of a tiny {cfg.family} ({cfg.layers} layers, hidden {cfg.hidden}) on Python "
+        f"stdlib sources, {cfg.steps} steps, {len(speeds)} ranks at **emulated** relative speeds {speeds} "
+        "(hwtopo CPU throttle on one shared machine; measured on a loaded 2-core machine).",
+        "",
+        _fmt_table(rows, True),
+        "",
+        "Headline: " + ", ".join(f"`{k}` = {v:.4g}" for k, v in head.items()),
+        "",
+    ]
+    if plotted:
+        md.append("- timeline.png: one step per rank, computing vs waiting at all-reduces, Xronos vs even TP")
+    hwtopo.atomic_write_text(out / "report.md", "\n".join(md) + "\n")
+    hwtopo.atomic_write_text(out / "results.json", json.dumps({"summary": summary, "headline": head}, indent=2))
+    if not args.quiet:
+        print(f"wrote {out / 'report.md'} in {wall:.0f}s", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import hwtopo
+
+    from .bench import emulation_info
+
+    speeds = _speeds(args.speeds) if args.speeds else ([1.0, 0.5] if args.quick else [1.0, 0.7, 0.4])
+    cfg = _cfg(args)
+    if not args.quiet:
+        print(f"xronos bench: {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps", file=sys.stderr)
+    results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp", "pp"])
+    print(_fmt_table(_table(summary, speeds), False))
+    print(json.dumps(head, indent=2))
+    doc = {
+        "package": "xronos",
+        "version": __version__,
+        "config": {
+            **cfg.to_dict(),
+            "speeds": speeds,
+            "quick": bool(args.quick),
+            "wall_s": wall,
+            "note": "measured on a shared, loaded machine; ratios are from one interleaved run",
+        },
+        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
+        "results": {**summary, "profiles": [r["profile"] for r in results]},
+        "headline": head,
+        "emulated": emulation_info(speeds),
+    }
+    if args.json:
+        hwtopo.atomic_write_text(Path(args.json), json.dumps(doc, indent=2, default=str) + "\n")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .runner import finetune
+
+    speeds = _speeds(args.speeds)
+    cfg = _cfg(args, lora_r=args.lora_r)
+    if args.data and not Path(args.data).is_file():
+        raise UsageError(f"--data: {args.data} is not a readable file")
+    res = finetune(
+        cfg,
+        speeds,
+        args.mode,
+        args.ckpt_dir,
+        args.ckpt_every,
+        args.save,
+        None if args.memory is None else _bytes(args.memory),
+    )
+    r0 = res[0]
+    print(
+        json.dumps(
+            {
+                "partition": r0["partition"],
+                "resumed_from": r0["resumed_from"],
+                "final_train_loss": r0["losses"][-1] if r0["losses"] else None,
+                "eval_loss": r0["eval_loss"],
+                "perplexity": r0["perplexity"],
+                "saved": r0["saved"],
+                "emulated_speeds": speeds,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def _bytes(text: str) -> float:
+    import hwtopo
+
+    try:
+        return float(hwtopo.parse_bytes(text))
+    except (hwtopo.SpecError, ValueError):
+        raise UsageError(f"--memory: {text!r} is not a size; use e.g. 512MiB") from None
+
+
+def cmd_partition(args) -> int:
+    from .partition import costs_from_speeds, even_partition, partition
+
+    cfg = _cfg(args)
+    shape = cfg.shape()
+    if args.cluster:
+        import hwtopo
+
+        from .profile import costs_from_cluster
+
+        try:
+            cluster = hwtopo.load(args.cluster)
+        except (hwtopo.SpecError, OSError) as e:
+            raise UsageError(f"--cluster: {e}") from None
+        costs = costs_from_cluster(cluster, shape)
+    else:
+        speeds = _speeds(args.speeds)
+        mem = [_bytes(m) for m in args.memory.split(",")] if args.memory else None
+        if mem is not None and len(mem) != len(speeds):
+            raise UsageError(f"--memory lists {len(mem)} sizes but --speeds lists {len(speeds)} ranks")
+        costs = costs_from_speeds(speeds, shape, memory_bytes=mem)
+    p = partition(shape, costs)
+    e = even_partition(shape, len(costs))
+    from .partition import segment_objective
+
+    print(
+        json.dumps(
+            {
+                "xronos": p.describe(),
+                "even": e.describe(),
+                "predicted_speedup_vs_even": segment_objective(costs, e.attn_units, e.mlp_units) / p.predicted_layer_s,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="xronos", description="Heterogeneity-aware tensor parallelism on CPUs.")
+    ap.add_argument("--version", action="version", version=f"xronos {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--quiet", action="store_true", help="no progress output")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    d = sub.add_parser("demo", help="short LoRA fine-tune on an emulated heterogeneous pair, table + timeline plot")
+    d.add_argument("--out", default="demo-output/xronos", help="output directory (report.md, timeline.png)")
+    d.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
+    _model_args(d, steps=10)
+    common(d)
+    b = sub.add_parser("bench", help="Xronos vs even TP vs GPipe PP vs single-process reference, side by side")
+    b.add_argument("--quick", action="store_true", help="2 ranks at speeds 1.0,0.5 (under 3 minutes)")
+    b.add_argument("--json", help="write the results JSON here")
+    b.add_argument("--speeds", help="emulated relative speed per rank (default 1.0,0.5 quick; 1.0,0.7,0.4 full)")
+    _model_args(b, steps=20)
+    common(b)
+    t = sub.add_parser("train", help="fine-tune with checkpoints (resumes), evaluate, optionally save_pretrained")
+    t.add_argument("--speeds", default="1.0,0.5")
+    t.add_argument("--mode", default="xronos", choices=["xronos", "tp"])
+    t.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    t.add_argument("--data", help="a text file (default: the Python standard library's sources)")
+    t.add_argument("--ckpt-dir", help="checkpoint directory (default under ~/.cache/mlsyskit/xronos)")
+    t.add_argument("--ckpt-every", type=int, default=10)
+    t.add_argument("--save", help="write the gathered full model here (save_pretrained)")
+    t.add_argument("--memory", help="memory per rank for shards, e.g. 64MiB")
+    _model_args(t, steps=20)
+    common(t)
+    p = sub.add_parser("partition", help="print the partition for given speeds (or an hwtopo cluster spec)")
+    p.add_argument("--speeds", default="1.0,0.5")
+    p.add_argument("--memory", help="comma-separated memory per rank for shards, e.g. 8MiB,64MiB")
+    p.add_argument("--cluster", help="hwtopo cluster spec (name or file) instead of --speeds")
+    _model_args(p, steps=0)
+    common(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    handlers = {"demo": cmd_demo, "bench": cmd_bench, "train": cmd_train, "partition": cmd_partition}
+    from .launch import WorkerError
+    from .partition import PartitionError
+
+    try:
+        return handlers[args.cmd](args)
+    except (UsageError, PartitionError) as e:
+        if args.debug:
+            raise
+        print(f"xronos: error: {e}", file=sys.stderr)
+        return 2
+    except (WorkerError, RuntimeError, OSError, ValueError) as e:
+        if args.debug:
+            raise
+        print(f"xronos: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

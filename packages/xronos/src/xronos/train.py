@@ -1,0 +1,321 @@
+"""Fine-tuning loops: tensor parallel (Xronos or even shards), GPipe pipeline, single-process reference.
+
+All three take the same :class:`TrainConfig`, the same model initialisation (fixed seed), the same
+batches and the same AdamW/clipping, so their losses are comparable and their step times can be
+measured side by side. Per step each returns the loss, its wall time and the seconds it spent in
+collectives or point-to-point transfers (waiting for peers included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import ByteCorpus, load_text
+from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
+from .partition import ModelShape, Partition
+from .shard import build_model, enable_lora, shard_model, tiny_config
+
+__all__ = ["TrainConfig", "TPTrainer", "PPTrainer", "split_layers", "make_corpus"]
+
+
+@dataclass
+class TrainConfig:
+    """Model, data and optimiser settings shared by every variant."""
+
+    family: str = "llama"
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 1024
+    mlp_block: int = 16
+    seq_len: int = 128
+    batch: int = 4
+    micro_batches: int = 4
+    steps: int = 20
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    lora_r: int = 0
+    lora_alpha: float = 16.0
+    seed: int = 0
+    eval_batches: int = 4
+    data: str | None = None
+    max_bytes: int = 2_000_000
+
+    def validate(self) -> None:
+        positive = (
+            "hidden",
+            "layers",
+            "heads",
+            "kv_heads",
+            "intermediate",
+            "mlp_block",
+            "seq_len",
+            "batch",
+            "micro_batches",
+            "eval_batches",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, not {getattr(self, name)!r}")
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, not {self.steps}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.batch % self.micro_batches:
+            raise ValueError(f"batch ({self.batch}) must be a multiple of micro_batches ({self.micro_batches})")
+        if not (self.lr > 0 and self.clip > 0):
+            raise ValueError("lr and clip must be > 0")
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r must be >= 0 (0 = full fine-tuning), not {self.lora_r}")
+
+    def model_config(self):
+        return tiny_config(
+            self.family,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            intermediate_size=self.intermediate,
+            max_position_embeddings=max(1024, self.seq_len),
+        )
+
+    def shape(self) -> ModelShape:
+        return ModelShape.from_config(self.model_config(), mlp_block=self.mlp_block)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def make_corpus(cfg: TrainConfig) -> ByteCorpus:
+    return ByteCorpus(load_text(cfg.data, cfg.max_bytes), cfg.seq_len, cfg.seed)
+
+
+def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def _atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class TPTrainer:
+    """Tensor-parallel fine-tuning of one rank's shard (``part``), or the unsharded reference (``part=None``)."""
+
+    def __init__(self, cfg: TrainConfig, part: Partition | None, rank: int = 0, group=None, corpus=None):
+        cfg.validate()
+        self.cfg, self.part, self.rank, self.group = cfg, part, rank, group
+        self.corpus = corpus or make_corpus(cfg)
+        model = build_model(cfg.model_config(), cfg.seed)
+        if part is not None:
+            shard_model(model, part, rank, group)
+        if cfg.lora_r:
+            if part is None:  # the reference gets the same adapters through a one-rank "partition"
+                raise ValueError("the LoRA reference needs a one-rank partition; pass even_partition(shape, 1)")
+            params = enable_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.seed)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+        self.model, self.params = model, params
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step_idx = 0
+
+    def step(self) -> dict:
+        """One optimiser step on batch ``step_idx``; returns loss, wall seconds, collective seconds."""
+        ids = self.corpus.batch(self.step_idx, self.cfg.batch)
+        COMM.reset()
+        t0 = time.perf_counter()
+        self.model.train()
+        logits = self.model(input_ids=ids).logits
+        loss = _lm_loss(logits, ids)
+        loss.backward()
+        if self.part is not None:
+            sync_partial_grads(self.model, self.group)
+            norm = clip_grad_norm(self.params, self.cfg.clip, self.group)
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        self.step_idx += 1
+        return {"loss": loss.item(), "step_s": t1 - t0, "comm_s": COMM.seconds, "grad_norm": norm, "t0": t0}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = [
+            _lm_loss(self.model(input_ids=b).logits, b).item()
+            for b in self.corpus.eval_batches(self.cfg.eval_batches, self.cfg.batch)
+        ]
+        return sum(losses) / len(losses)
+
+    def checkpoint_path(self, directory: str | os.PathLike) -> Path:
+        return Path(directory) / f"rank{self.rank}.pt"
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """This rank's shard, optimiser state and step, written atomically."""
+        path = self.checkpoint_path(directory)
+        part = None if self.part is None else self.part.describe()
+        _atomic_save(
+            {
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+                "step": self.step_idx,
+                "partition": part,
+                "config": self.cfg.to_dict(),
+            },
+            path,
+        )
+        return path
+
+    def load(self, directory: str | os.PathLike) -> bool:
+        """Resume from this rank's checkpoint if there is one; False when none exists."""
+        path = self.checkpoint_path(directory)
+        if not path.exists():
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        part = None if self.part is None else self.part.describe()
+        if state["partition"] is not None and part is not None:
+            saved = {k: state["partition"][k] for k in ("q_heads", "kv_heads", "mlp_columns")}
+            now = {k: part[k] for k in saved}
+            if saved != now:
+                raise ValueError(f"checkpoint {path} was saved with partition {saved}, not the current {now}")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step_idx = state["step"]
+        return True
+
+
+def split_layers(num_layers: int, speeds: list[float]) -> list[int]:
+    """Layers per pipeline stage proportional to speed (largest remainder, at least one each)."""
+    n = len(speeds)
+    if num_layers < n:
+        raise ValueError(f"{num_layers} layers cannot make {n} pipeline stages")
+    raw = [num_layers * s / sum(speeds) for s in speeds]
+    counts = [max(1, math.floor(r)) for r in raw]
+    while sum(counts) > num_layers:
+        i = max((i for i in range(n) if counts[i] > 1), key=lambda i: counts[i] - raw[i])
+        counts[i] -= 1
+    while sum(counts) < num_layers:
+        i = max(range(n), key=lambda i: raw[i] - counts[i])
+        counts[i] += 1
+    return counts
+
+
+class PPTrainer:
+    """GPipe-style pipeline stage: all micro-batches forward, then all backward, over send/recv."""
+
+    def __init__(self, cfg: TrainConfig, speeds: list[float], rank: int, world: int, group=None, corpus=None):
+        cfg.validate()
+        self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
+        self.corpus = corpus or make_corpus(cfg)
+        self.counts = split_layers(cfg.layers, speeds)
+        start = sum(self.counts[:rank])
+        full = build_model(cfg.model_config(), cfg.seed)
+        base = full.model
+        self.first, self.last = rank == 0, rank == world - 1
+        self.embed = base.embed_tokens if self.first else None
+        self.layers = torch.nn.ModuleList(base.layers[start : start + self.counts[rank]])
+        self.norm = base.norm if self.last else None
+        self.head = full.lm_head if self.last else None
+        self.rotary = base.rotary_emb
+        mods = [m for m in (self.embed, self.layers, self.norm, self.head) if m is not None]
+        self.params = [p for m in mods for p in m.parameters()]
+        if cfg.lora_r:
+            raise ValueError("the pipeline baseline fine-tunes all weights; use lora_r=0")
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.step_idx = 0
+        self.comm_s = 0.0
+
+    def _p2p(self, fn, t, peer):
+        t0 = time.perf_counter()
+        fn(t, peer)
+        self.comm_s += time.perf_counter() - t0
+
+    def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(self.cfg.seq_len).unsqueeze(0)
+        pe = self.rotary(x, position_ids=pos)
+        for layer in self.layers:  # attention_mask=None: sdpa applies the causal mask itself
+            x = layer(x, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        return x
+
+    def _forward_all(self, ids: torch.Tensor, keep_graph: bool):
+        mb = ids.chunk(self.cfg.micro_batches)
+        shape = (mb[0].shape[0], self.cfg.seq_len, self.cfg.hidden)
+        saved, losses = [], []
+        for m in mb:
+            if self.first:
+                inp = self.embed(m)
+            else:
+                inp = torch.empty(shape)
+                self._p2p(dist.recv, inp, self.rank - 1)
+                inp.requires_grad_(keep_graph)
+            out = self._stage_forward(inp)
+            if self.last:
+                losses.append(_lm_loss(self.head(self.norm(out)), m) / len(mb))
+            else:
+                self._p2p(dist.send, out.detach().contiguous(), self.rank + 1)
+            saved.append((inp, out))
+        return saved, losses, shape
+
+    def step(self) -> dict:
+        ids = self.corpus.batch(self.step_idx, self.cfg.batch)
+        self.comm_s = 0.0
+        t0 = time.perf_counter()
+        saved, losses, shape = self._forward_all(ids, True)
+        for i in reversed(range(len(saved))):
+            inp, out = saved[i]
+            if self.last:
+                losses[i].backward()
+            else:
+                grad = torch.empty(shape)
+                self._p2p(dist.recv, grad, self.rank + 1)
+                out.backward(grad)
+            if not self.first:
+                self._p2p(dist.send, inp.grad.contiguous(), self.rank - 1)
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum()
+        c0 = time.perf_counter()
+        dist.all_reduce(sq, group=self.group)
+        self.comm_s += time.perf_counter() - c0
+        total = float(sq.sqrt())
+        coef = self.cfg.clip / (total + 1e-6)
+        if coef < 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        loss = torch.tensor(sum(x.item() for x in losses) if self.last else 0.0, dtype=torch.float64)
+        dist.all_reduce(loss, group=self.group)  # reporting only, after the timed step
+        self.step_idx += 1
+        return {"loss": float(loss), "step_s": t1 - t0, "comm_s": self.comm_s, "grad_norm": total, "t0": t0}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        total = 0.0
+        batches = self.corpus.eval_batches(self.cfg.eval_batches, self.cfg.batch)
+        for b in batches:
+            _, losses, _ = self._forward_all(b, False)
+            total += sum(x.item() for x in losses)
+        t = torch.tensor(total / len(batches) if self.last else 0.0, dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return float(t)
+
+
+_ = all_reduce  # re-exported for workers that time their own collectives
