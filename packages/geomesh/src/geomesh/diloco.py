@@ -63,6 +63,22 @@ def _shape_digest(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([int.from_bytes(h, "little", signed=True)], dtype=torch.int64)
 
 
+def exchange_meta(tokens: int, compute_s: float, world: int, group=None) -> tuple[list[int], list[float], float]:
+    """all_gather of (tokens, compute seconds): the sync point; its blocking time is straggler idle.
+
+    Returns every worker's tokens, measured throughput (tokens/s) and the seconds this rank waited.
+    """
+    meta = torch.tensor([float(tokens), compute_s], dtype=torch.float64)
+    t0 = time.perf_counter()
+    if world > 1:
+        got = [torch.zeros_like(meta) for _ in range(world)]
+        dist.all_gather(got, meta, group=group)
+    else:
+        got = [meta]
+    wait_s = time.perf_counter() - t0
+    return [int(g[0]) for g in got], [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got], wait_s
+
+
 class DiLoCo:
     """Outer/inner loop state of one worker; call ``step(tokens)`` after every inner optimizer step."""
 
@@ -144,18 +160,7 @@ class DiLoCo:
         return [s.detach() - p.detach().float() for s, p in zip(self.synced, self.params)]
 
     def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float]:
-        """all_gather of (tokens, compute seconds): the sync point; its blocking time is straggler idle."""
-        meta = torch.tensor([float(self.tokens), compute_s], dtype=torch.float64)
-        t0 = time.perf_counter()
-        if self.world > 1:
-            got = [torch.zeros_like(meta) for _ in range(self.world)]
-            dist.all_gather(got, meta, group=self.group)
-        else:
-            got = [meta]
-        wait_s = time.perf_counter() - t0
-        toks = [int(g[0]) for g in got]
-        rates = [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got]
-        return toks, rates, wait_s
+        return exchange_meta(self.tokens, compute_s, self.world, self.group)
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""

@@ -1,0 +1,438 @@
+"""The side-by-side benchmark: GeoMesh vs DiLoCo (fp32, fp16), DDP and async on one machine.
+
+Workers are processes (gloo, one thread each) pinned to emulated speeds with ``hwtopo.throttle``
+(the cluster spec's relative speeds x ``cpus``), placed on the spec's machines, and every collective
+is stretched to the spec's WAN links (``WanEmulator``). The model is a tiny Llama built locally; the
+text is this Python's own standard-library sources, byte-level. Rank 0 keeps a weight snapshot after
+every outer step (every H steps for DDP); the parent evaluates validation perplexity afterwards so
+evaluation never counts as training time.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import hwtopo
+
+from .balance import MemoryModel, Rebalancer, WorkerProfile, plan
+from .baselines import AsyncServer, GradientAllReduce
+from .diloco import DiLoCo
+from .launch import spawn
+from .wan import WanEmulator
+
+__all__ = ["BenchConfig", "METHODS", "run_bench", "load_corpus", "build_model", "headline"]
+
+log = logging.getLogger(__name__)
+METHODS = ("geomesh", "diloco-fp32", "diloco-fp16", "ddp", "async")
+
+
+@dataclass
+class BenchConfig:
+    cluster: str = "geo-3region"
+    cpus: float = 0.25  # speed s of a worker = s x cpus CPUs: below a loaded 2-core machine's share per process
+    seq_len: int = 64
+    batch: int = 4
+    inner_steps: int = 8
+    outer_steps: int = 10
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    inner_lr: float = 3e-3
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    chunk_size: int = 1024
+    seed: int = 0
+    text_bytes: int = 1_500_000
+    val_seqs: int = 48
+    profile_steps: int = 4
+    rebalance_threshold: float = 0.15
+    ddp_time_cap: float = 3.0  # DDP stops after this many times DiLoCo-fp32's wall time (when measured first)
+    methods: tuple[str, ...] = METHODS
+    timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for name in ("seq_len", "batch", "inner_steps", "outer_steps", "hidden", "layers", "heads", "val_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: {v!r} must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden: {self.hidden} must be a multiple of heads ({self.heads})")
+        if not 0 < self.cpus <= 4:
+            raise ValueError(f"cpus: {self.cpus!r} must be in (0, 4]")
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"methods: {bad or '[]'} not valid; choose from {list(METHODS)}")
+        hwtopo.load(self.cluster)  # SpecError names the bad field
+
+
+def load_corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Byte tokens of this Python's stdlib sources (sorted, deterministic): 90% train, 10% val."""
+    root = os.path.dirname(os.__file__)
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py"))
+    chunks, total, used = [], 0, []
+    for n in names:
+        with open(os.path.join(root, n), "rb") as f:
+            data = f.read()
+        chunks.append(data)
+        used.append(n)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    if len(blob) < 10_000:
+        raise RuntimeError(f"found only {len(blob)} bytes of Python sources under {root}")
+    toks = torch.frombuffer(bytearray(blob), dtype=torch.uint8).long()
+    cut = int(len(toks) * 0.9)
+    return toks[:cut], toks[cut:], used
+
+
+def build_model(cfg: BenchConfig):
+    """A tiny Llama (byte vocabulary) built locally from its config: nothing is downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    conf = LlamaConfig(
+        vocab_size=256,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.hidden * 2,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=max(1, cfg.heads // 2),
+        max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(conf)
+
+
+class Sampler:
+    """Random windows of the train tokens; the stream depends only on (seed, rank)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int, rank: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.gen = torch.Generator().manual_seed(seed * 1009 + rank)
+
+    def next(self, batch: int) -> torch.Tensor:
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (batch,), generator=self.gen)
+        return torch.stack([self.tokens[s : s + self.seq_len] for s in starts.tolist()])
+
+
+def _loss(model, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss
+
+
+@torch.no_grad()
+def perplexity(model, val: torch.Tensor, seq_len: int, n: int) -> float:
+    step = max(1, (len(val) - seq_len - 1) // n)
+    xs = torch.stack([val[i * step : i * step + seq_len] for i in range(n)])
+    model.eval()
+    loss = float(_loss(model, xs))
+    model.train()
+    return math.exp(loss)
+
+
+def _snapshot(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_steps(model, opt, sampler: Sampler, batch: int, steps: int) -> None:
+    for _ in range(steps):
+        _loss(model, sampler.next(batch)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out):
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
+    seq, b, h = cfg.seq_len, cfg.batch, cfg.inner_steps
+    rb = None
+    if method == "geomesh":
+        # profile throughput on a throw-away copy, share it, and plan (b_i, H_i) identically everywhere
+        probe = copy.deepcopy(model)
+        popt = torch.optim.AdamW(probe.parameters(), lr=cfg.inner_lr)
+        _train_steps(probe, popt, sampler, b, 1)  # warm-up
+        ts = time.perf_counter()
+        _train_steps(probe, popt, sampler, b, cfg.profile_steps)
+        rate = torch.tensor([cfg.profile_steps * b * seq / (time.perf_counter() - ts)], dtype=torch.float64)
+        rates = [torch.zeros_like(rate) for _ in range(world)]
+        dist.all_gather(rates, rate)
+        params = sum(p.numel() for p in model.parameters())
+        memory = MemoryModel(fixed_bytes=16 * params, bytes_per_sample=4 * seq * cfg.hidden * cfg.layers * 16)
+        profiles = [
+            WorkerProfile(m, float(r), cluster.machine(m).accelerator_memory_bytes or math.inf)
+            for m, r in zip(machines, rates)
+        ]
+        kw = {"memory": memory, "max_batch": 2 * b, "preferred_batch": b}
+        p = plan(profiles, seq, world * b * h * seq, **kw)
+        out["plan"] = p.to_dict()
+        rb = Rebalancer(p, threshold=cfg.rebalance_threshold, ema=0.5, **kw)
+        mine = p.worker(machines[rank])
+        b, h = mine.batch, mine.inner_steps
+    comp = "sign" if method == "geomesh" else method.split("-")[1]
+    dl = DiLoCo(
+        model,
+        opt,
+        h,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        compression=comp,
+        chunk_size=cfg.chunk_size,
+        batch_size=b,
+        wan=wan,
+        rebalancer=rb,
+        worker_name=machines[rank],
+    )
+    tokens_done = 0
+    while dl.outer_step < cfg.outer_steps:
+        x = sampler.next(dl.batch_size)
+        _loss(model, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        st = dl.step(x.numel())
+        if st is not None:
+            tokens_done += sum(st.all_tokens)
+            if rank == 0:
+                out["snapshots"].append((time.perf_counter() - t0, tokens_done, _snapshot(model)))
+    out["history"] = [s.to_dict() for s in dl.history]
+    out["replans"] = rb.replans if rb else 0
+
+
+def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s):
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
+    ar = GradientAllReduce(model, wan=wan)
+    tokens_done = 0
+    out["capped"] = False
+    for step in range(cfg.outer_steps * cfg.inner_steps):
+        stop = torch.tensor([1 if cap_s and time.perf_counter() - t0 > cap_s else 0])
+        dist.all_reduce(stop)  # every rank stops at the same step
+        if int(stop):
+            out["capped"] = True
+            break
+        x = sampler.next(cfg.batch)
+        _loss(model, x).backward()
+        st = ar.sync(x.numel())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens_done += sum(st.all_tokens)
+        # a snapshot per DiLoCo-outer-step worth of tokens (one per 'inner_steps' steps)
+        if rank == 0 and (step + 1) % max(1, cfg.inner_steps // 2) == 0:
+            out["snapshots"].append((time.perf_counter() - t0, tokens_done, _snapshot(model)))
+    out["history"] = [s.to_dict() for s in ar.history]
+
+
+def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncServer, t0, out):
+    """Pull, H inner steps, push a stale pseudo-gradient; the link to the server (rank 0's machine) is shaped."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_outer = world * cfg.batch * cfg.inner_steps * cfg.seq_len
+    total = cfg.outer_steps * per_outer
+    me, srv = machines[rank], machines[0]
+    route = cluster.route(me, srv) if me != srv else []
+    shaper = (
+        hwtopo.LinkShaper(
+            bandwidth_bytes_per_s=min(lk.bandwidth_bytes_per_s for lk in route),
+            latency_s=sum(lk.latency_s for lk in route),
+        )
+        if route
+        else None
+    )
+    out["history"] = []
+    wait_total = 0.0
+    while True:
+        ts = time.perf_counter()
+        base, done = server.pull()
+        if shaper:
+            shaper.transfer(server.nbytes)
+        comm = time.perf_counter() - ts
+        if done >= total:
+            break
+        with torch.no_grad():
+            off = 0
+            for p in params:
+                p.copy_(base[off : off + p.numel()].view_as(p))
+                off += p.numel()
+        tc = time.perf_counter()
+        _train_steps(model, opt, sampler, cfg.batch, cfg.inner_steps)
+        compute_s = time.perf_counter() - tc
+        cur = torch.cat([p.detach().reshape(-1) for p in params])
+        ts = time.perf_counter()
+        if shaper:
+            shaper.transfer(server.nbytes)
+        tokens = cfg.batch * cfg.inner_steps * cfg.seq_len
+        done, updates, wait = server.push(base - cur, tokens, share=1.0 / world)
+        wait_total += wait
+        comm += time.perf_counter() - ts - wait
+        out["history"].append(
+            {
+                "compute_s": compute_s,
+                "wait_s": wait,
+                "comm_s": comm,
+                "payload_bytes": server.nbytes,
+                "wire_bytes": 2.0 * server.nbytes,
+            }
+        )
+        if updates % world == 0:
+            snap, _ = server.pull()
+            out["snapshots"].append((time.perf_counter() - t0, done, snap))
+
+
+def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server, cap_s=None) -> dict:
+    torch.set_num_threads(1)
+    cluster = hwtopo.load(cfg.cluster)
+    machines = cluster.names[:world]
+    speed = cluster.relative_speeds()[machines[rank]]
+    thr = hwtopo.throttle(os.getpid(), speed=speed * cfg.cpus, cpus=1.0)
+    try:
+        model = build_model(cfg)
+        sampler = Sampler(train, cfg.seq_len, cfg.seed, rank)
+        wan = WanEmulator(cluster, machines)
+        out: dict = {"rank": rank, "machine": machines[rank], "throttle": thr.describe(), "snapshots": []}
+        if rank == 0:
+            out["snapshots"].append((0.0, 0, _snapshot(model)))
+        dist.barrier()
+        t0 = time.perf_counter()
+        if method == "ddp":
+            _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s)
+        elif method == "async":
+            _async(cfg, rank, world, model, sampler, cluster, machines, server, t0, out)
+        else:
+            _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out)
+        out["wall_s"] = time.perf_counter() - t0
+        out["wan"] = wan.describe()
+        if method != "async":
+            dist.barrier()  # the run ends when the last worker is done
+        return out
+    finally:
+        thr.close()
+
+
+def _ttt(curve: list[tuple[float, int, float]], target: float) -> float | None:
+    for t, _, ppl in curve:
+        if ppl <= target:
+            return t
+    return None
+
+
+def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, float]]) -> dict:
+    wall = [o["wall_s"] for o in outs]
+    hist = [o["history"] for o in outs]
+    wait = [sum(h["wait_s"] for h in hs) for hs in hist]
+    comm = [sum(h["comm_s"] for h in hs) for hs in hist]
+    syncs = len(hist[0]) if method != "async" else sum(len(h) for h in hist)
+    payload = hist[0][0]["payload_bytes"] if hist[0] else 0
+    wire = hist[0][0]["wire_bytes"] if hist[0] else 0
+    res = {
+        "wall_s": max(wall),
+        "tokens": curve[-1][1],
+        "final_ppl": curve[-1][2],
+        "straggler_idle": sum(wait) / sum(wall),
+        "straggler_idle_per_worker": [w / t for w, t in zip(wait, wall)],
+        "comm_fraction": sum(comm) / sum(wall),
+        "syncs": syncs,
+        "payload_bytes_per_worker_per_sync": payload,
+        "wire_bytes_per_worker_per_sync": wire,
+        "curve": [{"time_s": t, "tokens": k, "ppl": p} for t, k, p in curve],
+    }
+    if method == "ddp":
+        res["stopped_at_time_cap"] = bool(outs[0].get("capped"))
+    if "plan" in outs[0]:
+        res["plan"] = outs[0]["plan"]
+        res["replans"] = outs[0]["replans"]
+        res["final_inner_steps"] = [o["history"][-1]["all_tokens"] for o in outs][:1]
+    return res
+
+
+def run_bench(cfg: BenchConfig, progress=None) -> dict:
+    """Every method of ``cfg.methods`` in turn, same data and seed; returns the JSON-ready result."""
+    cfg.validate()
+    cluster = hwtopo.load(cfg.cluster)
+    world = len(cluster.machines)
+    train, val, files = load_corpus(cfg.text_bytes)
+    evaluator = build_model(cfg)
+    results: dict = {}
+    emulated: dict = {}
+    for method in cfg.methods:
+        if progress:
+            progress(method)
+        server = None
+        if method == "async":
+            import multiprocessing as mp
+
+            server = AsyncServer(build_model(cfg), cfg.outer_lr, cfg.outer_momentum, lock=mp.get_context("fork").Lock())
+        cap = None
+        if method == "ddp" and "diloco-fp32" in results and cfg.ddp_time_cap > 0:
+            cap = cfg.ddp_time_cap * results["diloco-fp32"]["wall_s"]
+        outs = spawn(
+            _worker,
+            world,
+            (cfg, method, train, server, cap),
+            timeout_s=cfg.timeout_s,
+            start_method="fork",
+            pg_timeout_s=120,
+        )
+        snaps = sorted((s for o in outs for s in o["snapshots"]), key=lambda s: s[0])
+        curve = []
+        for t, toks, state in snaps:
+            if isinstance(state, torch.Tensor):  # async: a flat weight vector
+                with torch.no_grad():
+                    off = 0
+                    for p in evaluator.parameters():
+                        p.copy_(state[off : off + p.numel()].view_as(p))
+                        off += p.numel()
+            else:
+                evaluator.load_state_dict(state)
+            curve.append((t, toks, perplexity(evaluator, val, cfg.seq_len, cfg.val_seqs)))
+        results[method] = _summarize(method, outs, curve)
+        emulated.setdefault("cpu", [o["throttle"] for o in outs])
+        emulated.setdefault("wan", outs[0]["wan"])
+    return {
+        "config": {**asdict(cfg), "corpus_files": len(files), "train_tokens": len(train), "val_tokens": len(val)},
+        "results": results,
+        "headline": headline(results),
+        "emulated": emulated,
+    }
+
+
+def headline(results: dict) -> dict:
+    """The issue's headline keys from the per-method results (None where a method was not run)."""
+    g, d, ddp = results.get("geomesh"), results.get("diloco-fp32"), results.get("ddp")
+    out: dict = {}
+    # the target: the worse of the two DiLoCo-family finals after the same tokens (both reach it)
+    reached = [r["final_ppl"] for r in (g, d) if r] or [r["final_ppl"] for r in results.values()]
+    target = max(reached) if reached else None
+    out["target_ppl"] = target
+    ttt = {
+        k: (_ttt([(c["time_s"], c["tokens"], c["ppl"]) for c in r["curve"]], target) if r else None)
+        for k, r in results.items()
+    }
+    for k, r in results.items():
+        r["time_to_target_s"] = ttt[k]
+    if g and d:
+        out["bytes_ratio_vs_fp32"] = g["payload_bytes_per_worker_per_sync"] / d["payload_bytes_per_worker_per_sync"]
+        out["wire_bytes_ratio_vs_fp32_allreduce"] = (
+            g["wire_bytes_per_worker_per_sync"] / d["wire_bytes_per_worker_per_sync"]
+        )
+        out["ttt_ratio_vs_diloco"] = (
+            ttt["geomesh"] / ttt["diloco-fp32"] if ttt["geomesh"] and ttt["diloco-fp32"] else None
+        )
+        out["straggler_idle_geomesh"] = g["straggler_idle"]
+        out["straggler_idle_diloco"] = d["straggler_idle"]
+        out["ppl_rel_diff_vs_diloco"] = (g["final_ppl"] - d["final_ppl"]) / d["final_ppl"]
+        out["tokens_rel_diff_vs_diloco"] = (g["tokens"] - d["tokens"]) / d["tokens"]
+    if g and ddp:
+        out["ttt_ratio_vs_ddp"] = ttt["geomesh"] / ttt["ddp"] if ttt["geomesh"] and ttt["ddp"] else None
+        if ttt["geomesh"] and ttt["ddp"] is None and ddp.get("stopped_at_time_cap"):
+            # DDP had not reached the target when stopped: the ratio is at most this bound
+            out["ttt_ratio_vs_ddp_upper_bound"] = ttt["geomesh"] / ddp["wall_s"]
+    if g and results.get("async"):
+        out["ppl_rel_diff_async_vs_geomesh"] = (results["async"]["final_ppl"] - g["final_ppl"]) / g["final_ppl"]
+    return out

@@ -1,0 +1,46 @@
+import pytest
+
+from geomesh.bench import BenchConfig, load_corpus, run_bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_corpus_is_real_python_text():
+    train, val, files = load_corpus(100_000)
+    assert len(train) + len(val) == 100_000 and files[0].endswith(".py")
+    assert b"def " in bytes(train[:50_000].tolist())
+
+
+def test_small_bench_side_by_side():
+    cfg = BenchConfig(
+        outer_steps=2,
+        inner_steps=3,
+        batch=2,
+        hidden=32,
+        layers=1,
+        heads=2,
+        cpus=1.0,
+        text_bytes=200_000,
+        val_seqs=8,
+        profile_steps=2,
+        methods=("geomesh", "diloco-fp32", "async"),
+    )
+    res = run_bench(cfg)
+    h = res["headline"]
+    for key in (
+        "bytes_ratio_vs_fp32",
+        "ttt_ratio_vs_diloco",
+        "straggler_idle_geomesh",
+        "straggler_idle_diloco",
+        "ppl_rel_diff_vs_diloco",
+    ):
+        assert key in h
+    assert h["bytes_ratio_vs_fp32"] < 1 / 25
+    assert res["emulated"]["wan"]["emulated"] is True
+    assert all(t["emulated"] for t in res["emulated"]["cpu"])
+    for name, r in res["results"].items():
+        assert r["curve"][0]["ppl"] > r["final_ppl"], name  # training lowered validation perplexity
+        assert 0 <= r["straggler_idle"] < 1
+    g = res["results"]["geomesh"]
+    assert g["syncs"] == 2 and g["plan"]["imbalance"] < 0.5
+    assert abs(h["tokens_rel_diff_vs_diloco"]) < 0.25
