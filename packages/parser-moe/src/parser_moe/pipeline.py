@@ -1,0 +1,122 @@
+"""Glue: decompose every MoE layer once, score residuals with a method, install compressed experts.
+
+Every method uses the same base, the same selection rule and the same budget, so at a given keep
+ratio all methods hold exactly the same bytes (structured) or the same bytes to within one entry per
+layer (unstructured); only the scores differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .base import Decomposition, decompose
+from .baselines import BASELINES, entry_scores, unit_scores
+from .calibrate import CalibrationData, CalibrationError
+from .compressed import CompressedExperts, install
+from .importance import (
+    check_keep_ratio,
+    element_scores_from_units,
+    layer_output_importance,
+    select_elements,
+    select_units,
+)
+from .models import MoELayer, find_moe_layers
+
+log = logging.getLogger(__name__)
+
+METHODS = ("parser", *BASELINES)
+
+
+@dataclass
+class Plan:
+    """Per layer: the MoE layer found, its base/residual decomposition, its calibration samples."""
+
+    layers: list[MoELayer]
+    decomps: dict[str, Decomposition]
+    calib: CalibrationData
+    dtype: dict[str, torch.dtype] = field(default_factory=dict)
+    _scores: dict = field(default_factory=dict)
+
+    def original_bytes(self) -> int:
+        return sum(ly.original_bytes() for ly in self.layers)
+
+
+def prepare(model: nn.Module, calib: CalibrationData, base: str = "aligned", rounds: int = 3) -> Plan:
+    """Find the MoE layers of ``model`` and decompose each into a base and residuals."""
+    layers = find_moe_layers(model)
+    decomps, dtypes = {}, {}
+    for ly in layers:
+        if ly.name not in calib.layers:
+            raise CalibrationError(f"calibration data has no samples for layer {ly.name!r}")
+        decomps[ly.name] = decompose(ly.weights(), base, rounds)
+        p = next(iter(ly.module.parameters()), None)
+        dtypes[ly.name] = p.dtype if p is not None else torch.float32
+    return Plan(layers, decomps, calib, dtypes)
+
+
+def _scores(plan: Plan, ly: MoELayer, method: str, structured: bool):
+    key = (ly.name, method, structured)
+    if key in plan._scores:
+        return plan._scores[key]
+    dec, cal = plan.decomps[ly.name], plan.calib.layers[ly.name]
+    if method == "parser":
+        s = layer_output_importance(dec, cal, ly.act_fn)
+        if not structured:
+            s = element_scores_from_units(s, dec, cal, ly.act_fn)
+    elif method in BASELINES:
+        s = unit_scores(method, dec, cal, ly.act_fn) if structured else entry_scores(method, dec, cal, ly.act_fn)
+    else:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    plan._scores[key] = s
+    return s
+
+
+def entry_ratio_for(keep_ratio: float, hidden: int, value_bytes: int, index_bytes: int = 4) -> float:
+    """Keep ratio over residual entries that spends the same bytes as ``keep_ratio`` of units.
+
+    A unit costs 3H values + one index; an entry costs one value + one index.
+    """
+    unit_cost = 3 * hidden * value_bytes + index_bytes
+    entry_cost = value_bytes + index_bytes
+    return min(1.0, keep_ratio * unit_cost / (3 * hidden * entry_cost))
+
+
+def compress_model(
+    model: nn.Module,
+    plan: Plan,
+    method: str = "parser",
+    keep_ratio: float = 0.2,
+    *,
+    structured: bool = True,
+    min_per_expert: int = 2,
+    inplace: bool = False,
+) -> nn.Module:
+    """Return ``model`` (a deep copy unless ``inplace``) with every MoE layer compressed by ``method``.
+
+    ``keep_ratio`` is the fraction of residual units kept (structured) or of residual entries kept
+    (unstructured; :func:`entry_ratio_for` converts a unit ratio into the entry ratio of equal bytes).
+    """
+    keep_ratio = check_keep_ratio(keep_ratio)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    target = model if inplace else copy.deepcopy(model)
+    by_name = {ly.name: ly for ly in find_moe_layers(target)}
+    for ly in plan.layers:
+        dec = plan.decomps[ly.name]
+        base = (dec.base_gate, dec.base_up, dec.base_down)
+        experts = (dec.experts.gate, dec.experts.up, dec.experts.down)
+        dtype = plan.dtype[ly.name]
+        s = _scores(plan, ly, method, structured)
+        if structured:
+            mask = select_units(s, keep_ratio, min_per_expert)
+            storage = CompressedExperts.from_units(base, experts, mask, ly.act_fn, dtype)
+        else:
+            masks = select_elements(s, keep_ratio, min_per_expert)
+            storage = CompressedExperts.from_entries(base, experts, masks, ly.act_fn, dtype)
+        install(target, by_name[ly.name], storage)
+    return target
