@@ -1,0 +1,248 @@
+"""CPU-aware tool admission (the paper's first mechanism).
+
+A tool run whose learned CPU intensity (CPU seconds per wall second, from the monitor's
+characterization) is at least the learned ``heavy_threshold`` is *CPU-heavy*. A heavy run is
+admitted into its core set only while
+
+* the CPU load our admitted runs put on that core set, plus its own intensity, fits the set's cores
+  (``capacity`` x ``overcommit``), and
+* the system is not under CPU pressure *that we add*: PSI ``cpu some`` over the last tick is below
+  the pressure seen while none of our heavy runs was running (other tenants' share, tracked online)
+  plus the learned ``pressure_margin``, and the runnable count below ``runnable_limit`` -- and a
+  set where nothing of ours runs always admits (other tenants can delay us but never stall us);
+
+otherwise it waits. Waiters are served fairly across requests: the next admitted is the waiter
+whose request has been admitted the fewest times so far (then the shortest predicted CPU time,
+then the oldest), so one request issuing
+many tool calls cannot starve another. Waiting is bounded: a waiter older than ``max_wait_s`` is
+admitted regardless. Light (I/O-bound) runs are admitted at once but counted in the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .monitor import PressureSnapshot
+
+__all__ = ["AdmissionPolicy", "CpuAdmission", "Ticket"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdmissionPolicy:
+    """Thresholds of admission; ``learn`` derives them from characterized tool profiles."""
+
+    heavy_threshold: float = 0.5
+    pressure_margin: float = 0.3
+    runnable_limit: int = 8
+    overcommit: float = 1.0
+    max_wait_s: float = 30.0
+    source: str = "default"
+
+    @classmethod
+    def learn(cls, profiles, cores: int) -> AdmissionPolicy:
+        """Thresholds from a ``ProfileStore``: split of tool intensities, pressure seen alone, tool times."""
+        from .allocation import split_threshold
+
+        intens = [p.cpu_intensity for p in profiles.tools.values() if p.n]
+        thr = split_threshold(intens) if len(intens) >= 2 else 0.5
+        walls = sorted(p.wall_s for p in profiles.tools.values() if p.n)
+        # waiting bound: long enough to queue behind several typical heavy runs, never unbounded
+        p90 = walls[int(0.9 * (len(walls) - 1))] if walls else 2.0
+        max_wait = min(120.0, max(5.0, 8 * p90))
+        # pressure one run adds: the stall its own run-queue wait means, as a share of its wall time
+        added = [p.cpu_pressure for p in profiles.tools.values() if p.n_alone]
+        margin = min(0.6, max(0.15, 2 * (sum(added) / len(added)) if added else 0.3))
+        return cls(
+            heavy_threshold=thr,
+            pressure_margin=margin,
+            runnable_limit=max(2, 3 * cores),
+            overcommit=1.0,
+            max_wait_s=max_wait,
+            source="learned",
+        )
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Ticket:
+    request_id: str
+    key: str
+    core_set: str
+    intensity: float
+    heavy: bool
+    cost_s: float
+    seq: int
+    t_arrive: float
+    t_admit: float | None = None
+    forced: bool = False
+    _fut: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def waited_s(self) -> float:
+        return (self.t_admit or time.monotonic()) - self.t_arrive
+
+
+class CpuAdmission:
+    """Admission controller; one per runtime. ``async with adm.admit(...) as ticket: run tool``."""
+
+    def __init__(
+        self,
+        policy: AdmissionPolicy,
+        capacity: dict[str, float],
+        pressure: Callable[[], PressureSnapshot | None] | None = None,
+        poll_s: float = 0.05,
+    ):
+        if not capacity or any(c <= 0 for c in capacity.values()):
+            raise ValueError(f"capacity must map core sets to > 0 cores, not {capacity!r}")
+        self.policy = policy
+        self.capacity = dict(capacity)
+        self.pressure = pressure or (lambda: None)
+        self.poll_s = poll_s
+        self.load: dict[str, float] = {k: 0.0 for k in capacity}
+        self.running: dict[str, int] = {k: 0 for k in capacity}
+        self.waiting: list[Ticket] = []
+        self.served: dict[str, int] = {}
+        self.log: list[Ticket] = []
+        self._seq = itertools.count()
+        self._poller: asyncio.Task | None = None
+        self.forced = 0
+        self.baseline_pressure: float | None = None  # cpu some while none of our heavy runs runs
+
+    # ---------------------------------------------------------------- decisions
+    def _system_busy(self) -> bool:
+        snap = self.pressure()
+        if snap is None:
+            return False
+        base = self.baseline_pressure if self.baseline_pressure is not None else 0.0
+        limit = min(0.99, base + self.policy.pressure_margin)
+        return snap.cpu_some >= limit or snap.runnable > self.policy.runnable_limit
+
+    def _track_baseline(self) -> None:
+        if any(v > 0 for v in self.load.values()):
+            return
+        snap = self.pressure()
+        if snap is None:
+            return
+        b = self.baseline_pressure
+        self.baseline_pressure = snap.cpu_some if b is None else b + 0.3 * (snap.cpu_some - b)
+
+    def _fits(self, t: Ticket) -> bool:
+        if not t.heavy:
+            return True
+        load = self.load[t.core_set]
+        if load <= 0:
+            return True  # nothing of ours runs there: always make progress
+        if load + t.intensity > self.capacity[t.core_set] * self.policy.overcommit + 1e-9:
+            return False
+        return not self._system_busy()
+
+    def _grant(self, t: Ticket, forced: bool = False) -> None:
+        t.t_admit = time.monotonic()
+        t.forced = forced
+        self.forced += forced
+        self.load[t.core_set] += t.intensity
+        self.running[t.core_set] += 1
+        self.served[t.request_id] = self.served.get(t.request_id, 0) + 1
+        self.log.append(t)
+        if len(self.log) > 100_000:
+            del self.log[:50_000]
+        if t._fut is not None and not t._fut.done():
+            t._fut.set_result(True)
+
+    def _dispatch(self) -> None:
+        """Admit waiters in fair order while they fit; force any waiter past the waiting bound."""
+        now = time.monotonic()
+        while self.waiting:
+            overdue = [t for t in self.waiting if now - t.t_arrive >= self.policy.max_wait_s]
+            if overdue:
+                t = min(overdue, key=lambda x: x.seq)
+                self.waiting.remove(t)
+                self._grant(t, forced=True)
+                continue
+            progressed = False
+            for cs in {t.core_set for t in self.waiting}:
+                cands = [t for t in self.waiting if t.core_set == cs]
+                t = min(cands, key=lambda x: (self.served.get(x.request_id, 0), x.cost_s, x.seq))
+                if self._fits(t):
+                    self.waiting.remove(t)
+                    self._grant(t)
+                    progressed = True
+            if not progressed:
+                break
+        if self.waiting and (self._poller is None or self._poller.done()):
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self.waiting:
+            await asyncio.sleep(self.poll_s)
+            self._track_baseline()
+            self._dispatch()
+
+    # ---------------------------------------------------------------- API
+    def is_heavy(self, intensity: float) -> bool:
+        return intensity >= self.policy.heavy_threshold
+
+    async def acquire(self, request_id: str, key: str, core_set: str, intensity: float, cost_s: float = 0.0) -> Ticket:
+        if core_set not in self.capacity:
+            raise ValueError(f"core_set {core_set!r} unknown; one of {sorted(self.capacity)}")
+        self._track_baseline()
+        t = Ticket(
+            request_id, key, core_set, intensity, self.is_heavy(intensity), cost_s, next(self._seq), time.monotonic()
+        )
+        t._fut = asyncio.get_running_loop().create_future()
+        if not t.heavy:  # I/O-bound runs share: admitted at once, counted in the load
+            self._grant(t)
+            return t
+        self.waiting.append(t)
+        self._dispatch()
+        try:
+            await t._fut
+        except asyncio.CancelledError:
+            if t in self.waiting:
+                self.waiting.remove(t)
+            elif t.t_admit is not None:
+                self.release(t)
+            raise
+        return t
+
+    def release(self, t: Ticket) -> None:
+        self.load[t.core_set] = max(0.0, self.load[t.core_set] - t.intensity)
+        self.running[t.core_set] -= 1
+        self._dispatch()
+
+    def admit(self, request_id: str, key: str, core_set: str, intensity: float, cost_s: float = 0.0) -> _Slot:
+        return _Slot(self, request_id, key, core_set, intensity, cost_s)
+
+    def stats(self) -> dict:
+        waits = [t.waited_s for t in self.log]
+        return {
+            "admitted": len(self.log),
+            "forced": self.forced,
+            "waiting": len(self.waiting),
+            "max_wait_s": max(waits, default=0.0),
+            "mean_wait_s": sum(waits) / len(waits) if waits else 0.0,
+            "baseline_pressure": self.baseline_pressure,
+        }
+
+
+class _Slot:
+    def __init__(self, adm: CpuAdmission, request_id: str, key: str, core_set: str, intensity: float, cost_s: float):
+        self.adm, self.args = adm, (request_id, key, core_set, intensity, cost_s)
+        self.ticket: Ticket | None = None
+
+    async def __aenter__(self) -> Ticket:
+        self.ticket = await self.adm.acquire(*self.args)
+        return self.ticket
+
+    async def __aexit__(self, *exc) -> None:
+        if self.ticket is not None:
+            self.adm.release(self.ticket)

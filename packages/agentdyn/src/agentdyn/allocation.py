@@ -1,0 +1,172 @@
+"""Task-aware CPU allocation (the paper's second mechanism).
+
+From the monitor's characterization (``ProfileStore``), each task class gets a CPU intensity (tool
+CPU seconds per uncontended tool wall second) and a CPU demand per request. CPU-sensitive classes
+are those at or above the threshold learned at the largest gap of the intensities
+(``split_threshold``). Taken by expected demand (workload mix x CPU s per request), a CPU-sensitive
+class whose share of the demand fills at least one core gets that many cores of its own through a
+cpuset group, always leaving one; the other classes (I/O-bound, or too small to fill a core) share
+the remaining cores. With a single core, the split is by CFS
+quota instead: I/O-bound classes are capped at their demand share and CPU-sensitive classes get a
+higher ``cpu.shares`` weight. The plan names, per class, its core set; admission uses the core
+sets' sizes as capacities.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from .cgroups import CpuGroup
+
+__all__ = ["split_threshold", "ClassAllocation", "AllocationPlan", "plan_allocation", "TaskAwareAllocator"]
+
+log = logging.getLogger(__name__)
+
+
+def split_threshold(values: list[float], lo: float = 0.2, hi: float = 0.9) -> float:
+    """Threshold between low and high values at their largest gap (in log space), clamped to [lo, hi]."""
+    xs = sorted(max(1e-3, v) for v in values)
+    if len(xs) < 2:
+        return min(hi, max(lo, 0.5))
+    gaps = [(math.log(xs[i + 1]) - math.log(xs[i]), i) for i in range(len(xs) - 1)]
+    _, i = max(gaps)
+    thr = math.sqrt(xs[i] * xs[i + 1])
+    return min(hi, max(lo, thr))
+
+
+@dataclass
+class ClassAllocation:
+    task_type: str
+    kind: str  # "cpu" (CPU-sensitive) or "io" (I/O-bound, shares)
+    core_set: str
+    cpus: list[int]
+    quota_cores: float | None = None
+    shares: int | None = None
+    intensity: float = 0.0
+    cpu_s_per_request: float = 0.0
+
+
+@dataclass
+class AllocationPlan:
+    classes: dict[str, ClassAllocation]
+    capacity: dict[str, float]
+    threshold: float
+    cores: list[int]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "threshold": round(self.threshold, 4),
+            "cores": self.cores,
+            "capacity": self.capacity,
+            "classes": {k: v.__dict__ for k, v in self.classes.items()},
+            "notes": self.notes,
+        }
+
+
+def plan_allocation(
+    class_profiles: dict[str, dict],
+    cores: list[int],
+    mix: dict[str, float] | None = None,
+    threshold: float | None = None,
+) -> AllocationPlan:
+    """Plan core sets per task class from class profiles ({type: {cpu_s, wall_s, cpu_intensity}}).
+
+    Classes whose intensity reaches ``threshold`` (default: learned by ``split_threshold`` over the
+    class intensities) are CPU-sensitive. Taken in order of expected CPU demand (mix x CPU s per
+    request), each CPU-sensitive class whose demand share fills at least one core gets
+    ``round(cores x share)`` own cores, always leaving one core for the classes that share.
+    """
+    if not cores:
+        raise ValueError("cores must list at least one CPU")
+    types = sorted(class_profiles)
+    if not types:
+        return AllocationPlan({}, {"all": float(len(cores))}, 0.5, list(cores), ["no profiles: all share"])
+    mix = {t: (mix or {}).get(t, 1.0) for t in types}
+    inten = {t: class_profiles[t].get("cpu_intensity", 1.0) for t in types}
+    thr = threshold if threshold is not None else split_threshold(list(inten.values()))
+    demand = {t: mix[t] * class_profiles[t].get("cpu_s", 0.0) for t in types}
+    total = sum(demand.values()) or 1.0
+    n = len(cores)
+    notes: list[str] = []
+    classes: dict[str, ClassAllocation] = {}
+    capacity: dict[str, float] = {}
+
+    def alloc(t, kind, cs, cpus, **kw):
+        classes[t] = ClassAllocation(
+            t, kind, cs, list(cpus), intensity=inten[t], cpu_s_per_request=class_profiles[t].get("cpu_s", 0.0), **kw
+        )
+
+    order = sorted(types, key=lambda t: -demand[t])
+    free = list(cores)
+    if n >= 2:
+        for t in order:
+            rest = [x for x in types if x not in classes and x != t]
+            k = round(n * demand[t] / total)
+            if inten[t] < thr or k < 1 or not rest or len(free) - k < 1:
+                if inten[t] >= thr and k >= 1 and rest and len(free) > 1:
+                    k = len(free) - 1  # as many as can be spared
+                else:
+                    continue
+            own, free = free[len(free) - k :], free[: len(free) - k]
+            alloc(t, "cpu", f"own-{t}", own)
+            capacity[f"own-{t}"] = float(k)
+            notes.append(
+                f"{t}: CPU-sensitive (intensity {inten[t]:.2f} >= {thr:.2f}), demand share {demand[t] / total:.2f} -> own cores {own}"
+            )
+        shared = [t for t in types if t not in classes]
+        for t in shared:
+            alloc(t, "cpu" if inten[t] >= thr else "io", "shared", free)
+        if shared:
+            capacity["shared"] = float(len(free))
+            notes.append(f"{shared} share cores {free}")
+        return AllocationPlan(classes, capacity, thr, list(cores), notes)
+    heavy = [t for t in types if inten[t] >= thr]
+    light = [t for t in types if t not in heavy]
+    if not heavy or not light:
+        for t in types:
+            alloc(t, "cpu" if t in heavy else "io", "all", cores)
+        return AllocationPlan(classes, {"all": float(n)}, thr, list(cores), ["one core, no split: all share"])
+    heavy_share = sum(demand[t] for t in heavy) / total
+    io_quota = min(0.8, max(0.2, 1 - heavy_share))
+    notes.append(f"one core: I/O-bound {light} capped at {io_quota:.2f} core, CPU-sensitive {heavy} weighted 4x")
+    for t in heavy:
+        alloc(t, "cpu", "cpu", cores, shares=4096)
+    for t in light:
+        alloc(t, "io", "io", cores, quota_cores=io_quota, shares=1024)
+    return AllocationPlan(classes, {"cpu": 1.0, "io": io_quota}, thr, list(cores), notes)
+
+
+class TaskAwareAllocator:
+    """Holds one ``CpuGroup`` per core set of a plan; ``group_for(task_type)`` places tool processes."""
+
+    def __init__(self, plan: AllocationPlan, apply: bool = True):
+        self.plan = plan
+        self.groups: dict[str, CpuGroup] = {}
+        if apply:
+            by_set: dict[str, ClassAllocation] = {}
+            for c in plan.classes.values():
+                by_set.setdefault(c.core_set, c)
+            for cs, c in by_set.items():
+                if cs == "all":
+                    continue
+                cpus = c.cpus if len(plan.cores) >= 2 else None
+                self.groups[cs] = CpuGroup(f"{cs}", cpus=cpus, quota_cores=c.quota_cores, shares=c.shares)
+
+    def core_set(self, task_type: str) -> str:
+        c = self.plan.classes.get(task_type)
+        if c is not None:
+            return c.core_set
+        return next(iter(self.plan.capacity))
+
+    def group_for(self, task_type: str) -> CpuGroup | None:
+        return self.groups.get(self.core_set(task_type))
+
+    def describe(self) -> dict:
+        return {"plan": self.plan.to_dict(), "groups": {k: g.describe() for k, g in self.groups.items()}}
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            g.close()

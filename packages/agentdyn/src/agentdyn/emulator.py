@@ -1,0 +1,191 @@
+"""A local LLM emulator with the OpenAI chat-completions API (``agentdyn llm-emulator``).
+
+Latency: each answer waits a time-to-first-token drawn from a lognormal (median ``ttft_s``,
+``ttft_sigma``) plus its output tokens at a tokens/s rate drawn from a lognormal (median
+``tokens_per_s``, ``tps_sigma``); everything is labelled emulated. Answers follow a scripted plan
+per task type (read from ``task_type: <name>`` in the system message and the JSON input in the
+first user message): which tools to call with which arguments, then a final answer summarising the
+tool results. The "faster LLM" experiment is ``ttft_s``/``tokens_per_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from aiohttp import web
+
+from .tools.coding import BUGGY_LINE, FIXED_LINE
+
+__all__ = ["EmulatorConfig", "LLMEmulator", "plan_step", "PLANS"]
+
+
+@dataclass
+class EmulatorConfig:
+    ttft_s: float = 0.4
+    ttft_sigma: float = 0.25
+    tokens_per_s: float = 60.0
+    tps_sigma: float = 0.15
+    tool_call_tokens: int = 40
+    answer_tokens: int = 120
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.ttft_s < 0:
+            raise ValueError(f"ttft_s must be >= 0, not {self.ttft_s!r}")
+        if self.tokens_per_s <= 0:
+            raise ValueError(f"tokens_per_s must be > 0, not {self.tokens_per_s!r}")
+
+    def describe(self) -> dict:
+        return {"emulated": True, **asdict(self)}
+
+
+def _call(name: str, **args) -> dict:
+    return {"name": name, "arguments": args}
+
+
+def _rag(inp: dict, step: int) -> list[dict] | None:
+    q = inp.get("question", "how are email headers parsed and encoded")
+    shard = {"shard": int(inp.get("shard", 0)), "shards": int(inp.get("shards", 4))}
+    plan = [
+        [_call("rag_index", **shard)],
+        [_call("rag_query", query=q, k=3, **shard)],
+        [_call("rag_query", query=q + " example usage", k=3, **shard)],
+    ]
+    return plan[step] if step < len(plan) else None
+
+
+def _web(inp: dict, step: int) -> list[dict] | None:
+    q = inp.get("query", "socket timeout connection")
+    pages = int(inp.get("pages", 12))
+    plan = [
+        [_call("web_search", query=q, pages=pages)],
+        [_call("web_search", query=q + " error handling", pages=pages)],
+    ]
+    plan = plan[: int(inp.get("searches", 2))]  # 0: the model answers from what it knows
+    return plan[step] if step < len(plan) else None
+
+
+def _coding(inp: dict, step: int) -> list[dict] | None:
+    new = FIXED_LINE
+    if inp.get("variant") == "hang":  # a patch whose tests never finish (the tool must be killed)
+        new = "    while n > 2:\n        pass\n" + FIXED_LINE
+    plan = [
+        [_call("repo_init", work=int(inp.get("work", 40_000)))],
+        [_call("run_tests")],
+        [_call("read_file", path="mathlib/primes.py")],
+        [_call("apply_patch", edits=[{"path": "mathlib/primes.py", "old": BUGGY_LINE, "new": new}])],
+        [_call("run_tests")],
+    ]
+    return plan[step] if step < len(plan) else None
+
+
+PLANS = {"rag_qa": _rag, "web_search": _web, "coding": _coding}
+
+
+def plan_step(messages: list[dict]) -> tuple[list[dict] | None, str]:
+    """(tool calls to make next, or None to answer; the final answer text) for a conversation."""
+    system = " ".join(str(m.get("content", "")) for m in messages if m.get("role") == "system")
+    m = re.search(r"task_type:\s*(\w+)", system)
+    task = m.group(1) if m else ""
+    user = next((m for m in messages if m.get("role") == "user"), {})
+    try:
+        inp = json.loads(user.get("content") or "{}")
+        inp = inp if isinstance(inp, dict) else {}
+    except json.JSONDecodeError:
+        inp = {"question": user.get("content", "")}
+    step = sum(1 for m in messages if m.get("role") == "assistant")
+    planner = PLANS.get(task)
+    calls = planner(inp, step) if planner else None
+    tool_msgs = [m for m in messages if m.get("role") == "tool"]
+    if calls is None:
+        last = tool_msgs[-1].get("content", "") if tool_msgs else ""
+        return None, f"Done ({task or 'chat'}): {len(tool_msgs)} tool result(s); last: {str(last)[:200]}"
+    return calls, ""
+
+
+class LLMEmulator:
+    """aiohttp app answering ``POST /v1/chat/completions`` and ``GET /v1/models``."""
+
+    def __init__(self, config: EmulatorConfig | None = None, host: str = "127.0.0.1", port: int = 0):
+        self.config = config or EmulatorConfig()
+        self.rng = random.Random(self.config.seed)
+        self.host, self.port = host, port
+        self.runner: web.AppRunner | None = None
+        self.requests = 0
+
+    def latency_s(self, tokens: int) -> float:
+        c = self.config
+        ttft = c.ttft_s * self.rng.lognormvariate(0.0, c.ttft_sigma) if c.ttft_s > 0 else 0.0
+        tps = c.tokens_per_s * self.rng.lognormvariate(0.0, c.tps_sigma)
+        return ttft + tokens / tps
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "body: not valid JSON"}}, status=400)
+        msgs = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(msgs, list) or not msgs:
+            return web.json_response({"error": {"message": "messages: required, a non-empty list"}}, status=400)
+        self.requests += 1
+        calls, answer = plan_step(msgs)
+        tokens = self.config.tool_call_tokens if calls else self.config.answer_tokens
+        await asyncio.sleep(self.latency_s(tokens))
+        message: dict = {"role": "assistant", "content": answer or None}
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:12]}",
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+                }
+                for c in calls
+            ]
+        prompt_tokens = sum(len(str(m.get("content") or "")) for m in msgs) // 4
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model", "agentdyn-emulated"),
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": tokens,
+                    "total_tokens": prompt_tokens + tokens,
+                },
+            }
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "agentdyn-emulated", "object": "model", "emulated": True}]}
+        )
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def start(self) -> str:
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.host, self.port).start()
+        self.port = self.runner.addresses[0][1]
+        return self.base_url
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None

@@ -1,0 +1,105 @@
+"""Markdown tables and PNG plots for bench and characterization results (matplotlib: the [plot] extra)."""
+
+from __future__ import annotations
+
+import os
+
+import hwtopo
+
+__all__ = ["bench_table", "characterize_markdown", "plot_bench", "plot_characterize"]
+
+PARTS = ("llm_wait_s", "queue_s", "tool_cpu_s", "tool_cpu_contention_s", "tool_io_other_s", "other_s")
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("plots need matplotlib: pip install 'agentdyn[plot]'") from e
+    return plt
+
+
+def bench_table(out: dict) -> str:
+    """The headline comparison as a markdown table (mean latency per task type per variant)."""
+    res = out["results"]
+    types = sorted({t for r in res.values() for t in r["per_type"]})
+    rows = ["| variant | " + " | ".join(f"{t} mean s" for t in types) + " | all mean s | makespan s | failed |"]
+    rows.append("|" + "---|" * (len(types) + 4))
+    for v, r in res.items():
+        cells = [f"{r['per_type'][t]['mean_latency_s']:.2f}" for t in types]
+        rows.append(
+            f"| {v} | " + " | ".join(cells) + f" | {r['mean_latency_s']:.2f} | {r['makespan_s']:.1f} | {r['failed']} |"
+        )
+    return "\n".join(rows)
+
+
+def plot_bench(out: dict, path: str) -> str:
+    plt = _plt()
+    res = out["results"]
+    types = sorted({t for r in res.values() for t in r["per_type"]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(res))
+    for i, (v, r) in enumerate(res.items()):
+        xs = [j + i * width for j in range(len(types))]
+        ax.bar(xs, [r["per_type"][t]["mean_latency_s"] for t in types], width, label=v)
+    ax.set_xticks([j + width * (len(res) - 1) / 2 for j in range(len(types))], types)
+    ax.set_ylabel("mean request latency (s)")
+    ax.set_title("agentdyn bench: mixed workload, emulated LLM")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def characterize_markdown(out: dict) -> str:
+    lines = [
+        "| cores | LLM TTFT s | scenario | conc | task | latency s | LLM s | queue s | tool CPU s | CPU contention s | tool I/O+other s | read MB | write MB | peak RSS MB | CPU PSI |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in out["rows"]:
+        lines.append(
+            f"| {r['cores']} | {r['llm_ttft_s']:g} | {r['scenario']} | {r['concurrency']} | {r['task_type']} | {r['latency_s']:.2f} | "
+            f"{r['llm_wait_s']:.2f} | {r['queue_s']:.2f} | {r['tool_cpu_s']:.2f} | {r['tool_cpu_contention_s']:.2f} | {r['tool_io_other_s']:.2f} | "
+            f"{r['read_bytes'] / 1e6:.2f} | {r['write_bytes'] / 1e6:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | {(r['cpu_pressure_mean'] or 0):.2f} |"
+        )
+    cls = out.get("classes", {})
+    prof = ["| task class | CPU s / request | tool wall s (uncontended) | CPU intensity |", "|---|---|---|---|"]
+    for t, c in sorted(cls.items()):
+        prof.append(f"| {t} | {c['cpu_s']:.2f} | {c['wall_s']:.2f} | {c['cpu_intensity']:.2f} |")
+    return "\n".join(prof) + "\n\n" + "\n".join(lines)
+
+
+def plot_characterize(out: dict, outdir: str) -> list[str]:
+    """One stacked-breakdown PNG per (cores, LLM TTFT) setting; x = scenario/task at concurrency."""
+    plt = _plt()
+    paths = []
+    settings = sorted({(r["cores"], r["llm_ttft_s"]) for r in out["rows"]})
+    for cores, ttft in settings:
+        rows = [r for r in out["rows"] if r["cores"] == cores and r["llm_ttft_s"] == ttft]
+        labels = [f"{r['scenario'][:5]}/{r['task_type'][:5]} x{r['concurrency']}" for r in rows]
+        fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 4.5))
+        bottom = [0.0] * len(rows)
+        for part in PARTS:
+            vals = [r[part] for r in rows]
+            ax.bar(range(len(rows)), vals, bottom=bottom, label=part.replace("_s", ""))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
+        ax.set_ylabel("seconds per request")
+        ax.set_title(f"latency breakdown, {cores} core(s) (emulated), LLM TTFT {ttft:g}s (emulated)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = os.path.join(outdir, f"breakdown-{cores}core-ttft{ttft:g}.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def write_report(path: str, title: str, body: str, plots: list[str]) -> None:
+    lines = [f"# {title}", "", body, ""]
+    lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
+    hwtopo.atomic_write_text(path, "\n".join(lines) + "\n")

@@ -1,0 +1,128 @@
+"""``agentdyn serve``: the agent runtime as an HTTP service (aiohttp).
+
+``POST /v1/agent`` {"task_type", "input", "request_id"?, "tool_timeout_s"?, "max_steps"?} runs one
+agent request and answers its result with the timeline. Malformed bodies get 400 naming the field,
+unknown task types 422, an LLM that stays down or slow after the bounded retries 502 with the
+reason, other agent failures 500. ``GET /healthz`` and ``GET /v1/stats`` report state. On SIGTERM
+or SIGINT the service drains: new requests get 503, in-flight ones finish (up to
+``drain_timeout_s``), then tools, groups and servers are closed and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from .runtime import Harness, RequestError, validate_request
+
+__all__ = ["make_app", "serve"]
+
+log = logging.getLogger(__name__)
+
+HARNESS = web.AppKey("harness", Harness)
+STATE = web.AppKey("state", dict)
+
+
+def _err(status: int, message: str, field: str | None = None, **extra) -> web.Response:
+    body = {"error": message, **({"field": field} if field else {}), **extra}
+    return web.json_response(body, status=status)
+
+
+async def _agent(request: web.Request) -> web.Response:
+    h = request.app[HARNESS]
+    state = request.app[STATE]
+    if state["draining"]:
+        return _err(503, "draining: the service is shutting down and takes no new requests")
+    raw = await request.read()
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _err(400, f"body: not valid JSON ({e.msg if hasattr(e, 'msg') else e})", "body")
+    try:
+        req = validate_request(body)
+    except RequestError as e:
+        return _err(e.status, str(e), e.field)
+    state["accepted"] += 1
+    res = await h.runtime.run(req)
+    out = res.to_dict()
+    if res.ok:
+        return web.json_response(out)
+    status = 502 if res.error and res.error.startswith("llm:") else 500
+    return web.json_response(out, status=status)
+
+
+async def _health(request: web.Request) -> web.Response:
+    h = request.app[HARNESS]
+    state = request.app[STATE]
+    return web.json_response(
+        {"ok": not state["draining"], "draining": state["draining"], "inflight": h.runtime.inflight}
+    )
+
+
+async def _stats(request: web.Request) -> web.Response:
+    h = request.app[HARNESS]
+    state = request.app[STATE]
+    rt = h.runtime
+    body = {
+        "accepted": state["accepted"],
+        "completed": rt.completed,
+        "failed": rt.failed,
+        "inflight": rt.inflight,
+        "uptime_s": time.monotonic() - state["started"],
+        "policy": rt.policy.describe(),
+        "pressure": rt.sampler.latest().to_dict() if rt.sampler is not None else None,
+        "emulated": {"llm": h.emulator.config.describe() if h.emulator else False, "site": h.site.describe()},
+    }
+    return web.json_response(body)
+
+
+def make_app(harness: Harness) -> web.Application:
+    """The service app around a started ``Harness``."""
+    app = web.Application(client_max_size=1 << 20)
+    app[HARNESS] = harness
+    app[STATE] = {"draining": False, "accepted": 0, "started": time.monotonic()}
+    app.router.add_post("/v1/agent", _agent)
+    app.router.add_get("/healthz", _health)
+    app.router.add_get("/v1/stats", _stats)
+    return app
+
+
+async def serve(
+    harness: Harness, host: str = "127.0.0.1", port: int = 8080, drain_timeout_s: float = 120.0, ready=None, setup=None
+) -> int:
+    """Run until SIGTERM/SIGINT, then drain. ``await setup(harness)`` runs after start (e.g. to
+    calibrate and install a policy); ``ready(url)`` is called once listening."""
+    await harness.start()
+    if setup is not None:
+        await setup(harness)
+    app = make_app(harness)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    url = f"http://{host}:{bound}"
+    if ready is not None:
+        ready(url)
+    await stop.wait()
+    app[STATE]["draining"] = True
+    log.info("draining: %d request(s) in flight", harness.runtime.inflight)
+    t0 = time.monotonic()
+    while harness.runtime.inflight and time.monotonic() - t0 < drain_timeout_s:
+        await asyncio.sleep(0.05)
+    left = harness.runtime.inflight
+    await runner.cleanup()
+    await harness.stop()
+    if left:
+        log.warning("drain timed out with %d request(s) in flight; their tools were killed", left)
+        return 1
+    return 0
