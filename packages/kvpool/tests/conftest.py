@@ -15,3 +15,7 @@ def ssd_dirs(tmp_path):
         p.mkdir()
         paths.append(p)
     return paths
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a slower end-to-end test (still run by nox -s tests)")

@@ -1,0 +1,61 @@
+import json
+
+import pytest
+
+from kvpool.cli import main
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["bench", "--tokens", "0"]) == 2
+    assert "--tokens must be a positive integer" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--tokens", "100"]) == 2
+    assert "tokens must exceed chunk_tokens" in capsys.readouterr().err
+    assert main(["serve", "--layout", "bad"]) == 2
+    assert main(["frobnicate"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_json_has_the_headline_keys(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    rc = main(
+        [
+            "--quiet",
+            "bench",
+            "--quick",
+            "--tokens",
+            "288",
+            "--layers",
+            "2",
+            "--reps",
+            "1",
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path / "w"),
+        ]
+    )
+    assert rc == 0
+    res = json.loads(out.read_text())
+    for key in (
+        "ttft_ratio_vs_serial",
+        "ttft_ratio_vs_recompute",
+        "retrieval_bw_ratio_vs_serial",
+        "page_cache_bytes_passthrough",
+        "blocked_io_ratio_vs_serial",
+        "fs_time_frac_serial",
+    ):
+        assert key in res["headline"]
+    assert res["package"] == "kvpool" and res["emulated"]["devices"]
+    assert res["results"]["emulated"]["max_abs_logit_diff_vs_cold"] < 1e-4
+    assert res["results"]["raw"]["emulation"] is False
+    assert not any((tmp_path / "w").glob("*/ssd0/kvpool.slab"))  # cleaned up
+    assert "| kvpool |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_writes_report_and_plot(tmp_path):
+    rc = main(["--quiet", "demo", "--out", str(tmp_path / "d"), "--tokens", "288", "--layers", "2", "--reps", "1"])
+    assert rc == 0
+    report = (tmp_path / "d" / "report.md").read_text()
+    assert "emulated" in report and "ttft_ratio_vs_serial" in report
+    assert (tmp_path / "d" / "bandwidth.png").stat().st_size > 0
