@@ -1,0 +1,177 @@
+"""Side-by-side benchmark of the cache modes on the trained model (``bicache bench``).
+
+Every variant serves the same requests (same seed) through its own :class:`~bicache.engine.Engine`
+with a fresh prefix store; variants are interleaved over repeats and throughput is the median of
+the repeats. Accuracy is exact match of the generated answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from . import depth as depthmod
+from .diffusion import DecodeConfig
+from .engine import Engine
+from .model import DiffusionLM
+from .task import TableTask
+
+log = logging.getLogger(__name__)
+
+FRACTIONS = (0.25, 0.5, 0.75, 0.9)
+
+
+def variants(dlm: DiffusionLM) -> list[tuple[str, str, int]]:
+    """(name, engine mode, fixed depth) for every baseline and bicache."""
+    out = [("nocache", "none", 0), ("naive_prefix", "naive", 0)]
+    out += [(f"fixed_depth_{d}", "fixed", d) for d in range(1, dlm.num_layers)]
+    out += [("block_cache", "block", 0), ("bicache", "bicache", 0), ("bicache+block_cache", "bicache+block", 0)]
+    return out
+
+
+def make_workload(dlm: DiffusionLM, fractions=FRACTIONS, groups: int = 2, per_group: int = 16, seed: int = 2024):
+    """Bursts of requests sharing a prefix, per fraction: {fraction: [Request, ...]}."""
+    task = TableTask(dlm.spec, seed=seed)
+    work = {}
+    for f in fractions:
+        rows = dlm.spec.shared_rows_for_fraction(f)
+        reqs = []
+        for g in range(groups):
+            reqs += task.burst(per_group, rows, group=g)
+        work[f] = reqs
+    return work
+
+
+def run_variant(dlm, mode, fixed_depth, policy, reqs, max_batch, cfg) -> dict:
+    engine = Engine(dlm, mode=mode, policy=policy, max_batch=max_batch, fixed_depth=fixed_depth, cfg=cfg)
+    done = engine.run([r.prompt for r in reqs])
+    correct = sum(int(c.tokens == r.answer) for c, r in zip(done, reqs))
+    s = engine.stats.summary()
+    depths = sorted({c.depth for c in done})
+    return {
+        "accuracy": correct / len(reqs),
+        "tokens": s["generated_tokens"],
+        "seconds": engine.stats.busy_s,
+        "tokens_per_s": s["tokens_per_s"],
+        "latency_p50_s": s["latency_p50_s"],
+        "forwards": s["forwards"],
+        "token_layers_computed": s["token_layers_computed"],
+        "depths": depths,
+    }
+
+
+def run_bench(
+    dlm: DiffusionLM,
+    quick: bool = True,
+    repeats: int | None = None,
+    max_batch: int = 16,
+    progress: bool = True,
+    calibration: depthmod.Calibration | None = None,
+    bound: float | None = None,
+) -> dict:
+    """Calibrate, pick the bound, then measure every variant at every fraction, side by side."""
+    torch.set_num_threads(1)
+    repeats = repeats or (3 if quick else 5)
+    groups, per_group = (2, 16) if quick else (4, 32)
+    cfg = DecodeConfig(gen_length=dlm.spec.gen_length, block_length=2, steps=dlm.spec.gen_length)
+    t0 = time.perf_counter()
+    if calibration is None:
+        calibration = depthmod.calibrate(dlm, requests_per_fraction=8 if quick else 16, groups=2)
+    bound_report = {}
+    if bound is None:
+        bound, bound_report = depthmod.choose_bound(
+            dlm, calibration, max_disagreement=0.02, requests_per_fraction=16 if quick else 32, cfg=cfg
+        )
+    policy = depthmod.DepthPolicy(calibration, bound)
+    work = make_workload(dlm, groups=groups, per_group=per_group)
+    vs = variants(dlm)
+    runs: dict[str, dict[float, list[dict]]] = {name: {f: [] for f in work} for name, _, _ in vs}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=repeats * len(vs) * len(work), desc="bench", unit="run")
+    for _ in range(repeats):
+        for f, reqs in work.items():
+            for name, mode, d in vs:
+                runs[name][f].append(run_variant(dlm, mode, d, policy, reqs, max_batch, cfg))
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    results: dict[str, dict] = {}
+    for name, per_f in runs.items():
+        res = {}
+        for f, rs in per_f.items():
+            secs = statistics.median(r["seconds"] for r in rs)
+            res[f"{f:g}"] = {
+                "accuracy": rs[0]["accuracy"],
+                "tokens_per_s": round(rs[0]["tokens"] / secs, 2),
+                "median_seconds": round(secs, 5),
+                "latency_p50_s": round(statistics.median(r["latency_p50_s"] for r in rs), 5),
+                "token_layers_computed": rs[0]["token_layers_computed"],
+                "depths": rs[0]["depths"],
+            }
+        results[name] = res
+    headline = headline_from(results, work)
+    return {
+        "config": {
+            "quick": quick,
+            "repeats": repeats,
+            "fractions": list(FRACTIONS),
+            "requests_per_fraction": groups * per_group,
+            "groups_per_fraction": groups,
+            "max_batch": max_batch,
+            "decode": {"gen_length": cfg.gen_length, "block_length": cfg.block_length, "steps": cfg.steps},
+            "model": {
+                "arch": "Gemma3 (use_bidirectional_attention=True)",
+                "layers": dlm.num_layers,
+                "hidden": dlm.config.hidden_size,
+                "params": sum(p.numel() for p in dlm.model.parameters()),
+            },
+            "task": {"rows": dlm.spec.rows, "prompt_length": dlm.spec.prompt_length},
+            "drift_bound": bound,
+            "threads": torch.get_num_threads(),
+            "seconds": round(time.perf_counter() - t0, 1),
+        },
+        "calibration": calibration.to_dict(),
+        "policy": policy.table(),
+        "bound_search": bound_report,
+        "results": results,
+        "headline": headline,
+    }
+
+
+def _pooled(results: dict, name: str, fracs: list[str]) -> tuple[float, float]:
+    """(accuracy, tokens/s) pooled over ``fracs`` (total tokens / total median seconds)."""
+    rs = [results[name][f] for f in fracs]
+    acc = sum(r["accuracy"] for r in rs) / len(rs)
+    toks = sum(r["tokens_per_s"] * r["median_seconds"] for r in rs)
+    secs = sum(r["median_seconds"] for r in rs)
+    return acc, toks / secs
+
+
+def headline_from(results: dict, work: dict) -> dict:
+    high = [f"{f:g}" for f in work if f >= 0.5]
+    acc_none, tps_none = _pooled(results, "nocache", high)
+    acc_naive, _ = _pooled(results, "naive_prefix", high)
+    acc_bi, tps_bi = _pooled(results, "bicache", high)
+    _, tps_block = _pooled(results, "block_cache", high)
+    _, tps_biblock = _pooled(results, "bicache+block_cache", high)
+    head = {
+        "acc_nocache": round(acc_none, 4),
+        "acc_naive_prefix": round(acc_naive, 4),
+        "acc_bicache": round(acc_bi, 4),
+        "acc_drop_bicache": round(acc_none - acc_bi, 4),
+        "throughput_ratio_vs_nocache": round(tps_bi / tps_none, 3),
+        "throughput_ratio_vs_block_cache": round(tps_biblock / tps_block, 3),
+    }
+    for f in work:
+        k = f"{f:g}"
+        head[f"throughput_ratio_vs_nocache@{k}"] = round(
+            results["bicache"][k]["tokens_per_s"] / results["nocache"][k]["tokens_per_s"], 3
+        )
+    return head

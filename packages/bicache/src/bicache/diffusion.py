@@ -1,0 +1,156 @@
+"""LLaDA-style decoding: block-wise semi-autoregressive, confidence-based iterative unmasking.
+
+The answer region starts fully masked; it is split into blocks decoded left to right; inside a
+block each step predicts every masked position and unmasks the most confident ones (the number per
+step is fixed by ``steps``). How the logits of a step are computed is the *cache mode*:
+
+``none``          plain bidirectional forward over the whole sequence every step;
+``naive``         autoregressive-style prefix cache: all layers' prefix K/V reused, never refreshed
+                  (transformers ``DynamicCache`` through the stock model forward);
+``bicache``       layers ``< depth`` reuse the shared prefix's K/V, deeper layers recompute;
+``block``         Fast-dLLM style: a full forward refreshes every K/V at the start of each block,
+                  the other steps compute the current block only (dual cache);
+``bicache+block`` the block refreshes themselves reuse the shared prefix in layers ``< depth``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from . import kvcache
+from .kvcache import PrefixEntry
+from .model import DiffusionLM
+
+MODES = ("none", "naive", "bicache", "block", "bicache+block")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Generation length, block length and total denoising steps."""
+
+    gen_length: int = 4
+    block_length: int = 2
+    steps: int = 4
+
+    def validate(self) -> None:
+        if self.gen_length <= 0:
+            raise ValueError(f"gen_length must be positive, got {self.gen_length}")
+        if self.block_length <= 0 or self.gen_length % self.block_length:
+            raise ValueError(
+                f"block_length ({self.block_length}) must be positive and divide gen_length ({self.gen_length})"
+            )
+        blocks = self.gen_length // self.block_length
+        if self.steps <= 0 or self.steps % blocks or self.steps // blocks > self.block_length:
+            raise ValueError(
+                f"steps ({self.steps}) must be a multiple of the {blocks} blocks and at most gen_length ({self.gen_length})"
+            )
+
+    def schedule(self) -> list[int]:
+        """Tokens unmasked at each step of a block (spread evenly)."""
+        per_block = self.steps // (self.gen_length // self.block_length)
+        base, extra = divmod(self.block_length, per_block)
+        return [base + (1 if i < extra else 0) for i in range(per_block)]
+
+
+@dataclass
+class DecodeStats:
+    forwards: int = 0
+    tokens_computed: int = 0  # token-layer products computed (a FLOP proxy)
+
+
+def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry) -> torch.Tensor:
+    """The AR-engine prefix cache: stock forward of the suffix on a DynamicCache holding the prefix."""
+    b, p = x.shape[0], entry.length
+    cache = DynamicCache(config=dlm.config)
+    for i in range(dlm.num_layers):
+        cache.update(entry.keys[i].expand(b, -1, -1, -1), entry.values[i].expand(b, -1, -1, -1), i)
+    pos = torch.arange(p, x.shape[1]).unsqueeze(0)
+    return dlm.model(input_ids=x[:, p:], position_ids=pos, cache=cache, use_cache=True).logits
+
+
+def generate(
+    dlm: DiffusionLM,
+    prompts: torch.Tensor,
+    cfg: DecodeConfig = DecodeConfig(),
+    mode: str = "none",
+    depth: int = 0,
+    entry: PrefixEntry | None = None,
+    stats: DecodeStats | None = None,
+) -> torch.Tensor:
+    """Decode ``cfg.gen_length`` tokens for a batch of equal-length prompts; returns the answers."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    cfg.validate()
+    if prompts.dim() != 2 or prompts.shape[1] == 0:
+        raise ValueError("prompts must be a non-empty (batch, length) tensor of token ids")
+    b, tp = prompts.shape
+    total = tp + cfg.gen_length
+    if total > dlm.max_length:
+        raise ValueError(
+            f"prompt ({tp}) + gen_length ({cfg.gen_length}) exceeds the model's {dlm.max_length} positions"
+        )
+    uses_prefix = mode in ("naive", "bicache", "bicache+block")
+    if uses_prefix:
+        if entry is None:
+            raise ValueError(f"mode {mode!r} needs a prefix entry")
+        if entry.model_id and entry.model_id != id(dlm.model):
+            raise ValueError("the prefix entry was built by another model; mismatched cache and model")
+        want = torch.tensor(entry.tokens, dtype=prompts.dtype)
+        if entry.length >= tp or (prompts[:, : entry.length] != want).any():
+            raise ValueError("the prefix entry's tokens are not a prefix of every prompt in the batch")
+    if mode == "naive":
+        depth = dlm.num_layers
+    if not 0 <= depth <= dlm.num_layers:
+        raise ValueError(f"depth must lie in [0, {dlm.num_layers}], got {depth}")
+    stats = stats or DecodeStats()
+    n = dlm.num_layers
+    p = entry.length if uses_prefix else 0
+    x = torch.cat([prompts, torch.full((b, cfg.gen_length), dlm.mask_id, dtype=prompts.dtype)], dim=1)
+    block_mode = mode in ("block", "bicache+block")
+    with torch.no_grad():
+        for blk in range(cfg.gen_length // cfg.block_length):
+            b0 = tp + blk * cfg.block_length
+            b1 = b0 + cfg.block_length
+            recorded = None
+            for step, k in enumerate(cfg.schedule()):
+                if mode == "none" or (mode == "block" and step == 0):
+                    cache = kvcache.prefix_cache(dlm, None, 0, record=block_mode)
+                    logits = kvcache.forward(dlm, x, cache=cache, logits_from=b0, end=total)
+                    stats.tokens_computed += n * total
+                    recorded = cache
+                elif mode == "naive":
+                    logits = naive_logits(dlm, x, entry)[:, b0 - p :]
+                    stats.tokens_computed += n * (total - p)
+                elif mode == "bicache" or (mode == "bicache+block" and step == 0):
+                    cache = kvcache.prefix_cache(dlm, entry, depth, record=block_mode)
+                    hid = entry.hidden[depth] if 0 < depth < n else None
+                    start = p if depth > 0 else 0
+                    logits = kvcache.forward(dlm, x, cache, start=start, depth=depth, prefix_hidden=hid, logits_from=b0)
+                    stats.tokens_computed += depth * (total - start) + (n - depth) * total
+                    recorded = cache
+                else:  # a block-cache step inside the block
+                    cache = kvcache.block_cache(recorded, b0)
+                    logits = kvcache.forward(dlm, x, cache, start=b0, end=b1, logits_from=b0)
+                    stats.tokens_computed += n * (b1 - b0)
+                stats.forwards += 1
+                _unmask(x, logits[:, : b1 - b0], b0, k, dlm.mask_id)
+    return x[:, tp:]
+
+
+def _unmask(x: torch.Tensor, logits: torch.Tensor, b0: int, k: int, mask_id: int) -> None:
+    """Unmask the ``k`` most confident masked positions of the block, in place."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    probs[..., mask_id] = 0.0
+    conf, pred = probs.max(dim=-1)
+    blockx = x[:, b0 : b0 + logits.shape[1]]
+    masked = blockx == mask_id
+    conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
+    k = min(k, logits.shape[1])
+    top = conf.topk(k, dim=-1).indices
+    chosen = torch.zeros_like(masked)
+    chosen.scatter_(1, top, True)
+    chosen &= masked
+    blockx[chosen] = pred[chosen]

@@ -1,0 +1,296 @@
+"""Serving engine for the diffusion LM: batching, shared-prefix detection, depth policy, metrics.
+
+Requests queue up; the scheduler takes the oldest request and batches it with queued requests of
+the same prompt length, preferring the ones sharing its longest common token prefix. A radix-style
+:class:`PrefixStore` keeps one :class:`~bicache.kvcache.PrefixEntry` per shared prefix (filled by
+the first batch that brings it, from that batch's own first denoising step) and the
+:class:`~bicache.depth.DepthPolicy` picks the reuse depth from the shared fraction of the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from . import diffusion, kvcache
+from .depth import DepthPolicy
+from .kvcache import PrefixEntry
+from .model import DiffusionLM
+
+log = logging.getLogger(__name__)
+
+MODES = ("none", "naive", "bicache", "block", "bicache+block", "fixed")
+
+
+def common_prefix_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixStore:
+    """Token-prefix -> entry map with longest-match lookup and LRU eviction by bytes."""
+
+    def __init__(self, capacity_bytes: int = 256 << 20) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def lookup(self, prompts: list[list[int]]) -> PrefixEntry | None:
+        """The longest stored prefix shared by every prompt (and shorter than each)."""
+        best = None
+        for tokens, entry in self.entries.items():
+            if best is not None and entry.length <= best.length:
+                continue
+            if all(len(p) > len(tokens) and tuple(p[: len(tokens)]) == tokens for p in prompts):
+                best = entry
+        if best is not None:
+            self.entries.move_to_end(best.tokens)
+            best.hits += 1
+            self.hits += 1
+        else:
+            self.misses += 1
+        return best
+
+    def add(self, entry: PrefixEntry) -> None:
+        self.entries[entry.tokens] = entry
+        while sum(e.nbytes() for e in self.entries.values()) > self.capacity_bytes and len(self.entries) > 1:
+            self.entries.popitem(last=False)
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes() for e in self.entries.values())
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    latency_s: float
+    mode: str
+    depth: int
+    prefix_len: int
+    fraction: float
+    batch_size: int
+    explain: dict | None = None
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    batches: int = 0
+    forwards: int = 0
+    tokens_computed: int = 0
+
+    def summary(self) -> dict:
+        lat = sorted(self.latencies)
+
+        def pct(q: float) -> float:
+            return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
+
+        return {
+            "requests": self.requests,
+            "generated_tokens": self.generated_tokens,
+            "busy_s": round(self.busy_s, 4),
+            "tokens_per_s": round(self.generated_tokens / self.busy_s, 2) if self.busy_s else 0.0,
+            "latency_p50_s": round(pct(0.5), 4),
+            "latency_p95_s": round(pct(0.95), 4),
+            "batches": self.batches,
+            "forwards": self.forwards,
+            "token_layers_computed": self.tokens_computed,
+        }
+
+
+class Engine:
+    """Batches requests and decodes them with one cache mode.
+
+    ``mode``: ``none`` | ``naive`` | ``bicache`` | ``block`` | ``bicache+block`` | ``fixed`` (bicache at
+    ``fixed_depth`` for every request). bicache modes need a ``policy``.
+    """
+
+    def __init__(
+        self,
+        dlm: DiffusionLM,
+        mode: str = "bicache",
+        policy: DepthPolicy | None = None,
+        max_batch: int = 8,
+        min_prefix: int = 8,
+        fixed_depth: int = 0,
+        cfg: diffusion.DecodeConfig | None = None,
+        store: PrefixStore | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode in ("bicache", "bicache+block") and policy is None:
+            raise ValueError(f"mode {mode!r} needs a DepthPolicy (see bicache.depth.calibrate)")
+        if policy is not None and policy.calibration.num_layers != dlm.num_layers:
+            raise ValueError(
+                f"the depth policy was calibrated on {policy.calibration.num_layers} layers but the model has "
+                f"{dlm.num_layers}; mismatched cache and model"
+            )
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.dlm, self.mode, self.policy = dlm, mode, policy
+        self.max_batch, self.min_prefix, self.fixed_depth = max_batch, min_prefix, fixed_depth
+        self.cfg = cfg or diffusion.DecodeConfig(gen_length=dlm.spec.gen_length)
+        self.store = store if store is not None else PrefixStore()
+        self.stats = EngineStats()
+        self._queue: list[tuple[list[int], diffusion.DecodeConfig, float, Future]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # ---------------------------------------------------------------- validation
+    def check_prompt(self, prompt: list[int], cfg: diffusion.DecodeConfig | None = None) -> None:
+        cfg = cfg or self.cfg
+        cfg.validate()
+        if not prompt:
+            raise ValueError("prompt is empty; give at least one token")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.dlm.config.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.dlm.config.vocab_size})")
+        if len(prompt) + cfg.gen_length > self.dlm.max_length:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + gen_length {cfg.gen_length} is longer than the model's "
+                f"{self.dlm.max_length} positions"
+            )
+
+    # ---------------------------------------------------------------- scheduling
+    def _pick_batch(self) -> list[tuple[list[int], diffusion.DecodeConfig, float, Future]]:
+        head = self._queue[0]
+        same = [r for r in self._queue[1:] if len(r[0]) == len(head[0]) and r[1] == head[1]]
+        same.sort(key=lambda r: -common_prefix_len(r[0], head[0]))
+        batch = [head, *same[: self.max_batch - 1]]
+        ids = {id(r) for r in batch}
+        self._queue = [r for r in self._queue if id(r) not in ids]
+        return batch
+
+    def _depth(self, fraction: float) -> tuple[int, dict | None]:
+        if self.mode == "fixed":
+            return self.fixed_depth, None
+        if self.mode in ("bicache", "bicache+block"):
+            return self.policy.depth(fraction), self.policy.explain(fraction)
+        if self.mode == "naive":
+            return self.dlm.num_layers, None
+        return 0, None
+
+    def run_batch(self, prompts: list[list[int]], cfg: diffusion.DecodeConfig | None = None) -> list[Completion]:
+        """Decode one batch of equal-length prompts now (synchronously)."""
+        cfg = cfg or self.cfg
+        for p in prompts:
+            self.check_prompt(p, cfg)
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("a batch needs prompts of equal length")
+        t0 = time.perf_counter()
+        dlm = self.dlm
+        ids = torch.tensor(prompts, dtype=torch.long)
+        stats = diffusion.DecodeStats()
+        mode = self.mode
+        entry, depth, explain, prefix_len = None, 0, None, 0
+        if mode != "none" and mode != "block":
+            lcp = min(common_prefix_len(prompts[0], p) for p in prompts)
+            entry = self.store.lookup(prompts)
+            if entry is None and len(prompts) > 1 and lcp >= self.min_prefix:
+                lcp = min(lcp, len(prompts[0]) - 1)
+                masked = torch.cat([ids[:1], torch.full((1, cfg.gen_length), dlm.mask_id)], dim=1)
+                with torch.no_grad():
+                    entry, _ = kvcache.fill_entry(dlm, masked, lcp)
+                stats.forwards += 1
+                stats.tokens_computed += dlm.num_layers * masked.shape[1]
+                self.store.add(entry)
+            if entry is not None:
+                prefix_len = entry.length
+                depth, explain = self._depth(prefix_len / len(prompts[0]))
+        dmode = {"fixed": "bicache"}.get(mode, mode)
+        if entry is None and dmode in ("naive", "bicache"):
+            dmode, depth = "none", 0
+        elif entry is None and dmode == "bicache+block":
+            dmode, depth = "block", 0
+        out = diffusion.generate(dlm, ids, cfg, mode=dmode, depth=depth, entry=entry, stats=stats)
+        dt = time.perf_counter() - t0
+        self.stats.busy_s += dt
+        self.stats.batches += 1
+        self.stats.requests += len(prompts)
+        self.stats.generated_tokens += out.numel()
+        self.stats.forwards += stats.forwards
+        self.stats.tokens_computed += stats.tokens_computed
+        frac = prefix_len / len(prompts[0])
+        return [
+            Completion(row, dt, mode, depth, prefix_len, round(frac, 4), len(prompts), explain) for row in out.tolist()
+        ]
+
+    def run(self, prompts: list[list[int]]) -> list[Completion]:
+        """Serve a whole list of requests offline through the scheduler; results in input order."""
+        futures = [self.submit(p) for p in prompts]
+        self.drain()
+        return [f.result() for f in futures]
+
+    # ---------------------------------------------------------------- online
+    def submit(self, prompt: list[int], cfg: diffusion.DecodeConfig | None = None) -> Future:
+        cfg = cfg or self.cfg
+        self.check_prompt(prompt, cfg)
+        fut: Future = Future()
+        with self._wake:
+            self._queue.append((list(prompt), cfg, time.perf_counter(), fut))
+            self._wake.notify()
+        return fut
+
+    def step(self) -> bool:
+        """Schedule and run one batch from the queue; False when the queue is empty."""
+        with self._lock:
+            if not self._queue:
+                return False
+            batch = self._pick_batch()
+        try:
+            done = self.run_batch([r[0] for r in batch], batch[0][1])
+        except Exception as exc:  # a failed batch fails its requests, not the engine
+            for r in batch:
+                r[3].set_exception(exc)
+            return True
+        now = time.perf_counter()
+        for r, c in zip(batch, done):
+            c.latency_s = now - r[2]
+            self.stats.latencies.append(c.latency_s)
+            r[3].set_result(c)
+        return True
+
+    def drain(self) -> None:
+        while self.step():
+            pass
+
+    def start(self, batch_window_s: float = 0.005) -> None:
+        """Serve the queue from a background thread (waits ``batch_window_s`` to gather a batch)."""
+        if self._thread is not None:
+            return
+        self._stop = False
+
+        def loop() -> None:
+            while True:
+                with self._wake:
+                    while not self._queue and not self._stop:
+                        self._wake.wait(0.1)
+                    if self._stop:
+                        return
+                time.sleep(batch_window_s)
+                self.step()
+
+        self._thread = threading.Thread(target=loop, name="bicache-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None

@@ -1,0 +1,238 @@
+"""Per-layer prefix KV cache on the transformers Cache API, and the layer-wise forward it needs.
+
+A forward pass of the diffusion LM can compute only a *span* of the sequence in its first
+``depth`` layers, taking the other positions' keys/values from a cache, and then continue with the
+full sequence in the deeper layers from a cached hidden state. Layers are
+:class:`transformers.cache_utils.CacheLayerMixin` objects held in a
+:class:`transformers.cache_utils.Cache`, so the stock Gemma3 attention modules call them through
+``cache.update``:
+
+* :class:`SpliceLayer` keeps stored K/V for the positions not recomputed and splices the fresh K/V of
+  the computed span in (shared-prefix reuse: stored = prefix; Fast-dLLM dual cache: stored = the
+  whole sequence from the last refresh);
+* :class:`PassLayer` stores nothing (the layer recomputes everything);
+* :class:`RecordingLayer` wraps either and keeps what attention saw (to refresh a block cache or to
+  fill a prefix entry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .model import DiffusionLM
+
+
+class SpliceLayer(CacheLayerMixin):
+    """Stored K/V (batch 1 or B) with the fresh span's K/V spliced in at ``start``."""
+
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        super().__init__()
+        if keys.shape != values.shape or keys.dim() != 4:
+            raise ValueError("stored keys and values must both have shape (batch, heads, length, head_dim)")
+        if not 0 <= start <= keys.shape[-2]:
+            raise ValueError(f"splice start {start} outside the stored length {keys.shape[-2]}")
+        self.keys, self.values, self.start = keys, values, start
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # stored at construction
+        return None
+
+    def _splice(self, stored: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        b, h, n, d = fresh.shape
+        if stored.shape[1] != h or stored.shape[3] != d:
+            raise ValueError(
+                f"cached K/V have {stored.shape[1]} heads x {stored.shape[3]} dims but the model gives {h} x {d}; "
+                "the cache was built for another model"
+            )
+        if stored.shape[0] not in (1, b):
+            raise ValueError(f"cached K/V batch {stored.shape[0]} does not match the request batch {b}")
+        stored = stored.expand(b, -1, -1, -1)
+        parts = [stored[:, :, : self.start], fresh]
+        if self.start + n < stored.shape[2]:
+            parts.append(stored[:, :, self.start + n :])
+        return torch.cat(parts, dim=2)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._splice(self.keys, key_states), self._splice(self.values, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(self.keys.shape[-2], self.start + query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PassLayer(CacheLayerMixin):
+    """No cache: the layer attends over exactly what it computed."""
+
+    is_sliding = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RecordingLayer(CacheLayerMixin):
+    """Wraps a layer and records the full K/V its attention used (refresh of a block cache)."""
+
+    is_sliding = False
+
+    def __init__(self, inner: CacheLayerMixin) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys, self.values = self.inner.update(key_states, value_states, *args, **kwargs)
+        self.is_initialized = True
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.inner.get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.inner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+@dataclass
+class PrefixEntry:
+    """Shared-prefix state of every layer: K/V (1, H, P, D) and the hidden state entering each layer."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    hidden: list[torch.Tensor]  # hidden[l]: (1, P, d) input of layer l; hidden[N] = last layer output
+    model_id: int = 0
+    hits: int = field(default=0)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.hidden))
+
+
+def prefix_cache(dlm: DiffusionLM, entry: PrefixEntry | None, depth: int, record: bool = False) -> Cache:
+    """A Cache whose layers ``< depth`` reuse ``entry``'s prefix K/V and the rest recompute."""
+    n = dlm.num_layers
+    if not 0 <= depth <= n:
+        raise ValueError(f"depth must lie in [0, {n}] (the model has {n} layers), got {depth}")
+    if depth > 0 and entry is None:
+        raise ValueError("a depth > 0 needs a prefix entry")
+    if entry is not None and len(entry.keys) != n:
+        raise ValueError(f"prefix entry has {len(entry.keys)} layers but the model has {n}; mismatched cache and model")
+    layers: list[CacheLayerMixin] = []
+    for i in range(n):
+        layer = SpliceLayer(entry.keys[i], entry.values[i], entry.length) if i < depth else PassLayer()
+        layers.append(RecordingLayer(layer) if record else layer)
+    return Cache(layers=layers)
+
+
+def block_cache(recorded: Cache, start: int, keep_suffix: bool = True) -> Cache:
+    """Fast-dLLM style cache from a refresh pass: dual (prefix + suffix) or prefix only."""
+    layers = []
+    for layer in recorded.layers:
+        k, v = layer.keys, layer.values
+        if not keep_suffix:
+            k, v = k[:, :, :start], v[:, :, :start]
+        layers.append(SpliceLayer(k, v, start))
+    return Cache(layers=layers)
+
+
+def forward(
+    dlm: DiffusionLM,
+    ids: torch.Tensor,
+    cache: Cache | None = None,
+    start: int = 0,
+    end: int | None = None,
+    depth: int = 0,
+    prefix_hidden: torch.Tensor | None = None,
+    logits_from: int | None = None,
+    hidden_out: list | None = None,
+) -> torch.Tensor:
+    """Logits for positions ``[logits_from, end)`` computing only what the cache does not hold.
+
+    Layers ``< depth`` compute positions ``[start, end)``; when ``0 < depth < N`` and ``start > 0``
+    the hidden state of positions ``[0, start)`` entering layer ``depth`` comes from
+    ``prefix_hidden`` and deeper layers compute ``[0, end)``. With ``depth == 0`` every layer
+    computes ``[start, end)`` (``start == 0`` and no cache: the plain bidirectional forward).
+    """
+    model = dlm.model
+    inner = model.model
+    n = dlm.num_layers
+    end = ids.shape[1] if end is None else end
+    logits_from = start if logits_from is None else logits_from
+    if end > dlm.max_length:
+        raise ValueError(f"sequence of {end} tokens is longer than the model's {dlm.max_length} positions")
+    reinject = 0 < depth < n and start > 0
+    if reinject and (prefix_hidden is None or prefix_hidden.shape[1] != start):
+        raise ValueError("recomputing deep layers over the prefix needs its hidden state at that depth")
+    b = ids.shape[0]
+    h = inner.embed_tokens(ids[:, start:end])
+    pos = torch.arange(start, end, device=ids.device).unsqueeze(0)
+    rope = inner.rotary_emb(h, pos, "full_attention")
+    for i, layer in enumerate(inner.layers):
+        if reinject and i == depth:
+            h = torch.cat([prefix_hidden.expand(b, -1, -1), h], dim=1)
+            pos = torch.arange(0, end, device=ids.device).unsqueeze(0)
+            rope = inner.rotary_emb(h, pos, "full_attention")
+        if hidden_out is not None:
+            hidden_out.append(h)
+        h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=pos, cache=cache)
+    if hidden_out is not None:
+        hidden_out.append(h)
+    first = pos[0, 0].item()
+    h = inner.norm(h[:, logits_from - first :])
+    return model.lm_head(h)
+
+
+def fill_entry(dlm: DiffusionLM, ids: torch.Tensor, prefix_len: int) -> tuple[PrefixEntry, torch.Tensor]:
+    """Run the plain forward on ``ids`` (batch rows) recording row 0's prefix state.
+
+    Returns the entry and the full-sequence logits of the pass (so the pass doubles as a decoding
+    step): the KVs come from the request that first brought the prefix, as in AR serving engines.
+    """
+    cache = prefix_cache(dlm, None, 0, record=True)
+    hidden: list[torch.Tensor] = []
+    logits = forward(dlm, ids, cache=cache, hidden_out=hidden, logits_from=0)
+    p = prefix_len
+    entry = PrefixEntry(
+        tokens=tuple(ids[0, :p].tolist()),
+        keys=[layer.keys[:1, :, :p].clone() for layer in cache.layers],
+        values=[layer.values[:1, :, :p].clone() for layer in cache.layers],
+        hidden=[x[:1, :p].clone() for x in hidden],
+        model_id=id(dlm.model),
+    )
+    return entry, logits
+
+
+def layer_kv(dlm: DiffusionLM, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Fresh per-layer K/V of the whole sequence (no cache)."""
+    cache = prefix_cache(dlm, None, 0, record=True)
+    forward(dlm, ids, cache=cache, logits_from=ids.shape[1])
+    return [la.keys for la in cache.layers], [la.values for la in cache.layers]

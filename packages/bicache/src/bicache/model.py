@@ -1,0 +1,128 @@
+"""The masked diffusion LM: a bidirectional Gemma3 text model built from a local config.
+
+LLaDA-style: attention is bidirectional (``use_bidirectional_attention=True``), one vocabulary entry
+is the mask token, training masks answer tokens at a random ratio and the model predicts them all
+at once. Real DLM checkpoints (LLaDA, Dream) in a local directory load through
+:func:`load_local_dlm` (``trust_remote_code``); the per-layer cache needs the Gemma3 layer layout, so
+such checkpoints run the no-cache decoder only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from .task import TaskSpec, Vocab
+
+
+def tiny_config(
+    vocab_size: int, layers: int = 6, hidden: int = 128, heads: int = 4, max_len: int = 256
+) -> Gemma3TextConfig:
+    """A small bidirectional Gemma3 config (full attention in every layer, no soft-capping)."""
+    return Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        query_pre_attn_scalar=hidden // heads,
+        max_position_embeddings=max_len,
+        layer_types=["full_attention"] * layers,
+        sliding_window=max_len,
+        use_bidirectional_attention=True,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+
+
+class DiffusionLM:
+    """A model, its vocabulary and task spec; ``mask_id`` is the diffusion mask token."""
+
+    def __init__(self, model: Gemma3ForCausalLM, vocab: Vocab, spec: TaskSpec) -> None:
+        cfg = model.config
+        if not getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("model config has use_bidirectional_attention=False; a diffusion LM needs True")
+        if any(t != "full_attention" for t in cfg.layer_types):
+            raise ValueError("every layer must use full_attention (layer_types); sliding windows are not supported")
+        if cfg.vocab_size < len(vocab):
+            raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the task vocabulary {len(vocab)}")
+        self.model = model.eval()
+        self.vocab = vocab
+        self.spec = spec
+        self.mask_id = vocab.mask_id
+
+    @property
+    def config(self) -> Gemma3TextConfig:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def max_length(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    @classmethod
+    def random(cls, spec: TaskSpec | None = None, seed: int = 0, **cfg) -> DiffusionLM:
+        """A randomly initialised model (tests, mechanics)."""
+        spec = spec or TaskSpec()
+        vocab = Vocab(spec.n_keys)
+        torch.manual_seed(seed)
+        return cls(Gemma3ForCausalLM(tiny_config(len(vocab), **cfg)), vocab, spec)
+
+    def save(self, directory: str | Path) -> Path:
+        """Save weights + config + spec atomically (a temp dir renamed into place)."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp", dir=directory.parent))
+        self.model.save_pretrained(tmp)
+        (tmp / "task.json").write_text(json.dumps(asdict(self.spec)))
+        if directory.exists():
+            old = directory.with_name(directory.name + ".old")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> DiffusionLM:
+        directory = Path(directory)
+        if not (directory / "task.json").exists():
+            raise FileNotFoundError(f"{directory} holds no bicache checkpoint (task.json missing)")
+        spec = TaskSpec(**json.loads((directory / "task.json").read_text()))
+        model = Gemma3ForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+        return cls(model, Vocab(spec.n_keys), spec)
+
+
+def load_local_dlm(path: str | Path):
+    """Load a real diffusion LM checkpoint (LLaDA, Dream) from a local directory.
+
+    Returns ``(model, tokenizer)``; nothing is downloaded (``local_files_only``). Such models run the
+    no-cache decoder of :mod:`bicache.diffusion` through their own ``forward``.
+    """
+    from transformers import AutoModel, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a local model directory (config.json missing)")
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True, local_files_only=True)
+    model = AutoModel.from_pretrained(path, trust_remote_code=True, local_files_only=True)
+    return model.eval(), tok
