@@ -100,3 +100,28 @@ def test_rebalance_on_drift():
     phases = [w.tokens / true_rates[w.name] for w in p1.workers]
     assert (max(phases) - min(phases)) / max(phases) < 0.06
     assert not math.isclose(p0.phase_s, p1.phase_s)
+
+
+def test_fit_profile_recovers_rate_and_overhead():
+    from geomesh.balance import fit_profile
+
+    true = WorkerProfile("w", tokens_per_s=2000.0, step_overhead_s=0.01)
+    samples = [(b, true.step_time_s(b, 16)) for b in (2, 4, 8)]
+    p = fit_profile("w", samples, seq_len=16)
+    assert p.tokens_per_s == pytest.approx(2000.0) and p.step_overhead_s == pytest.approx(0.01)
+    one = fit_profile("w", [(4, 0.5)], seq_len=16)
+    assert one.tokens_per_s == pytest.approx(128.0) and one.step_overhead_s == 0
+    with pytest.raises(BalanceError, match="'w'"):
+        fit_profile("w", [(0, 1.0)], seq_len=16)
+
+
+def test_plan_accounts_for_step_overhead():
+    # with a large fixed cost per step, ignoring it would give the small-batch worker far too many steps
+    profiles = [
+        WorkerProfile("fast", 4000.0, step_overhead_s=0.02),
+        WorkerProfile("slow", 1000.0, step_overhead_s=0.05),
+    ]
+    p = plan(profiles, seq_len=32, target_tokens=32 * 8 * 2 * 10, max_batch=16, preferred_batch=8)
+    phases = [w.inner_steps * prof.step_time_s(w.batch, 32) for w, prof in zip(p.workers, profiles)]
+    assert (max(phases) - min(phases)) / max(phases) < 0.06
+    assert p.imbalance == pytest.approx((max(phases) - min(phases)) / max(phases))

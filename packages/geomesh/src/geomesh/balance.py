@@ -26,6 +26,7 @@ __all__ = [
     "uniform_plan",
     "profiles_from_cluster",
     "token_weights",
+    "fit_profile",
     "Rebalancer",
 ]
 
@@ -42,6 +43,10 @@ class WorkerProfile:
     tokens_per_s: float
     memory_bytes: float = math.inf
     region: str | None = None
+    step_overhead_s: float = 0.0  # fixed cost of one step (launches, optimizer) on top of tokens/rate
+
+    def step_time_s(self, batch: int, seq_len: int) -> float:
+        return self.step_overhead_s + batch * seq_len / self.tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ def _check_profiles(profiles: Sequence[WorkerProfile]) -> None:
             raise BalanceError(f"profiles[{i}].tokens_per_s: {p.tokens_per_s!r} must be a positive finite number")
         if not p.memory_bytes > 0:
             raise BalanceError(f"profiles[{i}].memory_bytes: {p.memory_bytes!r} must be positive")
+        if not p.step_overhead_s >= 0:
+            raise BalanceError(f"profiles[{i}].step_overhead_s: {p.step_overhead_s!r} must be >= 0")
 
 
 def _batch_cap(p: WorkerProfile, memory: MemoryModel | None, max_batch: int | None) -> int:
@@ -139,7 +146,7 @@ def plan(
     max_batch: int | None = None,
     preferred_batch: int | None = None,
     min_steps: int = 1,
-    tolerance: float = 0.02,
+    tolerance: float = 0.03,
 ) -> Plan:
     """Choose (b_i, H_i) per worker so inner phases take equal wall time and tokens ~ target_tokens.
 
@@ -157,18 +164,20 @@ def plan(
         raise BalanceError(f"max_batch: {max_batch!r} must be >= 1")
     if min_steps < 1:
         raise BalanceError(f"min_steps: {min_steps!r} must be >= 1")
-    total_rate = sum(p.tokens_per_s for p in profiles)
-    phase = target_tokens / total_rate
+    caps = [_batch_cap(p, memory, max_batch) for p in profiles]
+    ref = [min(c, preferred_batch) if preferred_batch else min(c, 8) for c in caps]
+    # the phase T at which the workers, running near their reference batch, make the target together
+    eff = [r * seq_len / p.step_time_s(r, seq_len) for p, r in zip(profiles, ref)]
+    phase = target_tokens / sum(eff)
     workers = []
-    for p in profiles:
-        cap = _batch_cap(p, memory, max_batch)
-        want_tokens = p.tokens_per_s * phase
+    for p, cap, rate in zip(profiles, caps, eff):
+        want_tokens = rate * phase
         # beyond the batch that would finish the whole phase in one step nothing improves
         top = max(1, min(cap, math.ceil(want_tokens / (seq_len * min_steps))))
         cands = []
         for b in range(1, top + 1):
-            h = max(min_steps, round(want_tokens / (b * seq_len)))
-            t = h * b * seq_len / p.tokens_per_s
+            h = max(min_steps, round(phase / p.step_time_s(b, seq_len)))
+            t = h * p.step_time_s(b, seq_len)
             cands.append((abs(t - phase) / phase, b, h, t))
         best = min(c[0] for c in cands)
         near = [c for c in cands if c[0] <= best + tolerance]
@@ -212,6 +221,34 @@ def profiles_from_cluster(
     return out
 
 
+def fit_profile(
+    name: str,
+    samples: Sequence[tuple[int, float]],
+    seq_len: int,
+    memory_bytes: float = math.inf,
+    region: str | None = None,
+) -> WorkerProfile:
+    """A profile from measured (batch, seconds per step) pairs: step = overhead + batch*seq/rate.
+
+    With one batch size (or a non-increasing fit) the overhead is taken as zero.
+    """
+    if not samples:
+        raise BalanceError(f"worker {name!r}: no profiling samples")
+    for b, t in samples:
+        if b < 1 or not t > 0:
+            raise BalanceError(f"worker {name!r}: profiling sample (batch={b}, seconds={t}) is not valid")
+    xs = [b * seq_len for b, _ in samples]
+    ys = [t for _, t in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var > 0:
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+        overhead = my - slope * mx
+        if slope > 0 and overhead >= 0:
+            return WorkerProfile(name, 1.0 / slope, memory_bytes, region, overhead)
+    return WorkerProfile(name, sum(xs) / sum(ys), memory_bytes, region, 0.0)
+
+
 def token_weights(tokens: Sequence[int]) -> list[float]:
     """Aggregation weights: each worker's share of the tokens of this outer step."""
     if any(t < 0 for t in tokens):
@@ -236,9 +273,19 @@ class Rebalancer:
         self.replans = 0
 
     def observe(self, name: str, tokens: int, seconds: float) -> None:
+        """A measured inner phase: ``tokens`` in ``seconds``; the per-step overhead is taken out."""
         if seconds <= 0 or tokens <= 0:
             return
-        rate = tokens / seconds
+        prof = {p.name: p for p in self.plan.profiles}.get(name)
+        work = seconds
+        if prof is not None and prof.step_overhead_s > 0:
+            try:
+                w = self.plan.worker(name)
+                steps = tokens / (w.batch * self.plan.seq_len)
+            except KeyError:
+                steps = 0
+            work = max(seconds - steps * prof.step_overhead_s, 0.2 * seconds)
+        rate = tokens / work
         old = self.rates.get(name, rate)
         self.rates[name] = (1 - self.ema) * old + self.ema * rate
 

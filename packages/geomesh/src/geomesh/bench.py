@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import hwtopo
 
-from .balance import MemoryModel, Rebalancer, WorkerProfile, plan
+from .balance import MemoryModel, Rebalancer, fit_profile, plan
 from .baselines import AsyncServer, GradientAllReduce
 from .diloco import DiLoCo
 from .launch import spawn
@@ -39,7 +39,7 @@ class BenchConfig:
     cluster: str = "geo-3region"
     cpus: float = 0.25  # speed s of a worker = s x cpus CPUs: below a loaded 2-core machine's share per process
     seq_len: int = 64
-    batch: int = 4
+    batch: int = 8
     inner_steps: int = 8
     outer_steps: int = 10
     hidden: int = 64
@@ -160,16 +160,21 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         probe = copy.deepcopy(model)
         popt = torch.optim.AdamW(probe.parameters(), lr=cfg.inner_lr)
         _train_steps(probe, popt, sampler, b, 1)  # warm-up
-        ts = time.perf_counter()
-        _train_steps(probe, popt, sampler, b, cfg.profile_steps)
-        rate = torch.tensor([cfg.profile_steps * b * seq / (time.perf_counter() - ts)], dtype=torch.float64)
-        rates = [torch.zeros_like(rate) for _ in range(world)]
-        dist.all_gather(rates, rate)
+        samples = []
+        for pb in (b, max(1, b // 2)):
+            ts = time.perf_counter()
+            _train_steps(probe, popt, sampler, pb, cfg.profile_steps)
+            samples.append([pb, (time.perf_counter() - ts) / cfg.profile_steps])
+        mine = torch.tensor(samples, dtype=torch.float64)
+        got = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(got, mine)
         params = sum(p.numel() for p in model.parameters())
         memory = MemoryModel(fixed_bytes=16 * params, bytes_per_sample=4 * seq * cfg.hidden * cfg.layers * 16)
         profiles = [
-            WorkerProfile(m, float(r), cluster.machine(m).accelerator_memory_bytes or math.inf)
-            for m, r in zip(machines, rates)
+            fit_profile(
+                m, [(int(x[0]), float(x[1])) for x in g], seq, cluster.machine(m).accelerator_memory_bytes or math.inf
+            )
+            for m, g in zip(machines, got)
         ]
         kw = {"memory": memory, "max_batch": 2 * b, "preferred_batch": b}
         p = plan(profiles, seq, world * b * h * seq, **kw)
