@@ -1,0 +1,93 @@
+"""Task-aware allocation: learned split, cores by demand share, quota on one core, real placement."""
+
+import asyncio
+import os
+
+import pytest
+
+from agentdyn.allocation import TaskAwareAllocator, plan_allocation, split_threshold
+from agentdyn.cgroups import CpuGroup, cpuset_writable
+from agentdyn.sandbox import Sandbox
+
+PROFILES = {
+    "coding": {"cpu_s": 2.0, "wall_s": 2.3, "cpu_intensity": 0.87},
+    "rag_qa": {"cpu_s": 0.7, "wall_s": 0.9, "cpu_intensity": 0.8},
+    "web_search": {"cpu_s": 0.3, "wall_s": 1.1, "cpu_intensity": 0.27},
+}
+
+
+def test_split_threshold_sits_in_the_largest_gap():
+    t = split_threshold([0.1, 0.12, 0.8, 0.9])
+    assert 0.12 < t < 0.8
+    assert split_threshold([0.05, 0.06]) >= 0.2  # clamped
+
+
+def test_cpu_sensitive_class_gets_own_core_on_two_cores():
+    plan = plan_allocation(PROFILES, [0, 1])
+    c, r, w = plan.classes["coding"], plan.classes["rag_qa"], plan.classes["web_search"]
+    assert c.core_set != r.core_set and r.core_set == w.core_set
+    assert set(c.cpus).isdisjoint(r.cpus) and sorted(c.cpus + r.cpus) == [0, 1]
+    assert plan.capacity[c.core_set] == 1.0 and plan.capacity[r.core_set] == 1.0
+
+
+def test_cores_follow_demand_share_and_mix():
+    plan = plan_allocation(PROFILES, [0, 1, 2, 3])
+    own = plan.classes["coding"].cpus
+    assert len(own) == 3  # 0.67 of the demand of 4 cores
+    # with far fewer coding requests in the mix its demand share shrinks, and so do its cores
+    plan2 = plan_allocation(PROFILES, [0, 1, 2, 3], mix={"coding": 0.2, "rag_qa": 1.0, "web_search": 1.0})
+    assert plan2.classes["coding"].core_set == "shared" or len(plan2.classes["coding"].cpus) < 3
+
+
+def test_io_bound_class_never_gets_own_cores():
+    prof = dict(PROFILES, web_search={"cpu_s": 5.0, "wall_s": 50.0, "cpu_intensity": 0.1})
+    plan = plan_allocation(prof, [0, 1, 2, 3])
+    assert plan.classes["web_search"].core_set == "shared"
+
+
+def test_one_core_uses_quota_and_shares():
+    plan = plan_allocation(PROFILES, [0])
+    assert plan.classes["web_search"].quota_cores is not None and 0 < plan.classes["web_search"].quota_cores < 1
+    assert plan.classes["coding"].shares > plan.classes["web_search"].shares
+
+
+def test_two_equal_cpu_classes_split_the_cores_evenly():
+    prof = {k: {"cpu_s": 1.0, "wall_s": 1.1, "cpu_intensity": 0.9} for k in ("a", "b")}
+    plan = plan_allocation(prof, [0, 1])
+    assert sorted(len(c.cpus) for c in plan.classes.values()) == [1, 1]
+    assert set(plan.classes["a"].cpus).isdisjoint(plan.classes["b"].cpus)
+    assert sum(plan.capacity.values()) == 2.0
+
+
+def test_bad_cores():
+    with pytest.raises(ValueError, match="cores"):
+        plan_allocation(PROFILES, [])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable CPUs")
+def test_tools_really_run_on_their_class_cores(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    alloc = TaskAwareAllocator(plan_allocation(PROFILES, cpus))
+    try:
+
+        async def go():
+            sb = Sandbox()
+            a = await sb.run("whereami", {}, str(tmp_path / "a"), group=alloc.group_for("coding"))
+            b = await sb.run("whereami", {}, str(tmp_path / "b"), group=alloc.group_for("web_search"))
+            return a, b
+
+        a, b = asyncio.run(go())
+        assert a.ok and b.ok, (a.error, b.error)
+        assert a.output["cpus"] == alloc.plan.classes["coding"].cpus
+        assert b.output["cpus"] == alloc.plan.classes["web_search"].cpus
+        if cpuset_writable():
+            assert any("agentdyn-" in line and "cpuset" in line for line in a.output["cgroups"])
+    finally:
+        alloc.close()
+    for g in alloc.groups.values():
+        assert all(not p.exists() for p in g._paths)  # groups removed on close
+
+
+def test_cpu_group_quota_validation():
+    with pytest.raises(ValueError, match="quota_cores"):
+        CpuGroup("x", quota_cores=0)

@@ -1,0 +1,85 @@
+"""Command line: usage errors exit 2 with one line naming the option; `run` answers a request."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from agentdyn.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["bench", "--quick", "--ttft", "-1"], "--ttft"),
+        (["bench", "--per-type", "0"], "--per-type"),
+        (["run", "painting"], "task_type"),
+        (["run", "coding", "--input", "{bad"], "--input"),
+        (["run", "coding", "--llm-base-url", "localhost:1"], "--llm-base-url"),
+        (["characterize", "--cores", "x"], "--cores"),
+    ],
+)
+def test_usage_errors_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0]
+
+
+def test_unknown_command_is_argparse_usage_error():
+    with pytest.raises(SystemExit) as e:
+        main(["fly"])
+    assert e.value.code == 2
+
+
+def test_run_one_request_in_process():
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentdyn",
+            "--quiet",
+            "run",
+            "web_search",
+            "--input",
+            '{"searches": 0}',
+            "--policy",
+            "native",
+            "--ttft",
+            "0.01",
+            "--site-pages",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["ok"] and out["task_type"] == "web_search" and out["policy"] == "native"
+
+
+def test_run_reports_llm_down_as_runtime_failure(free_port):
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentdyn",
+            "--quiet",
+            "run",
+            "coding",
+            "--policy",
+            "native",
+            "--llm-base-url",
+            f"http://127.0.0.1:{free_port}/v1",
+            "--llm-retries",
+            "0",
+            "--site-pages",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1
+    assert "failed after 1 attempt(s)" in json.loads(p.stdout)["error"]

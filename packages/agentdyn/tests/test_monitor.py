@@ -1,0 +1,89 @@
+"""The resource monitor: PSI parsing, sampler, per-process and per-tool usage."""
+
+import asyncio
+import os
+import subprocess
+import sys
+
+from agentdyn.monitor import SystemSampler, Usage, proc_usage, psi_available, read_loadavg, read_psi
+from agentdyn.profiles import ProfileStore
+from agentdyn.sandbox import Sandbox
+
+
+def test_psi_or_loadavg_sampler_gives_fractions():
+    la, running, total = read_loadavg()
+    assert la >= 0 and running >= 1 and total >= running
+    if psi_available():
+        p = read_psi("cpu")
+        assert "some" in p and "total" in p["some"]
+    s = SystemSampler(0.02).start()
+    try:
+        import time
+
+        time.sleep(0.15)
+        snap = s.latest()
+    finally:
+        s.stop()
+    assert 0.0 <= snap.cpu_some <= 1.0 and 0.0 <= snap.io_some <= 1.0
+    assert snap.source == ("psi" if psi_available() else "loadavg")
+    ov = s.overhead()
+    assert ov["samples"] >= 2 and ov["cpu_s_per_sample"] > 0
+    assert s.summary()["samples"] >= 1
+
+
+def test_usage_intensity_discounts_run_queue_wait():
+    u = Usage(cpu_s=1.0, wall_s=4.0, run_wait_s=2.0)
+    assert abs(u.cpu_intensity - 0.5) < 1e-9  # 1 s CPU over 2 s uncontended
+    v = Usage(cpu_s=1.0, wall_s=1.0, read_bytes=5, peak_rss_bytes=10)
+    v.add(Usage(cpu_s=2.0, wall_s=1.0, read_bytes=1, peak_rss_bytes=3))
+    assert v.cpu_s == 3.0 and v.read_bytes == 6 and v.peak_rss_bytes == 10
+
+
+def test_proc_usage_of_a_live_process():
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\ntime.sleep(5)",
+        ]
+    )
+    try:
+        import time
+
+        time.sleep(1.0)
+        u = proc_usage([p.pid])
+    finally:
+        p.kill()
+        p.wait()
+    assert u.cpu_s >= 0.2 and u.peak_rss_bytes > 1 << 20
+
+
+def test_tool_usage_cpu_memory_and_disk(tmp_path):
+    async def go():
+        sb = Sandbox()
+        burn = await sb.run("burn", {"cpu_s": 0.3, "alloc_mb": 120}, str(tmp_path / "b"))
+        sleep = await sb.run("sleep", {"seconds": 0.3}, str(tmp_path / "s"))
+        index = await sb.run("rag_index", {"shard": 1, "shards": 16}, str(tmp_path / "r"))
+        return burn, sleep, index
+
+    burn, sleep, index = asyncio.run(go())
+    assert burn.ok and sleep.ok and index.ok, (burn.error, sleep.error, index.error)
+    assert burn.usage.cpu_s >= 0.3
+    assert burn.usage.peak_rss_bytes >= 120 << 20
+    assert sleep.usage.cpu_s < sleep.usage.wall_s and sleep.usage.wall_s >= 0.3
+    assert burn.usage.cpu_intensity > sleep.usage.cpu_intensity
+    # the index file is written and fsync'd: the bytes reach the block layer
+    written = os.path.getsize(next((tmp_path / "r").glob("rag-index-*.json")))
+    assert index.usage.write_bytes >= written * 0.9
+
+
+def test_profiles_learn_and_roundtrip(tmp_path):
+    st = ProfileStore()
+    st.observe("coding", "run_tests", Usage(cpu_s=1.0, wall_s=3.0, run_wait_s=2.0), alone=True, pressure=0.5)
+    st.observe_request("coding")
+    p = st.get("coding", "run_tests")
+    assert abs(p.cpu_intensity - 1.0) < 1e-9  # contention removed
+    st.save(tmp_path / "p.json")
+    st2 = ProfileStore.load(tmp_path / "p.json")
+    assert st2.to_dict() == st.to_dict()
+    assert st2.classes()["coding"]["cpu_s"] == 1.0

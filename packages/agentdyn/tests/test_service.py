@@ -1,0 +1,215 @@
+"""The HTTP service: validation (400/422), LLM down (502), hung tools, 200 concurrent, SIGTERM drain."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from agentdyn.emulator import EmulatorConfig
+from agentdyn.llm import LLMConfig
+from agentdyn.monitor import SystemSampler
+from agentdyn.runtime import Harness
+from agentdyn.sandbox import zombie_children
+from agentdyn.service import make_app
+
+
+async def _serve(h: Harness):
+    await h.start()
+    runner = web.AppRunner(make_app(h), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def _fast():
+    return EmulatorConfig(ttft_s=0.05, ttft_sigma=0.0, tokens_per_s=2000, tps_sigma=0.0)
+
+
+def test_malformed_and_unknown_requests():
+    async def go():
+        h = Harness(emulator=_fast(), site_pages=30)
+        runner, url = await _serve(h)
+        out = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for body in [
+                    b"{not json",
+                    b"[1,2]",
+                    b'{"input": {}}',
+                    b'{"task_type": 3}',
+                    b'{"task_type": "coding", "input": 5}',
+                    b'{"task_type": "coding", "tool_timeout_s": -1}',
+                    b'{"task_type": "coding", "colour": 1}',
+                    b'{"task_type": "painting"}',
+                ]:
+                    async with s.post(url + "/v1/agent", data=body) as r:
+                        out.append((r.status, await r.json()))
+        finally:
+            await runner.cleanup()
+            await h.stop()
+        return out
+
+    out = asyncio.run(go())
+    fields = [(st, b.get("field")) for st, b in out]
+    assert fields == [
+        (400, "body"),
+        (400, "body"),
+        (400, "task_type"),
+        (400, "task_type"),
+        (400, "input"),
+        (400, "tool_timeout_s"),
+        (400, "colour"),
+        (422, "task_type"),
+    ]
+    assert "one of rag_qa, web_search, coding" in out[-1][1]["error"]
+
+
+def test_llm_down_gives_clear_per_request_error(free_port):
+    async def go():
+        llm = LLMConfig(base_url=f"http://127.0.0.1:{free_port}/v1", retries=1, backoff_s=0.01, timeout_s=1)
+        h = Harness(llm=llm, site_pages=30)
+        runner, url = await _serve(h)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/agent", json={"task_type": "rag_qa"}) as r:
+                    return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+            await h.stop()
+
+    status, body = asyncio.run(go())
+    assert status == 502 and body["ok"] is False
+    assert body["error"].startswith("llm:") and "failed after 2 attempt(s)" in body["error"]
+
+
+@pytest.mark.slow
+def test_hung_tool_is_killed_and_the_request_still_answers():
+    async def go():
+        h = Harness(emulator=_fast(), site_pages=30)
+        runner, url = await _serve(h)
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = {"task_type": "coding", "input": {"variant": "hang", "work": 500}, "tool_timeout_s": 10}
+                async with s.post(url + "/v1/agent", json=body) as r:
+                    return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+            await h.stop()
+
+    status, body = asyncio.run(go())
+    assert status == 200, body
+    tools = [e for e in body["timeline"] if e["phase"] == "tool"]
+    assert [e["tool"] for e in tools] == ["repo_init", "run_tests", "read_file", "apply_patch", "run_tests"]
+    assert tools[1]["ok"] is True and tools[1]["killed"] is False  # buggy tests run and fail
+    assert tools[-1]["killed"] is True and "timed out after 10s" in tools[-1]["error"]
+    assert zombie_children() == []
+
+
+@pytest.mark.slow
+def test_holds_200_concurrent_requests():
+    async def go():
+        h = Harness(
+            emulator=EmulatorConfig(ttft_s=0.5, ttft_sigma=0.1), site_pages=30, sampler=SystemSampler(0.1).start()
+        )
+        runner, url = await _serve(h)
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+                async def one(i):
+                    # most answer from the model; every 20th also runs a (real, sandboxed) search
+                    inp = {"searches": 1, "pages": 2} if i % 20 == 0 else {"searches": 0}
+                    async with s.post(
+                        url + "/v1/agent", json={"task_type": "web_search", "input": inp, "request_id": f"r{i}"}
+                    ) as r:
+                        return r.status, await r.json()
+
+                async def peak():
+                    m = 0
+                    while True:
+                        m = max(m, h.runtime.inflight)
+                        if m >= 200:
+                            return m
+                        await asyncio.sleep(0.01)
+
+                pk = asyncio.create_task(peak())
+                res = await asyncio.gather(*(one(i) for i in range(200)))
+                try:
+                    m = await asyncio.wait_for(pk, 0.01)
+                except asyncio.TimeoutError:
+                    m = None
+                async with s.get(url + "/v1/stats") as r:
+                    stats = await r.json()
+                return res, m, stats
+        finally:
+            await runner.cleanup()
+            await h.stop()
+            h.sampler.stop()
+
+    res, peak, stats = asyncio.run(go())
+    assert [st for st, _ in res] == [200] * 200
+    assert sorted(b["request_id"] for _, b in res) == sorted(f"r{i}" for i in range(200))
+    assert sum(1 for _, b in res if b["usage"]["tool_calls"] == 1) == 10
+    assert peak == 200  # all 200 were in flight at once
+    assert stats["completed"] == 200 and stats["failed"] == 0
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentdyn",
+        "--quiet",
+        "serve",
+        "--port",
+        str(free_port),
+        "--policy",
+        "native",
+        "--ttft",
+        "1.5",
+        "--site-pages",
+        "30",
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        assert "serving on" in line, line + p.stderr.read()
+        url = f"http://127.0.0.1:{free_port}"
+
+        def post(i):
+            req = urllib.request.Request(
+                url + "/v1/agent",
+                data=json.dumps({"task_type": "web_search", "input": {"searches": 0}}).encode(),
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        async def go():
+            tasks = [asyncio.create_task(asyncio.to_thread(post, i)) for i in range(5)]
+            await asyncio.sleep(0.6)  # all five are now waiting on the (1.5 s) LLM
+            p.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks)
+
+        codes = asyncio.run(go())
+        rc = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert codes == [200] * 5
+    assert rc == 0
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/healthz", timeout=2)
