@@ -46,3 +46,14 @@ def test_serial_tiers_stop_at_first_miss_and_other_requests_evict_lru(tmp_path):
     assert s.retrieve(a).tokens == 16
     s.drop_page_cache()
     assert s.page_cache_bytes() >= 0 and s.disk_bytes() > 0
+
+
+def test_drop_evicts_freshly_written_files(tmp_path):
+    from kvpool.pagecache import drop, resident_bytes
+
+    p = tmp_path / "x.pt"
+    torch.save(torch.randn(1 << 18), p)
+    drop(p)
+    assert resident_bytes(p) == 0
+    torch.load(p)
+    assert resident_bytes(p) > 0  # buffered reads go through the page cache

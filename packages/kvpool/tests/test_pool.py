@@ -198,3 +198,22 @@ def test_bad_kv_shapes_are_rejected(ssd_dirs):
         bad = [(k.double(), v.double()) for k, v in make_kv(32)]
         with pytest.raises(ValueError, match="dtype"):
             pool.put(list(range(32)), bad)
+
+
+def test_reused_destination_buffers(ssd_dirs):
+    from kvpool import KVBuffers
+
+    kv1, kv2 = make_kv(64, 1), make_kv(64, 2)
+    a, b = list(range(64)), list(range(100, 164))
+    out = KVBuffers(LAY, 80)
+    with make_pool(ssd_dirs, mem_chunks=4) as pool:
+        pool.put(a, kv1)
+        pool.put(b, kv2)
+        la = pool.retrieve(a, out=out).join()
+        assert la.kbuf is out.k
+        check_prefix(la, kv1, 64)
+        check_prefix(pool.retrieve(b, out=out).join(), kv2, 64)  # same memory, new contents
+        too_small = KVBuffers(LAY, 32)
+        lc = pool.retrieve(a, out=too_small).join()
+        assert lc.kbuf is not too_small.k
+        check_prefix(lc, kv1, 64)

@@ -11,7 +11,7 @@ from .keys import DEFAULT_CHUNK_TOKENS, ChunkKey, KVLayout, chunk_keys, longest_
 from .passthrough import AlignedBuffer, DeviceUnavailable, PassthroughStore
 from .placement import CapacityError, ChunkRecord, DeviceInfo, Move, Placement, PlacementPlan
 from .pool import KVPool
-from .retrieval import LayerwiseLoad
+from .retrieval import KVBuffers, LayerwiseLoad
 from .stores import ExtentAllocator, MemoryStore, StoreStats, Throttle
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __all__ = [
     "DeviceSet",
     "DeviceUnavailable",
     "ExtentAllocator",
+    "KVBuffers",
     "KVLayout",
     "KVPool",
     "LayerwiseLoad",

@@ -20,7 +20,7 @@ import torch
 
 from .keys import KVLayout, chunk_keys
 from .pagecache import drop, resident_bytes
-from .retrieval import TORCH_DTYPES
+from .retrieval import TORCH_DTYPES, KVBuffers
 from .stores import Throttle
 
 __all__ = ["SerialTiers", "SerialLoad"]
@@ -29,14 +29,17 @@ __all__ = ["SerialTiers", "SerialLoad"]
 class SerialLoad:
     """A finished serialized retrieval: per-layer (K, V) plus where the time went."""
 
-    def __init__(self, layout: KVLayout, chunks: int, extra_tokens: int = 0):
+    def __init__(self, layout: KVLayout, chunks: int, extra_tokens: int = 0, out: KVBuffers | None = None):
         n = chunks * layout.chunk_tokens
         dtype = TORCH_DTYPES[layout.dtype]
         shape = (1, layout.kv_heads, n + max(0, extra_tokens), layout.head_dim)
         self.tokens = n
         # same preallocated destination as kvpool's, so the compute path after retrieval is identical
-        self.kbuf = [torch.empty(shape, dtype=dtype) for _ in range(layout.num_layers)]
-        self.vbuf = [torch.empty(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        if out is not None and out.fits(layout, shape[2]):
+            self.kbuf, self.vbuf = out.k, out.v
+        else:
+            self.kbuf = [torch.empty(shape, dtype=dtype) for _ in range(layout.num_layers)]
+            self.vbuf = [torch.empty(shape, dtype=dtype) for _ in range(layout.num_layers)]
         self.k = [b[:, :, :n] for b in self.kbuf]
         self.v = [b[:, :, :n] for b in self.vbuf]
         self.timing = {"memory_s": 0.0, "disk_s": 0.0, "stat_s": 0.0, "open_s": 0.0, "read_s": 0.0, "close_s": 0.0}
@@ -132,7 +135,9 @@ class SerialTiers:
             n += 1
         return n * self.layout.chunk_tokens
 
-    def retrieve(self, tokens, max_tokens: int | None = None, extra_tokens: int | None = 0) -> SerialLoad:
+    def retrieve(
+        self, tokens, max_tokens: int | None = None, extra_tokens: int | None = 0, out: KVBuffers | None = None
+    ) -> SerialLoad:
         """Load the longest cached prefix chunk by chunk, tier by tier, on the calling thread."""
         keys = chunk_keys(tokens, self.model_id, self.layout)
         if max_tokens is not None:
@@ -153,7 +158,7 @@ class SerialTiers:
             found.append((key.index, None, path))
         if extra_tokens is None:
             extra_tokens = max(0, len(tokens) - len(found) * self.layout.chunk_tokens)
-        load = SerialLoad(self.layout, len(found), extra_tokens)
+        load = SerialLoad(self.layout, len(found), extra_tokens, out)
         n = self.layout.chunk_tokens
         tm = load.timing
         tm["stat_s"] += lookup_stat_s

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .keys import KVLayout
 from .pool import KVPool
-from .retrieval import LayerwiseLoad
+from .retrieval import KVBuffers, LayerwiseLoad
 
 __all__ = ["PoolLayer", "PoolCache", "PrefillResult", "prefill", "cache_kv", "layout_for"]
 
@@ -103,8 +103,13 @@ def _run(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, pool: KVPool | None, store: bool = True) -> PrefillResult:
-    """Prefill one request (``input_ids`` of shape [1, T]) reusing the pool's longest cached prefix."""
+def prefill(
+    model, input_ids: torch.Tensor, pool: KVPool | None, store: bool = True, out: KVBuffers | None = None
+) -> PrefillResult:
+    """Prefill one request (``input_ids`` of shape [1, T]) reusing the pool's longest cached prefix.
+
+    ``out``: preallocated destination buffers to load into (reused across requests by the caller).
+    """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape [1, T] (one request), not {tuple(input_ids.shape)}")
     T = input_ids.shape[1]
@@ -116,7 +121,7 @@ def prefill(model, input_ids: torch.Tensor, pool: KVPool | None, store: bool = T
     if pool is not None:
         keys = pool.keys(tokens)
         # keep at least one token to compute: the model must produce the next token's logits
-        load = pool.retrieve(tokens, max_tokens=T - 1, keys=keys, extra_tokens=None)
+        load = pool.retrieve(tokens, max_tokens=T - 1, keys=keys, extra_tokens=None, out=out)
     if load is not None and load.tokens > 0:
         cache = PoolCache(load, model.config)
         logits = _run(model, input_ids[:, load.tokens :], cache)

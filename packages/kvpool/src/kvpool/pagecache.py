@@ -80,12 +80,13 @@ def meminfo_cached_bytes() -> int | None:
 
 
 def drop(path: str | os.PathLike) -> None:
-    """Evict the clean page-cache pages of ``path`` (POSIX_FADV_DONTNEED)."""
+    """Evict ``path`` from the page cache: write back dirty pages (fsync), then POSIX_FADV_DONTNEED."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return
     try:
+        os.fsync(fd)  # DONTNEED skips dirty pages
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

@@ -17,7 +17,7 @@ import torch
 
 from .keys import ChunkKey, KVLayout, chunk_keys, longest_prefix, unit_name
 from .placement import CapacityError, DeviceInfo, Placement
-from .retrieval import TORCH_DTYPES, LayerwiseLoad
+from .retrieval import TORCH_DTYPES, KVBuffers, LayerwiseLoad
 
 __all__ = ["KVPool"]
 
@@ -245,11 +245,12 @@ class KVPool:
         max_tokens: int | None = None,
         keys: Sequence[ChunkKey] | None = None,
         extra_tokens: int | None = 0,
+        out: KVBuffers | None = None,
     ) -> LayerwiseLoad:
         """Start loading the longest cached prefix (at most ``max_tokens``); returns the load in flight.
 
         ``extra_tokens``: room to leave after the prefix in the destination tensors (the suffix);
-        None leaves room for the rest of ``tokens``.
+        None leaves room for the rest of ``tokens``. ``out``: reusable destination buffers.
         """
         keys = self.keys(tokens) if keys is None else list(keys)
         with self._lock:
@@ -263,7 +264,7 @@ class KVPool:
             self.counters["miss_tokens"] += max(0, len(tokens) - m * self.layout.chunk_tokens)
             self.placement.touch([k.hex for k in hit])
         extra = max(0, len(tokens) - len(hit) * self.layout.chunk_tokens) if extra_tokens is None else extra_tokens
-        return LayerwiseLoad(self.stores, self.layout, hit, where, extra_tokens=extra, readers=self.readers)
+        return LayerwiseLoad(self.stores, self.layout, hit, where, extra_tokens=extra, readers=self.readers, out=out)
 
     def forget_lost(self, load: LayerwiseLoad) -> None:
         """Drop the chunks a load could not read (corrupt or missing) so they are rewritten later."""

@@ -19,7 +19,7 @@ import torch
 
 from .keys import ChunkKey, KVLayout, unit_name
 
-__all__ = ["LayerwiseLoad", "TORCH_DTYPES"]
+__all__ = ["LayerwiseLoad", "KVBuffers", "TORCH_DTYPES"]
 
 log = logging.getLogger(__name__)
 TORCH_DTYPES = {
@@ -28,6 +28,30 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
+
+
+class KVBuffers:
+    """Preallocated, pre-touched destination tensors: per layer K and V of ``[1, H, capacity, D]``.
+
+    Reusing one set across requests keeps page faults (the kernel zeroing fresh pages) out of the
+    retrieval; the caller must be done with the previous request's KV before reusing it.
+    """
+
+    def __init__(self, layout: KVLayout, capacity_tokens: int):
+        dtype = TORCH_DTYPES[layout.dtype]
+        shape = (1, layout.kv_heads, capacity_tokens, layout.head_dim)
+        self.capacity_tokens = capacity_tokens
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layout.num_layers)]
+
+    def fits(self, layout: KVLayout, tokens: int) -> bool:
+        return (
+            tokens <= self.capacity_tokens
+            and len(self.k) == layout.num_layers
+            and self.k[0].shape[1] == layout.kv_heads
+            and self.k[0].shape[3] == layout.head_dim
+            and self.k[0].dtype == TORCH_DTYPES[layout.dtype]
+        )
 
 
 class LayerwiseLoad:
@@ -42,6 +66,7 @@ class LayerwiseLoad:
         staging: dict | None = None,
         extra_tokens: int = 0,
         readers: dict[str, int] | None = None,
+        out: KVBuffers | None = None,
     ):
         self.layout = layout
         self.keys = list(keys)
@@ -50,8 +75,11 @@ class LayerwiseLoad:
         dtype = TORCH_DTYPES[layout.dtype]
         # preallocated with room for ``extra_tokens`` more (the suffix the model computes next)
         cap = self.tokens + max(0, extra_tokens)
-        self.kbuf = [torch.empty(1, H, cap, D, dtype=dtype) for _ in range(L)]
-        self.vbuf = [torch.empty(1, H, cap, D, dtype=dtype) for _ in range(L)]
+        if out is not None and out.fits(layout, cap):
+            self.kbuf, self.vbuf = out.k, out.v
+        else:
+            self.kbuf = [torch.empty(1, H, cap, D, dtype=dtype) for _ in range(L)]
+            self.vbuf = [torch.empty(1, H, cap, D, dtype=dtype) for _ in range(L)]
         self.k = [b[:, :, : self.tokens] for b in self.kbuf]
         self.v = [b[:, :, : self.tokens] for b in self.vbuf]
         per_dev: dict[str, list[tuple[int, ChunkKey]]] = {}
