@@ -7,6 +7,10 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: slower end-to-end tests (still run in nox)")
+
+
 def tiny_config(family: str = "qwen2_moe", experts: int = 4, layers: int = 2):
     import transformers as T
 

@@ -45,3 +45,18 @@ def test_mean_base_is_the_mean():
         assert "base method must be one of" in str(e)
     else:
         raise AssertionError("bad base method accepted")
+
+
+def test_aligned_residuals_never_exceed_the_mean_ones():
+    g = torch.Generator().manual_seed(3)
+    shared = ExpertWeights(
+        torch.randn(1, 12, 10, generator=g), torch.randn(1, 12, 10, generator=g), torch.randn(1, 10, 12, generator=g)
+    )
+    # upcycled-like experts: one common MLP plus large independent changes
+    w = ExpertWeights(
+        *(
+            t.expand(6, *t.shape[1:]) + 0.8 * torch.randn(6, *t.shape[1:], generator=g)
+            for t in (shared.gate, shared.up, shared.down)
+        )
+    )
+    assert aligned_barycenter(w).residual_norm() <= mean_base(w).residual_norm() + 1e-4

@@ -46,7 +46,7 @@ class Plan:
         return sum(ly.original_bytes() for ly in self.layers)
 
 
-def prepare(model: nn.Module, calib: CalibrationData, base: str = "aligned", rounds: int = 3) -> Plan:
+def prepare(model: nn.Module, calib: CalibrationData, base: str = "aligned", rounds: int = 5) -> Plan:
     """Find the MoE layers of ``model`` and decompose each into a base and residuals."""
     layers = find_moe_layers(model)
     decomps, dtypes = {}, {}

@@ -38,7 +38,7 @@ class TinyMoEConfig:
     steps: int = 500
     lr: float = 3e-3
     upcycle_noise: float = 0.02
-    aux_loss_coef: float = 0.02
+    aux_loss_coef: float = 0.1
     seed: int = 0
 
     def key(self) -> str:

@@ -1,0 +1,131 @@
+"""Side-by-side comparison: PARSER against the baselines at equal expert memory, on held-out text."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .calibrate import calibrate
+from .compressed import compressed_modules
+from .data import sequences
+from .evaluate import perplexity
+from .pipeline import METHODS, compress_model, entry_ratio_for, prepare
+
+log = logging.getLogger(__name__)
+
+RATIOS = (0.1, 0.2, 0.3)
+HEADLINE_RATIO = 0.2
+UNSTRUCTURED = ("parser", "magnitude")
+
+
+def load_model(model_path: str | Path | None, progress: bool = True):
+    """A local MoE checkpoint directory, or the cached (trained on first use) tiny MoE."""
+    if model_path is not None:
+        from transformers import AutoModelForCausalLM
+
+        p = Path(model_path)
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"--model {p}: no config.json there; pass a transformers checkpoint directory")
+        model = AutoModelForCausalLM.from_pretrained(str(p))
+        model.eval()
+        return model, {"path": str(p), "cached": True}
+    from .tinymoe import load_or_train
+
+    return load_or_train(progress=progress)
+
+
+def run_bench(
+    quick: bool = True,
+    model_path: str | Path | None = None,
+    ratios: tuple[float, ...] = RATIOS,
+    base: str = "aligned",
+    seq_len: int = 128,
+    calib_seqs: int | None = None,
+    eval_seqs: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Compress with every method and ratio, measure perplexity and expert bytes side by side."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    model, info = load_model(model_path, progress)
+    t_model = time.perf_counter() - t0
+    vocab = model.config.vocab_size
+    n_cal = calib_seqs or (48 if quick else 192)
+    n_eval = eval_seqs or (48 if quick else 256)
+    cal_ids = sequences("calib", n_cal, seq_len, seed=seed) % vocab
+    eval_ids = sequences("eval", n_eval, seq_len, seed=seed + 1000) % vocab
+    t1 = time.perf_counter()
+    calib = calibrate(model, cal_ids.split(8), seed=seed)
+    plan = prepare(model, calib, base)
+    t_prep = time.perf_counter() - t1
+    original = plan.original_bytes()
+    ppl_full = perplexity(model, eval_ids)
+    results: dict = {
+        "uncompressed": {"ppl": ppl_full, "gap": 0.0, "expert_bytes": original, "memory_reduction": 0.0},
+    }
+    jobs = [(m, r, True) for r in ratios for m in METHODS] + [(m, r, False) for r in ratios for m in UNSTRUCTURED]
+    bar = tqdm(jobs, desc="compress+eval", disable=not progress, leave=False)
+    for method, ratio, structured in bar:
+        keep = ratio if structured else entry_ratio_for(ratio, plan.layers[0].hidden, 4)
+        cm = compress_model(model, plan, method, keep, structured=structured)
+        nbytes = sum(m.nbytes() for m in compressed_modules(cm).values())
+        ppl = perplexity(cm, eval_ids)
+        name = f"{method}{'' if structured else '_unstructured'}@{ratio}"
+        results[name] = {
+            "method": method,
+            "structured": structured,
+            "keep_ratio": ratio,
+            "ppl": ppl,
+            "gap": ppl - ppl_full,
+            "expert_bytes": nbytes,
+            "memory_reduction": 1 - nbytes / original,
+        }
+        del cm
+    bar.close()
+    h = HEADLINE_RATIO if HEADLINE_RATIO in ratios else ratios[len(ratios) // 2]
+    par = results[f"parser@{h}"]
+
+    def gap_ratio(method: str) -> float:
+        other = results[f"{method}@{h}"]
+        return other["gap"] / par["gap"] if par["gap"] > 0 else float("inf")
+
+    mem = {results[f"{m}@{h}"]["expert_bytes"] for m in METHODS}
+    headline = {
+        "gap_ratio_vs_magnitude": gap_ratio("magnitude"),
+        "gap_ratio_vs_wanda": gap_ratio("wanda"),
+        "gap_ratio_vs_reconstruction": gap_ratio("reconstruction"),
+        "memory_reduction": par["memory_reduction"],
+        "memory_equal_across_methods": len(mem) == 1,
+        "ppl_full": ppl_full,
+        "ppl_parser": par["ppl"],
+        "ppl_magnitude": results[f"magnitude@{h}"]["ppl"],
+        "ppl_wanda": results[f"wanda@{h}"]["ppl"],
+        "keep_ratio": h,
+    }
+    layers = plan.layers
+    config = {
+        "quick": quick,
+        "model": info.get("path"),
+        "model_cached": info.get("cached"),
+        "moe_layers": len(layers),
+        "experts": layers[0].num_experts,
+        "top_k": getattr(model.config, "num_experts_per_tok", None),
+        "hidden": layers[0].hidden,
+        "expert_intermediate": layers[0].intermediate,
+        "base": base,
+        "ratios": list(ratios),
+        "seq_len": seq_len,
+        "calib_tokens": int(cal_ids.numel()),
+        "eval_tokens": int(eval_ids.numel()),
+        "calib_text": "stdlib sources, calib split (files i % 10 == 5)",
+        "eval_text": "stdlib sources, eval split (files i % 10 == 0), held out",
+        "seed": seed,
+        "seconds": {"model": t_model, "calibrate_and_decompose": t_prep, "total": time.perf_counter() - t0},
+        "torch_threads": torch.get_num_threads(),
+    }
+    return {"config": config, "results": results, "headline": headline}

@@ -1,0 +1,69 @@
+import json
+
+import pytest
+from conftest import tiny_model
+
+from parser_moe.cli import main
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe")
+    tiny_model("qwen2_moe", experts=4).save_pretrained(str(d))
+    return d
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["bench", "--ratios", "0"], "keep ratio must be in (0, 1]"),
+        (["compress", "--out", "x", "--keep", "1.5"], "keep ratio must be in (0, 1]"),
+        (["bench", "--base", "median"], "--base"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_model_without_moe_layers_exits_1(tmp_path, capsys):
+    import transformers as T
+
+    cfg = T.LlamaConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24
+    )
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path / "llama"))
+    assert main(["compress", "--model", str(tmp_path / "llama"), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # earlier lines: save_pretrained's progress bar
+    assert "has no MoE layers" in err and err.startswith("parser-moe: ")
+    assert main(["bench", "--model", str(tmp_path / "nowhere"), "--quiet"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_json_has_the_headline_keys(moe_dir, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert (
+        main(["bench", "--quick", "--json", str(out), "--model", str(moe_dir), "--ratios", "0.2,0.5", "--quiet"]) == 0
+    )
+    doc = json.loads(out.read_text())
+    assert {"package", "version", "config", "machine", "results", "headline", "emulated"} <= set(doc)
+    h = doc["headline"]
+    for k in ("gap_ratio_vs_magnitude", "gap_ratio_vs_wanda", "memory_reduction", "ppl_full", "ppl_parser"):
+        assert isinstance(h[k], float)
+    assert h["memory_equal_across_methods"] is True
+    r = doc["results"]
+    assert r["parser@0.2"]["expert_bytes"] < r["parser@0.5"]["expert_bytes"] < r["uncompressed"]["expert_bytes"]
+    assert h["memory_reduction"] == pytest.approx(
+        1 - r["parser@0.2"]["expert_bytes"] / r["uncompressed"]["expert_bytes"]
+    )
+    assert h["ppl_full"] == r["uncompressed"]["ppl"]
+
+
+@pytest.mark.slow
+def test_demo_writes_report_plot_and_reloadable_model(moe_dir, tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "d"), "--model", str(moe_dir), "--ratios", "0.2", "--quiet"]) == 0
+    names = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert names == ["gap_vs_memory.png", "parser-keep0.2", "report.md"]
+    assert "outputs identical = True" in (tmp_path / "d" / "report.md").read_text()
