@@ -51,6 +51,7 @@ def set_checkpointing(zm: ZooModel, on: bool) -> None:
 class StepResult:
     step_time_s: float
     step_times_s: list[float]
+    step_cpu_s: float
     peak_bytes: int
     breakdown: dict
     rss_peak_delta_bytes: int
@@ -104,7 +105,9 @@ def measure_training(
     track_memory: bool = True,
 ) -> StepResult:
     """Train `zm` for `warmup + steps` steps on random data of `shape`; the memory peak is MemTracker's
-    over one steady-state step (optimizer states already allocated), the time the median step."""
+    over one steady-state step (optimizer states already allocated), the times the median step's wall
+    time and process CPU time (one thread: CPU time is the step's compute time even when other
+    tenants of a shared machine stretch the wall time)."""
     param_dtype, autocast_dtype = precision_setup(precision)
     zm.module.to(param_dtype)
     zm.module.train()
@@ -114,12 +117,13 @@ def measure_training(
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     for _ in range(warmup):
         _step(zm, batch, opt, scaler, autocast_dtype)
-    times = []
+    times, cpu = [], []
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _, loss = _step(zm, batch, opt, scaler, autocast_dtype)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     peak, breakdown, rss = 0, {}, 0
     if track_memory:
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -139,7 +143,7 @@ def measure_training(
             breakdown = {str(getattr(k, "value", k)): int(v) for k, v in snap[dev].items()}
     if checkpointing:
         set_checkpointing(zm, False)
-    return StepResult(statistics.median(times), times, peak, breakdown, rss, float(loss))
+    return StepResult(statistics.median(times), times, statistics.median(cpu), peak, breakdown, rss, float(loss))
 
 
 def count_params(module: nn.Module) -> int:

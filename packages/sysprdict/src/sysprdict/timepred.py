@@ -1,0 +1,263 @@
+"""Precision-aware training-time prediction from per-layer features, plus a gradient all-reduce model.
+
+Features of one configuration are the layer decomposition summed per layer kind (FLOPs, bytes moved,
+op and layer counts, saved bytes; log-scaled) crossed with the precision setting (one-hot, parameter
+and compute dtype widths, and FLOPs per precision).  The regressor is a ridge fit in log space (the
+multiplicative trend) with gradient-boosted trees (xgboost, or scikit-learn's histogram boosting
+when xgboost is not installed) on its residuals.  Data-parallel step time = compute time of the local
+batch + ring all-reduce of the gradients (bytes at the gradient dtype; bandwidth and latency from an
+`hwtopo.Link`, or the bandwidth the profiler measured).
+
+Baselines in the same evaluation: the same model without precision features, on the static fp32
+graph (precision-blind, like predictors built on static graphs), and
+an analytical FLOPs-only estimate (total FLOPs / measured matmul FLOP/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import warnings
+from collections import defaultdict
+
+import numpy as np
+
+from .layers import PRECISIONS, Decomposition, decompose
+from .zoo import Shape, build
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AnalyticalFlops",
+    "TimePredictor",
+    "allreduce_time_s",
+    "boosting_backend",
+    "evaluate_holdout_families",
+    "features",
+    "mape",
+]
+
+GROUPS = ("linear", "attention", "conv", "embedding", "norm", "activation")
+_DECOMP_CACHE: dict[tuple, Decomposition] = {}
+
+
+def boosting_backend() -> str:
+    try:
+        import xgboost  # noqa: F401
+
+        return "xgboost"
+    except ImportError:
+        return "sklearn-hgb"
+
+
+def _booster(seed: int = 0):
+    if boosting_backend() == "xgboost":
+        import xgboost as xgb
+
+        return xgb.XGBRegressor(
+            n_estimators=300, max_depth=3, learning_rate=0.05, subsample=0.9, n_jobs=1, random_state=seed
+        )
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
+    return HistGradientBoostingRegressor(max_depth=3, learning_rate=0.05, max_iter=300, random_state=seed)
+
+
+def decomposition_for(row: dict) -> Decomposition:
+    """The (cached) decomposition of a dataset row's model, local batch shape and precision."""
+    key = (row["model"], row["batch"], row["seq_len"], row["image_size"], row["precision"])
+    if key not in _DECOMP_CACHE:
+        zm = build(row["model"], image_size=row["image_size"])
+        _DECOMP_CACHE[key] = decompose(zm, Shape(row["batch"], row["seq_len"], row["image_size"]), row["precision"])
+    return _DECOMP_CACHE[key]
+
+
+def features(d: Decomposition, precision_aware: bool = True) -> dict[str, float]:
+    """Per-kind layer features (x precision when `precision_aware`)."""
+    kinds = d.by_kind()
+    f: dict[str, float] = {}
+    other = defaultdict(float)
+    for k, v in kinds.items():
+        tgt = f if k in GROUPS else None
+        if tgt is None:
+            for key in ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "count"):
+                other[key] += v.get(key, 0.0)
+    for g in GROUPS:
+        v = kinds.get(g, {})
+        f[f"{g}_flops"] = math.log1p(v.get("fwd_flops", 0.0) + v.get("bwd_flops", 0.0))
+        f[f"{g}_bytes"] = math.log1p(v.get("fwd_bytes", 0.0) + v.get("bwd_bytes", 0.0))
+        f[f"{g}_count"] = v.get("count", 0.0)
+    f["other_flops"] = math.log1p(other["fwd_flops"] + other["bwd_flops"])
+    f["other_bytes"] = math.log1p(other["fwd_bytes"] + other["bwd_bytes"])
+    f["ops"] = math.log1p(sum(r.ops for r in d.records))
+    f["layers"] = float(len(d.records))
+    f["params"] = math.log1p(d.params)
+    f["tokens"] = math.log1p(d.tokens)
+    f["saved"] = math.log1p(d.saved_bytes)
+    total_flops = d.fwd_flops + d.bwd_flops
+    f["total_flops"] = math.log1p(total_flops)
+    if precision_aware:
+        for p in PRECISIONS:
+            on = float(d.precision == p)
+            f[f"prec_{p}"] = on
+            f[f"flops_x_{p}"] = on * math.log1p(total_flops)
+            f[f"ops_x_{p}"] = on * f["ops"]
+        f["param_dtype_bytes"] = float(d.param_dtype_bytes)
+        f["compute_dtype_bytes"] = float(d.compute_dtype_bytes)
+    return f
+
+
+def mape(pred, true) -> float:
+    pred, true = np.asarray(pred, float), np.asarray(true, float)
+    return float(np.mean(np.abs(pred - true) / np.abs(true))) if len(true) else float("nan")
+
+
+def allreduce_time_s(nbytes: float, world_size: int, bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> float:
+    """Ring all-reduce: 2(p-1)/p of the bytes cross the slowest link, 2(p-1) latency hops."""
+    if world_size <= 1:
+        return 0.0
+    p = world_size
+    return 2 * (p - 1) / p * nbytes / bandwidth_bytes_per_s + 2 * (p - 1) * latency_s
+
+
+def grad_bytes(d: Decomposition) -> float:
+    """Bytes all-reduced per step: every parameter's gradient at the parameter dtype."""
+    return float(d.params * d.param_dtype_bytes)
+
+
+@dataclasses.dataclass
+class TimePredictor:
+    """Step-time regressor over layer features; `precision_aware=False` is the precision-blind baseline."""
+
+    precision_aware: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._cols: list[str] = []
+        self._ridge = None
+        self._trees = None
+        self._ranges: dict[str, tuple[float, float]] = {}
+
+    def _matrix(self, ds: list[Decomposition]) -> np.ndarray:
+        rows = [features(d, self.precision_aware) for d in ds]
+        if not self._cols:
+            self._cols = sorted(rows[0])
+        return np.array([[r.get(c, 0.0) for c in self._cols] for r in rows])
+
+    def fit(self, ds: list[Decomposition], times_s: list[float]) -> TimePredictor:
+        from sklearn.linear_model import Ridge
+
+        self._cols = []
+        x = self._matrix(ds)
+        y = np.log(np.asarray(times_s, float))
+        self._ridge = Ridge(alpha=1.0).fit(x, y)
+        resid = y - self._ridge.predict(x)
+        self._trees = _booster(self.seed).fit(x, resid)
+        self._ranges = {c: (float(x[:, i].min()), float(x[:, i].max())) for i, c in enumerate(self._cols)}
+        return self
+
+    def predict(self, ds: list[Decomposition]) -> np.ndarray:
+        """Predicted compute step time (s) of each decomposition; warns outside the training range."""
+        if self._ridge is None:
+            raise RuntimeError("TimePredictor.predict called before fit")
+        x = self._matrix(ds)
+        for name in ("total_flops", "params", "tokens"):
+            i = self._cols.index(name)
+            lo, hi = self._ranges[name]
+            span = max(hi - lo, 1e-9)
+            if (x[:, i] < lo - 0.05 * span).any() or (x[:, i] > hi + 0.05 * span).any():
+                warnings.warn(
+                    f"predicting for {name} outside the training range [{math.expm1(lo):.3g}, {math.expm1(hi):.3g}]",
+                    stacklevel=2,
+                )
+        return np.exp(self._ridge.predict(x) + self._trees.predict(x))
+
+    def predict_step(self, d: Decomposition, world_size: int = 1, link=None, bandwidth_bytes_per_s=None) -> float:
+        """Data-parallel step time: compute of the local batch + gradient all-reduce over `link`
+        (an hwtopo.Link) or `bandwidth_bytes_per_s`."""
+        t = float(self.predict([d])[0])
+        if world_size > 1:
+            bw = link.bandwidth_bytes_per_s if link is not None else bandwidth_bytes_per_s
+            lat = link.latency_s if link is not None else 0.0
+            if not bw:
+                raise ValueError("bandwidth: give an hwtopo link or bandwidth_bytes_per_s for world_size > 1")
+            t += allreduce_time_s(grad_bytes(d), world_size, bw, lat)
+        return t
+
+
+@dataclasses.dataclass
+class AnalyticalFlops:
+    """FLOPs-only baseline: (forward + backward FLOPs) / the machine's measured matmul FLOP/s."""
+
+    flops_per_s: float
+
+    def predict(self, ds: list[Decomposition]) -> np.ndarray:
+        return np.array([(d.fwd_flops + d.bwd_flops) / self.flops_per_s for d in ds])
+
+
+def evaluate_holdout_families(rows: list[dict], flops_per_s: float, seed: int = 0, target: str = "step_cpu_s") -> dict:
+    """Leave-one-family-out: for each family, train on all other families' single-process rows and
+    predict its rows.  Data-parallel rows are predicted by the model trained without their family
+    plus the all-reduce model at the bandwidth measured in that run.  MAPE per family, per
+    precision, and overall for the precision-aware, precision-blind and analytical predictors."""
+    rows = [r for r in rows if r.get(target)]
+    single = [r for r in rows if r["world_size"] == 1]
+    fams = sorted({r["family"] for r in single})
+    if len(fams) < 2:
+        raise ValueError("rows: need at least two model families to hold one out")
+    preds: dict[str, list] = {"aware": [], "blind": [], "analytical": []}
+    truth, meta = [], []
+    dp_pred, dp_true, dp_meta = [], [], []
+    analytical = AnalyticalFlops(flops_per_s)
+    for fam in fams:
+        train = [r for r in single if r["family"] != fam]
+        test = [r for r in single if r["family"] == fam]
+        dtrain = [decomposition_for(r) for r in train]
+        ytrain = [r[target] for r in train]
+        dtest = [decomposition_for(r) for r in test]
+        # the precision-blind baseline sees the static fp32 graph (as precision-unaware predictors do)
+        btrain = [decomposition_for({**r, "precision": "fp32"}) for r in train]
+        btest = [decomposition_for({**r, "precision": "fp32"}) for r in test]
+        aware = TimePredictor(True, seed).fit(dtrain, ytrain)
+        blind = TimePredictor(False, seed).fit(btrain, ytrain)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            preds["aware"] += list(aware.predict(dtest))
+            preds["blind"] += list(blind.predict(btest))
+            preds["analytical"] += list(analytical.predict(dtest))
+            for r in rows:
+                if r["world_size"] > 1 and r["family"] == fam:
+                    dp_pred.append(
+                        aware.predict_step(
+                            decomposition_for(r),
+                            r["world_size"],
+                            bandwidth_bytes_per_s=r["allreduce_bandwidth_bytes_per_s"],
+                        )
+                    )
+                    dp_true.append(r[target])
+                    dp_meta.append(r)
+        truth += [r[target] for r in test]
+        meta += test
+    out: dict = {"backend": boosting_backend(), "target": target, "n_rows": len(truth), "families": fams}
+    for name, p in preds.items():
+        out[name] = {
+            "mape": mape(p, truth),
+            "per_family": {f: mape(*_sel(p, truth, meta, "family", f)) for f in fams},
+            "per_precision": {
+                q: mape(*_sel(p, truth, meta, "precision", q))
+                for q in PRECISIONS
+                if any(m["precision"] == q for m in meta)
+            },
+        }
+    out["points"] = [
+        {"model": m["model"], "precision": m["precision"], "batch": m["batch"], "true": t, "pred": float(p)}
+        for m, t, p in zip(meta, truth, preds["aware"])
+    ]
+    if dp_true:
+        out["data_parallel"] = {"mape": mape(dp_pred, dp_true), "n_rows": len(dp_true)}
+    return out
+
+
+def _sel(pred, truth, meta, key, val):
+    idx = [i for i, m in enumerate(meta) if m[key] == val]
+    return [pred[i] for i in idx], [truth[i] for i in idx]
