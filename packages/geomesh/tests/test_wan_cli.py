@@ -55,3 +55,13 @@ def test_cli_plan_table(capsys):
         assert name in out
     assert main(["plan", "--cluster", "geo-3region", "--memory-per-sample", "20GiB"]) == 2
     assert "batch 1" in capsys.readouterr().err
+
+
+def test_init_from_env_without_torchrun_is_a_clear_error(monkeypatch):
+    from geomesh import GeoMeshError, init_from_env
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(GeoMeshError, match="MASTER_ADDR"):
+        init_from_env()

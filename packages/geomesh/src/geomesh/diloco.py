@@ -63,12 +63,19 @@ def _shape_digest(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([int.from_bytes(h, "little", signed=True)], dtype=torch.int64)
 
 
+def _comm_device(group=None) -> torch.device:
+    """Where collective buffers must live: the current GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def exchange_meta(tokens: int, compute_s: float, world: int, group=None) -> tuple[list[int], list[float], float]:
     """all_gather of (tokens, compute seconds): the sync point; its blocking time is straggler idle.
 
     Returns every worker's tokens, measured throughput (tokens/s) and the seconds this rank waited.
     """
-    meta = torch.tensor([float(tokens), compute_s], dtype=torch.float64)
+    meta = torch.tensor([float(tokens), compute_s], dtype=torch.float64, device=_comm_device(group))
     t0 = time.perf_counter()
     if world > 1:
         got = [torch.zeros_like(meta) for _ in range(world)]
@@ -76,6 +83,7 @@ def exchange_meta(tokens: int, compute_s: float, world: int, group=None) -> tupl
     else:
         got = [meta]
     wait_s = time.perf_counter() - t0
+    got = [g.cpu() for g in got]
     return [int(g[0]) for g in got], [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got], wait_s
 
 
@@ -129,7 +137,7 @@ class DiLoCo:
 
     # --- set-up ---------------------------------------------------------------------------------
     def _check_same_model(self) -> None:
-        mine = _shape_digest(self.params)
+        mine = _shape_digest(self.params).to(_comm_device(self.group))
         got = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(got, mine, group=self.group)
         bad = [r for r, g in enumerate(got) if not torch.equal(g, got[0])]

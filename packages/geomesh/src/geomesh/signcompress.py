@@ -34,7 +34,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     pad = (-bits.numel()) % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
-    return (bits.view(-1, 8) << _SHIFTS).sum(dim=1).to(torch.uint8)
+    return (bits.view(-1, 8) << _SHIFTS.to(bits.device)).sum(dim=1).to(torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
         raise TypeError(f"packed must be a uint8 tensor, not {packed.dtype}")
     if numel < 0 or math.ceil(numel / 8) > packed.numel():
         raise ValueError(f"numel={numel} does not fit in {packed.numel()} packed bytes")
-    bits = (packed.to(torch.int32).unsqueeze(1) >> _SHIFTS) & 1
+    bits = (packed.to(torch.int32).unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1
     return bits.reshape(-1)[:numel].bool()
 
 
@@ -90,7 +90,7 @@ class SignCodec:
         size = self.chunk_size
         pad = n_chunks * size - flat.numel()
         padded = torch.cat([flat.abs(), flat.new_zeros(pad)]).view(n_chunks, size)
-        counts = torch.full((n_chunks,), float(size))
+        counts = torch.full((n_chunks,), float(size), device=flat.device)
         counts[-1] = size - pad
         return padded.sum(dim=1) / counts
 
@@ -113,10 +113,13 @@ class SignCodec:
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, not {tokens}")
         scales = [self._scales(t, c) for t, c in zip(tensors, self.layout.chunks)]
+        dev = tensors[0].device if tensors else torch.device("cpu")
         flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
         parts = [
-            torch.tensor([int(tokens)], dtype=torch.int64).view(torch.uint8),
-            torch.cat(scales).float().contiguous().view(torch.uint8) if scales else torch.zeros(0, dtype=torch.uint8),
+            torch.tensor([int(tokens)], dtype=torch.int64, device=dev).view(torch.uint8),
+            torch.cat(scales).float().contiguous().view(torch.uint8)
+            if scales
+            else torch.zeros(0, dtype=torch.uint8, device=dev),
             pack_signs(flat),
         ]
         return torch.cat(parts)
@@ -160,7 +163,7 @@ class SignCompressor:
         """Encode ``tensors + residual``; the new residual is what the decoded buffer misses."""
         self.codec.check(tensors)
         if self.error_feedback:
-            target = [t.detach().float() + e for t, e in zip(tensors, self.errors)]
+            target = [t.detach().float() + e.to(t.device) for t, e in zip(tensors, self.errors)]
         else:
             target = [t.detach().float() for t in tensors]
         buf = self.codec.encode(target, tokens)
