@@ -159,12 +159,15 @@ def test_policy_is_learned_from_profiles():
     for _ in range(3):
         st.observe("coding", "run_tests", Usage(cpu_s=0.9, wall_s=1.0, run_wait_s=0.0), alone=True, pressure=0.1)
         st.observe("web_search", "web_search", Usage(cpu_s=0.1, wall_s=1.0), alone=True, pressure=0.05)
+        st.observe("coding", "read_file", Usage(cpu_s=0.05, wall_s=0.06), alone=True, pressure=0.05)
     pol = AdmissionPolicy.learn(st, cores=2)
     assert pol.source == "learned"
     assert 0.1 < pol.heavy_threshold < 0.9  # between the two intensities
     assert pol.max_wait_s >= 5
     adm = CpuAdmission(pol, {"s": 1.0})
-    assert adm.is_heavy(0.9) and not adm.is_heavy(0.1)
+    assert adm.is_heavy(0.9, 0.9) and not adm.is_heavy(0.1, 0.1)
+    assert 0.05 < pol.cost_threshold < 0.9
+    assert not adm.is_heavy(0.83, 0.05)  # CPU-bound but short: passes without queueing
 
 
 def test_bad_capacity_is_rejected():

@@ -1,7 +1,9 @@
 """CPU-aware tool admission (the paper's first mechanism).
 
-A tool run whose learned CPU intensity (CPU seconds per wall second, from the monitor's
-characterization) is at least the learned ``heavy_threshold`` is *CPU-heavy*. A heavy run is
+A tool run whose learned CPU intensity (CPU seconds per uncontended wall second, from the monitor's
+characterization) is at least the learned ``heavy_threshold`` and whose learned CPU time is at
+least the learned ``cost_threshold`` is *CPU-heavy* (short tools pass: holding them back costs
+more latency than their few milliseconds of CPU take from others). A heavy run is
 admitted into its core set only while
 
 * the CPU load our admitted runs put on that core set, plus its own intensity, fits the set's cores
@@ -39,6 +41,7 @@ class AdmissionPolicy:
     """Thresholds of admission; ``learn`` derives them from characterized tool profiles."""
 
     heavy_threshold: float = 0.5
+    cost_threshold: float = 0.0
     pressure_margin: float = 0.3
     runnable_limit: int = 8
     overcommit: float = 1.0
@@ -52,6 +55,8 @@ class AdmissionPolicy:
 
         intens = [p.cpu_intensity for p in profiles.tools.values() if p.n]
         thr = split_threshold(intens) if len(intens) >= 2 else 0.5
+        costs = [p.cpu_s for p in profiles.tools.values() if p.n]
+        cost_thr = split_threshold(costs, lo=0.02, hi=2.0) if len(costs) >= 2 else 0.0
         walls = sorted(p.wall_s for p in profiles.tools.values() if p.n)
         # waiting bound: long enough to queue behind several typical heavy runs, never unbounded
         p90 = walls[int(0.9 * (len(walls) - 1))] if walls else 2.0
@@ -61,6 +66,7 @@ class AdmissionPolicy:
         margin = min(0.6, max(0.15, 2 * (sum(added) / len(added)) if added else 0.3))
         return cls(
             heavy_threshold=thr,
+            cost_threshold=cost_thr,
             pressure_margin=margin,
             runnable_limit=max(2, 3 * cores),
             overcommit=1.0,
@@ -188,8 +194,9 @@ class CpuAdmission:
             self._dispatch()
 
     # ---------------------------------------------------------------- API
-    def is_heavy(self, intensity: float) -> bool:
-        return intensity >= self.policy.heavy_threshold
+    def is_heavy(self, intensity: float, cost_s: float | None = None) -> bool:
+        cost_ok = cost_s is None or cost_s >= self.policy.cost_threshold
+        return intensity >= self.policy.heavy_threshold and cost_ok
 
     async def acquire(self, request_id: str, key: str, core_set: str, intensity: float, cost_s: float = 0.0) -> Ticket:
         if core_set not in self.capacity:
