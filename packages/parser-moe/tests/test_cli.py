@@ -67,3 +67,13 @@ def test_demo_writes_report_plot_and_reloadable_model(moe_dir, tmp_path, capsys)
     names = sorted(p.name for p in (tmp_path / "d").iterdir())
     assert names == ["gap_vs_memory.png", "parser-keep0.2", "report.md"]
     assert "outputs identical = True" in (tmp_path / "d" / "report.md").read_text()
+
+
+def test_compress_writes_a_loadable_model(moe_dir, tmp_path, capsys):
+    from parser_moe import CompressedExperts, compressed_modules, load_compressed
+
+    out = tmp_path / "c"
+    assert main(["compress", "--model", str(moe_dir), "--out", str(out), "--keep", "0.25", "--quiet"]) == 0
+    assert "reduction" in capsys.readouterr().out
+    mods = compressed_modules(load_compressed(out))
+    assert len(mods) == 2 and all(isinstance(m, CompressedExperts) and m.mode == "units" for m in mods.values())

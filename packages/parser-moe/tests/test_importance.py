@@ -68,3 +68,20 @@ def test_select_elements_splits_the_budget_across_matrices():
 def test_keep_ratio_outside_unit_interval_is_rejected(bad):
     with pytest.raises(ValueError, match=r"keep_ratio must be .*\(0, 1\]"):
         check_keep_ratio(bad)
+
+
+def test_unstructured_scores_spread_each_unit_importance_over_its_entries():
+    from conftest import tiny_model
+
+    from parser_moe import calibrate, element_scores_from_units, layer_output_importance, prepare
+
+    model = tiny_model("qwen2_moe")
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    plan = prepare(model, calibrate(model, ids), "mean")
+    ly = plan.layers[0]
+    dec, cal = plan.decomps[ly.name], plan.calib.layers[ly.name]
+    units = layer_output_importance(dec, cal, ly.act_fn)
+    g, u, d = element_scores_from_units(units, dec, cal, ly.act_fn)
+    assert g.shape == dec.res_gate.shape and d.shape == dec.res_down.shape
+    torch.testing.assert_close(g.sum(2) + u.sum(2) + d.sum(1), units, rtol=1e-4, atol=1e-9)
+    assert bool((g >= 0).all() and (d >= 0).all())

@@ -22,7 +22,10 @@ UNSTRUCTURED = ("parser", "magnitude")
 
 
 def load_model(model_path: str | Path | None, progress: bool = True):
-    """A local MoE checkpoint directory, or the cached (trained on first use) tiny MoE."""
+    """A local MoE checkpoint directory (with its tokenizer when it has one), or the cached tiny MoE.
+
+    Returns (model, info); ``info["tokenizer"]`` is None for byte-level models.
+    """
     if model_path is not None:
         from transformers import AutoModelForCausalLM
 
@@ -31,10 +34,25 @@ def load_model(model_path: str | Path | None, progress: bool = True):
             raise FileNotFoundError(f"--model {p}: no config.json there; pass a transformers checkpoint directory")
         model = AutoModelForCausalLM.from_pretrained(str(p))
         model.eval()
-        return model, {"path": str(p), "cached": True}
+        info = {"path": str(p), "cached": True, "tokenizer": None}
+        if any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            from transformers import AutoTokenizer
+
+            info["tokenizer"] = AutoTokenizer.from_pretrained(str(p))
+        return model, info
     from .tinymoe import load_or_train
 
     return load_or_train(progress=progress)
+
+
+def text_ids(info: dict, vocab: int, n_cal: int, n_eval: int, seq_len: int, seed: int):
+    """Calibration and held-out token ids; bytes folded into the vocabulary when there is no tokenizer."""
+    tok = info.get("tokenizer")
+    cal = sequences("calib", n_cal, seq_len, seed=seed, tokenizer=tok)
+    ev = sequences("eval", n_eval, seq_len, seed=seed + 1000, tokenizer=tok)
+    if tok is None and vocab < 256:
+        cal, ev = cal % vocab, ev % vocab
+    return cal, ev
 
 
 def run_bench(
@@ -57,8 +75,7 @@ def run_bench(
     vocab = model.config.vocab_size
     n_cal = calib_seqs or (48 if quick else 192)
     n_eval = eval_seqs or (48 if quick else 256)
-    cal_ids = sequences("calib", n_cal, seq_len, seed=seed) % vocab
-    eval_ids = sequences("eval", n_eval, seq_len, seed=seed + 1000) % vocab
+    cal_ids, eval_ids = text_ids(info, vocab, n_cal, n_eval, seq_len, seed)
     t1 = time.perf_counter()
     calib = calibrate(model, cal_ids.split(8), seed=seed)
     plan = prepare(model, calib, base)
@@ -112,6 +129,7 @@ def run_bench(
         "quick": quick,
         "model": info.get("path"),
         "model_cached": info.get("cached"),
+        "tokens": "bytes" if info.get("tokenizer") is None else "tokenizer",
         "moe_layers": len(layers),
         "experts": layers[0].num_experts,
         "top_k": getattr(model.config, "num_experts_per_tok", None),

@@ -164,15 +164,12 @@ def cmd_demo(args) -> int:
     print("\n".join(head))
     plotted = _plot(res["results"], out / "gap_vs_memory.png")
     # the compressed model goes through save/load, as a user would ship it
-    from .bench import load_model
+    from .bench import load_model, text_ids
     from .calibrate import calibrate
-    from .data import sequences
     from .pipeline import compress_model, prepare
 
-    model, _ = load_model(args.model, progress=not args.quiet)
-    vocab = model.config.vocab_size
-    cal = sequences("calib", 48, 128, seed=args.seed) % vocab
-    ev = sequences("eval", 16, 128, seed=args.seed + 1000) % vocab
+    model, info = load_model(args.model, progress=not args.quiet)
+    cal, ev = text_ids(info, model.config.vocab_size, 48, 16, 128, args.seed)
     plan = prepare(model, calibrate(model, cal.split(8), seed=args.seed), args.base)
     keep = 0.2 if 0.2 in args.ratios else args.ratios[0]
     cm = compress_model(model, plan, "parser", keep)
@@ -207,19 +204,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compress(args) -> int:
-    from .bench import load_model
+    from .bench import load_model, text_ids
     from .calibrate import calibrate
     from .compressed import compressed_modules, save_compressed
-    from .data import sequences
     from .evaluate import perplexity
     from .pipeline import compress_model, entry_ratio_for, prepare
 
-    model, _ = load_model(args.model, progress=not args.quiet)
-    vocab = model.config.vocab_size
-    if vocab < 256:
-        raise UsageError(f"--model: vocab_size {vocab} < 256; the built-in calibration text is byte tokens")
-    cal = sequences("calib", 48, 128, seed=args.seed)
-    ev = sequences("eval", 16, 128, seed=args.seed + 1000)
+    model, info = load_model(args.model, progress=not args.quiet)
+    cal, ev = text_ids(info, model.config.vocab_size, 48, 16, 128, args.seed)
     plan = prepare(model, calibrate(model, cal.split(8), seed=args.seed), args.base)
     keep = entry_ratio_for(args.keep, plan.layers[0].hidden, 4) if args.unstructured else args.keep
     cm = compress_model(model, plan, args.method, keep, structured=not args.unstructured)

@@ -42,10 +42,17 @@ def encode(text: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
 
 
-def sequences(split: str, n: int, seq_len: int, seed: int | None = None) -> torch.Tensor:
-    """``n`` sequences [n, seq_len] of tokens: contiguous chunks (seed None) or random windows."""
+def sequences(split: str, n: int, seq_len: int, seed: int | None = None, tokenizer=None) -> torch.Tensor:
+    """``n`` sequences [n, seq_len] of tokens: contiguous chunks (seed None) or random windows.
+
+    Tokens are bytes, or the ids of ``tokenizer`` (a transformers tokenizer) when one is given.
+    """
     need = n * seq_len if seed is None else None
-    ids = encode(split_text(split, max_bytes=need))
+    if tokenizer is None:
+        ids = encode(split_text(split, max_bytes=need))
+    else:
+        text = split_text(split, max_bytes=None if need is None else need * 8).decode("utf-8", "replace")
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if ids.numel() < seq_len + 1:
         raise ValueError(f"split {split!r} has only {ids.numel()} tokens; seq_len={seq_len} is too long")
     if seed is None:
