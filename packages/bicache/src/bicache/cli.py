@@ -80,7 +80,7 @@ def _table(results: dict, fractions: list[str]) -> str:
     lines = [head, "|" + "---|" * (1 + 2 * len(fractions))]
     for name, per in results.items():
         accs = " | ".join(f"{per[f]['accuracy']:.3f}" for f in fractions)
-        tps = " | ".join(f"{per[f]['tokens_per_s']:.0f}" for f in fractions)
+        tps = " | ".join(f"{per[f]['tokens_per_cpu_s']:.0f}" for f in fractions)
         lines.append(f"| {name} | {accs} | {tps} |")
     return "\n".join(lines)
 

@@ -59,6 +59,7 @@ class DecodeConfig:
 class DecodeStats:
     forwards: int = 0
     tokens_computed: int = 0  # token-layer products computed (a FLOP proxy)
+    entry: PrefixEntry | None = None  # the prefix entry filled by this call (``fill_prefix``)
 
 
 def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry) -> torch.Tensor:
@@ -79,8 +80,14 @@ def generate(
     depth: int = 0,
     entry: PrefixEntry | None = None,
     stats: DecodeStats | None = None,
+    fill_prefix: int = 0,
 ) -> torch.Tensor:
-    """Decode ``cfg.gen_length`` tokens for a batch of equal-length prompts; returns the answers."""
+    """Decode ``cfg.gen_length`` tokens for a batch of equal-length prompts; returns the answers.
+
+    With ``fill_prefix > 0`` and no ``entry``, a prefix mode computes its first step in full and
+    fills the entry for the first ``fill_prefix`` tokens from row 0 of that pass (``stats.entry``),
+    as a serving engine does for the first batch that brings a prefix.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     cfg.validate()
@@ -93,7 +100,10 @@ def generate(
             f"prompt ({tp}) + gen_length ({cfg.gen_length}) exceeds the model's {dlm.max_length} positions"
         )
     uses_prefix = mode in ("naive", "bicache", "bicache+block")
-    if uses_prefix:
+    if uses_prefix and entry is None and fill_prefix > 0:
+        if not 0 < fill_prefix < tp:
+            raise ValueError(f"fill_prefix must lie in (0, {tp}), got {fill_prefix}")
+    elif uses_prefix:
         if entry is None:
             raise ValueError(f"mode {mode!r} needs a prefix entry")
         if entry.model_id and entry.model_id != id(dlm.model):
@@ -107,7 +117,7 @@ def generate(
         raise ValueError(f"depth must lie in [0, {dlm.num_layers}], got {depth}")
     stats = stats or DecodeStats()
     n = dlm.num_layers
-    p = entry.length if uses_prefix else 0
+    p = (entry.length if entry is not None else fill_prefix) if uses_prefix else 0
     x = torch.cat([prompts, torch.full((b, cfg.gen_length), dlm.mask_id, dtype=prompts.dtype)], dim=1)
     block_mode = mode in ("block", "bicache+block")
     with torch.no_grad():
@@ -116,7 +126,15 @@ def generate(
             b1 = b0 + cfg.block_length
             recorded = None
             for step, k in enumerate(cfg.schedule()):
-                if mode == "none" or (mode == "block" and step == 0):
+                if uses_prefix and entry is None:  # first step of the batch that brings the prefix
+                    cache = kvcache.prefix_cache(dlm, None, 0, record=True)
+                    hidden: list[torch.Tensor] = []
+                    logits = kvcache.forward(dlm, x, cache=cache, logits_from=b0, end=total, hidden_out=hidden)
+                    entry = kvcache.entry_from(dlm, x, cache, hidden, p)
+                    stats.entry = entry
+                    stats.tokens_computed += n * total
+                    recorded = cache
+                elif mode == "none" or (mode == "block" and step == 0):
                     cache = kvcache.prefix_cache(dlm, None, 0, record=block_mode)
                     logits = kvcache.forward(dlm, x, cache=cache, logits_from=b0, end=total)
                     stats.tokens_computed += n * total

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import diffusion, kvcache
+from . import diffusion
 from .depth import DepthPolicy
 from .kvcache import PrefixEntry
 from .model import DiffusionLM
@@ -86,7 +86,8 @@ class Completion:
 class EngineStats:
     requests: int = 0
     generated_tokens: int = 0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # wall-clock seconds spent decoding
+    cpu_s: float = 0.0  # CPU seconds of the decoding thread (robust on a loaded machine)
     latencies: list[float] = field(default_factory=list)
     batches: int = 0
     forwards: int = 0
@@ -102,7 +103,9 @@ class EngineStats:
             "requests": self.requests,
             "generated_tokens": self.generated_tokens,
             "busy_s": round(self.busy_s, 4),
+            "cpu_s": round(self.cpu_s, 4),
             "tokens_per_s": round(self.generated_tokens / self.busy_s, 2) if self.busy_s else 0.0,
+            "tokens_per_cpu_s": round(self.generated_tokens / self.cpu_s, 2) if self.cpu_s else 0.0,
             "latency_p50_s": round(pct(0.5), 4),
             "latency_p95_s": round(pct(0.95), 4),
             "batches": self.batches,
@@ -191,33 +194,30 @@ class Engine:
             self.check_prompt(p, cfg)
         if len({len(p) for p in prompts}) != 1:
             raise ValueError("a batch needs prompts of equal length")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         dlm = self.dlm
         ids = torch.tensor(prompts, dtype=torch.long)
         stats = diffusion.DecodeStats()
         mode = self.mode
-        entry, depth, explain, prefix_len = None, 0, None, 0
+        entry, depth, explain, prefix_len, fill = None, 0, None, 0, 0
         if mode != "none" and mode != "block":
-            lcp = min(common_prefix_len(prompts[0], p) for p in prompts)
             entry = self.store.lookup(prompts)
+            lcp = min(common_prefix_len(prompts[0], p) for p in prompts)
             if entry is None and len(prompts) > 1 and lcp >= self.min_prefix:
-                lcp = min(lcp, len(prompts[0]) - 1)
-                masked = torch.cat([ids[:1], torch.full((1, cfg.gen_length), dlm.mask_id)], dim=1)
-                with torch.no_grad():
-                    entry, _ = kvcache.fill_entry(dlm, masked, lcp)
-                stats.forwards += 1
-                stats.tokens_computed += dlm.num_layers * masked.shape[1]
-                self.store.add(entry)
-            if entry is not None:
-                prefix_len = entry.length
+                fill = min(lcp, len(prompts[0]) - 1)  # this batch's first step fills the entry
+            prefix_len = entry.length if entry is not None else fill
+            if prefix_len:
                 depth, explain = self._depth(prefix_len / len(prompts[0]))
         dmode = {"fixed": "bicache"}.get(mode, mode)
-        if entry is None and dmode in ("naive", "bicache"):
+        if not prefix_len and dmode in ("naive", "bicache"):
             dmode, depth = "none", 0
-        elif entry is None and dmode == "bicache+block":
+        elif not prefix_len and dmode == "bicache+block":
             dmode, depth = "block", 0
-        out = diffusion.generate(dlm, ids, cfg, mode=dmode, depth=depth, entry=entry, stats=stats)
+        out = diffusion.generate(dlm, ids, cfg, mode=dmode, depth=depth, entry=entry, stats=stats, fill_prefix=fill)
+        if stats.entry is not None:
+            self.store.add(stats.entry)
         dt = time.perf_counter() - t0
+        self.stats.cpu_s += time.thread_time() - c0
         self.stats.busy_s += dt
         self.stats.batches += 1
         self.stats.requests += len(prompts)

@@ -220,15 +220,18 @@ def fill_entry(dlm: DiffusionLM, ids: torch.Tensor, prefix_len: int) -> tuple[Pr
     cache = prefix_cache(dlm, None, 0, record=True)
     hidden: list[torch.Tensor] = []
     logits = forward(dlm, ids, cache=cache, hidden_out=hidden, logits_from=0)
-    p = prefix_len
-    entry = PrefixEntry(
+    return entry_from(dlm, ids, cache, hidden, prefix_len), logits
+
+
+def entry_from(dlm: DiffusionLM, ids: torch.Tensor, recorded: Cache, hidden: list[torch.Tensor], p: int) -> PrefixEntry:
+    """Row 0's first ``p`` positions of a recorded full forward, as a prefix entry."""
+    return PrefixEntry(
         tokens=tuple(ids[0, :p].tolist()),
-        keys=[layer.keys[:1, :, :p].clone() for layer in cache.layers],
-        values=[layer.values[:1, :, :p].clone() for layer in cache.layers],
+        keys=[layer.keys[:1, :, :p].clone() for layer in recorded.layers],
+        values=[layer.values[:1, :, :p].clone() for layer in recorded.layers],
         hidden=[x[:1, :p].clone() for x in hidden],
         model_id=id(dlm.model),
     )
-    return entry, logits
 
 
 def layer_kv(dlm: DiffusionLM, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

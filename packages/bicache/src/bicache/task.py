@@ -159,17 +159,22 @@ class TableTask:
             )
         return out
 
-    def training_batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_batch(self, n: int, duplicates: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` independent full sequences (prompt + answer) and the maskable positions.
 
         Maskable: the answer and the digits of few-shot examples that ask table keys (both are
-        table lookups, so each sequence carries several retrieval targets).
+        table lookups, so each sequence carries several retrieval targets). ``duplicates`` > 0 is a
+        curriculum: that many other rows are overwritten with copies of the asked row, so that early
+        in training the lookup's attention finds the answer more easily.
         """
         s = self.spec
         seqs, maskable = [], []
+        rows_start = 1 + s.shots * s.shot_len
         for _ in range(n):
             rows = self.rng.randrange(s.rows + 1)
             (r,) = self.burst(1, rows)
+            if duplicates:
+                self._duplicate(r, duplicates, rows_start)
             seqs.append(r.prompt + r.answer)
             m = [False] * s.seq_length
             for i in range(s.prompt_length, s.seq_length):
@@ -180,3 +185,13 @@ class TableTask:
                         m[1 + j * s.shot_len + 2 + d] = True
             maskable.append(m)
         return torch.tensor(seqs, dtype=torch.long), torch.tensor(maskable, dtype=torch.bool)
+
+    def _duplicate(self, r: Request, count: int, rows_start: int) -> None:
+        s = self.spec
+        key = r.prompt[-1]
+        shot_keys = {r.prompt[1 + j * s.shot_len + 1] for j in range(s.shots)}
+        starts = [rows_start + i * s.row_len for i in range(s.rows)]
+        row = next(i for i in starts if r.prompt[i] == key)
+        others = [i for i in starts if r.prompt[i] != key and r.prompt[i] not in shot_keys]
+        for i in self.rng.sample(others, min(count, len(others))):
+            r.prompt[i : i + s.row_len] = r.prompt[row : row + s.row_len]

@@ -37,6 +37,8 @@ class Recipe:
     lr: float = 3e-3
     warmup: int = 50
     seed: int = 0
+    curriculum_steps: int = 800  # asked-row duplicates decay from ``max_duplicates`` to 0 over these
+    max_duplicates: int = 12
     target: float = 0.97  # held-out exact match (one parallel prediction), checked every ``eval_every``
     eval_every: int = 100
     spec: TaskSpec = TaskSpec()
@@ -123,7 +125,8 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     t0 = time.time()
     ema = None
     for step in range(start, recipe.steps):
-        x, maskable = task.training_batch(recipe.batch)
+        dup = round(recipe.max_duplicates * max(0.0, 1.0 - step / max(1, recipe.curriculum_steps)))
+        x, maskable = task.training_batch(recipe.batch, duplicates=dup)
         loss = masked_diffusion_loss(dlm, x, maskable, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,7 +157,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
                     tmp,
                 )
                 os.replace(tmp, state_path)
-            if acc >= recipe.target:
+            if acc >= recipe.target and dup == 0:
                 break
     if bar is not None:
         bar.close()
