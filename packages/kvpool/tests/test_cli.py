@@ -46,7 +46,7 @@ def test_bench_json_has_the_headline_keys(tmp_path, capsys):
     ):
         assert key in res["headline"]
     assert res["package"] == "kvpool" and res["emulated"]["devices"]
-    assert res["results"]["emulated"]["max_abs_logit_diff_vs_cold"] < 1e-4
+    assert res["results"]["emulated"]["max_abs_logit_diff_vs_recompute"] < 1e-4
     assert res["results"]["raw"]["emulation"] is False
     assert not any((tmp_path / "w").glob("*/ssd0/kvpool.slab"))  # cleaned up
     assert "| kvpool |" in capsys.readouterr().out
