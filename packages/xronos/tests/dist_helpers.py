@@ -6,6 +6,10 @@ from torch import nn
 from xronos.layers import ColumnParallelLinear, RowParallelLinear, gather_uneven, sync_partial_grads
 
 
+def layer_parity_both(rank, world, sizes):
+    return {lora: layer_parity(rank, world, sizes, lora) for lora in (False, True)}
+
+
 def layer_parity(rank, world, sizes, lora):
     torch.manual_seed(0)
     d_in, d_out = 12, 10
@@ -150,6 +154,7 @@ def train_checks(rank, world, ckpt_dir):
     pp = PPTrainer(cfg, [1.0, 0.5], rank, world)
     pp_losses = [pp.step()["loss"] for _ in range(2)]
     return {
+        "reshard": reshard_checks(rank, world),
         "full": full,
         "eval": eval_a,
         "resumed": resumed,
@@ -161,3 +166,21 @@ def train_checks(rank, world, ckpt_dir):
         "pp": pp_losses,
         "pp_eval": pp.evaluate(),
     }
+
+
+def reshard_checks(rank, world):
+    from xronos.partition import Partition
+    from xronos.rebalance import repartition
+    from xronos.shard import gather_state_dict
+    from xronos.train import TPTrainer
+
+    out = {}
+    for lora in (0, 4):
+        cfg = small_cfg(lora_r=lora)
+        t = TPTrainer(cfg, Partition(cfg.shape(), (3, 1), (5, 3)), rank)
+        losses = [t.step()["loss"] for _ in range(2)]
+        repartition(t, Partition(cfg.shape(), (1, 3), (2, 6)))
+        heads = (t.model.model.layers[0].self_attn.num_heads, t.model.model.layers[0].mlp.up_proj.out_features)
+        losses += [t.step()["loss"] for _ in range(2)]
+        out[lora] = {"losses": losses, "heads": heads, "state": gather_state_dict(t.model)}
+    return out

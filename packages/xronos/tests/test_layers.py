@@ -1,6 +1,6 @@
 import pytest
 import torch
-from dist_helpers import fail_on_rank1, layer_parity
+from dist_helpers import fail_on_rank1, layer_parity_both
 from torch import nn
 
 from xronos.launch import WorkerError, spawn
@@ -26,10 +26,15 @@ def reference(sizes, lora, res):
     return y.detach(), x.grad, grads()
 
 
+@pytest.fixture(scope="module")
+def parity_runs():
+    return spawn(layer_parity_both, 2, ([13, 3],), timeout_s=180)  # deliberately uneven and odd
+
+
 @pytest.mark.parametrize("lora", [False, True])
-def test_uneven_pair_matches_nn_linear(lora):
-    sizes = [13, 3]  # deliberately uneven and odd
-    res = spawn(layer_parity, 2, (sizes, lora), timeout_s=120)
+def test_uneven_pair_matches_nn_linear(lora, parity_runs):
+    sizes = [13, 3]
+    res = [r[lora] for r in parity_runs]
     y, dx, grads = reference(sizes, lora, res)
     for r in res:
         torch.testing.assert_close(r["y"], y, rtol=1e-5, atol=1e-6)

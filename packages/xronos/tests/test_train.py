@@ -1,15 +1,14 @@
 import pytest
 import torch
-from dist_helpers import small_cfg, train_checks
+from dist_helpers import small_cfg
 
-from xronos.launch import spawn
 from xronos.partition import even_partition
 from xronos.train import TPTrainer, split_layers
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return spawn(train_checks, 2, (str(tmp_path_factory.mktemp("ckpt")),), speeds=[1.0, 0.5], timeout_s=400)
+@pytest.fixture
+def runs(train_runs):
+    return train_runs
 
 
 @pytest.fixture(scope="module")

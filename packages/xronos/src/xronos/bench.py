@@ -18,6 +18,7 @@ from .launch import THROTTLE_PERIOD_US, spawn
 from .layers import COMM
 from .partition import even_partition, partition
 from .profile import profile_group
+from .rebalance import Rebalancer
 from .train import PPTrainer, TPTrainer, TrainConfig, make_corpus
 
 __all__ = ["VARIANTS", "run_comparison", "summarize", "headline"]
@@ -27,7 +28,15 @@ log = logging.getLogger(__name__)
 VARIANTS = ("reference", "xronos", "tp", "pp")
 
 
-def _worker(rank: int, world: int, cfg_dict: dict, speeds: list[float], variants: list[str], timeline_step: int):
+def _worker(
+    rank: int,
+    world: int,
+    cfg_dict: dict,
+    speeds: list[float],
+    variants: list[str],
+    timeline_step: int,
+    rebalance_every: int,
+):
     import hwtopo
 
     cfg = TrainConfig(**cfg_dict)
@@ -46,6 +55,9 @@ def _worker(rank: int, world: int, cfg_dict: dict, speeds: list[float], variants
             trainers[name] = TPTrainer(cfg, parts[name], rank, None, corpus)
         elif name == "pp":
             trainers[name] = PPTrainer(cfg, speeds, rank, world, None, corpus)
+    rebalancer = None
+    if "xronos" in trainers and rebalance_every > 0:
+        rebalancer = Rebalancer(shape, costs, every=rebalance_every, threshold=0.1)
     records = {name: [] for name in variants}
     timelines = {}
     t_start = time.perf_counter()
@@ -59,6 +71,12 @@ def _worker(rank: int, world: int, cfg_dict: dict, speeds: list[float], variants
             record = step == timeline_step and name in parts
             COMM.events = [] if record else None
             records[name].append(trainers[name].step())
+            if name == "xronos" and rebalancer is not None:
+                rebalancer.observe(records[name][-1])
+                t_rb = time.perf_counter()
+                rebalancer.maybe_repartition(trainers[name])
+                records[name][-1]["rebalance_s"] = time.perf_counter() - t_rb
+                parts["xronos_final"] = trainers[name].part
             if record:
                 timelines[name] = {
                     "t0": records[name][-1]["t0"],
@@ -85,14 +103,27 @@ def _worker(rank: int, world: int, cfg_dict: dict, speeds: list[float], variants
         "pp_layers": trainers["pp"].counts if "pp" in trainers else None,
         "timelines": timelines,
         "train_s": train_s,
+        "rebalance_history": rebalancer.history if rebalancer is not None else [],
     }
 
 
 def run_comparison(
-    cfg: TrainConfig, speeds: list[float], variants=VARIANTS, timeout_s: float = 900.0, timeline_step: int | None = None
+    cfg: TrainConfig,
+    speeds: list[float],
+    variants=VARIANTS,
+    timeout_s: float = 900.0,
+    timeline_step: int | None = None,
+    rebalance_every: int = 4,
+    cpu_share: float = 1.0,
 ) -> list[dict]:
-    """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results."""
+    """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results.
+
+    Rank r runs at ``speeds[r] * cpu_share`` of one CPU (emulated). ``rebalance_every`` > 0 lets
+    Xronos re-profile from its measured step compute times and reshard every that many steps.
+    """
     cfg.validate()
+    if not 0 < cpu_share <= 1:
+        raise ValueError(f"cpu_share must be in (0, 1], not {cpu_share!r}")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"variants: {bad[0]!r} is not one of {', '.join(VARIANTS)}")
@@ -103,8 +134,8 @@ def run_comparison(
     return spawn(
         _worker,
         len(speeds),
-        (cfg.to_dict(), list(speeds), list(variants), ts),
-        speeds=speeds,
+        (cfg.to_dict(), list(speeds), list(variants), ts, rebalance_every),
+        speeds=[s * cpu_share for s in speeds],
         timeout_s=timeout_s,
         pg_timeout_s=300,
     )
@@ -136,19 +167,34 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
                 rec = per_rank[r][i]
                 idle[r].append((rec["comm_s"] + t_sys - rec["step_s"]) / t_sys)
         idle_med = [statistics.median(x) for x in idle]
+        compute = [
+            statistics.median(rec["step_s"] - rec["comm_s"] for rec in per_rank[r][1:] or per_rank[r])
+            for r in range(world)
+        ]
         out[name] = {
             "step_time_s": statistics.median(sys_t),
             "idle_ratio_per_rank": idle_med,
             "idle_ratio": max(idle_med),
             "compute_stall_ratio": min(idle_med),
+            "compute_s_per_rank": compute,
             "final_train_loss": per_rank[0][-1]["loss"],
             "eval_loss": results[0]["eval_loss"][name],
             "train_losses": [r["loss"] for r in per_rank[0]],
         }
         if name in results[0]["partitions"]:
             out[name]["partition"] = results[0]["partitions"][name]
+        if name == "xronos":
+            out[name]["rebalance_s_total"] = max(
+                sum(r.get("rebalance_s", 0.0) for r in res["records"][name]) for res in results
+            )
+            out[name]["rebalance_history"] = results[0]["rebalance_history"]
+            if "xronos_final" in results[0]["partitions"]:
+                out[name]["partition_initial"] = out[name]["partition"]
+                out[name]["partition"] = results[0]["partitions"]["xronos_final"]
         if name == "pp":
             out[name]["layers_per_stage"] = results[0]["pp_layers"]
+        if name == "tp":  # equal work per rank: the speeds the emulation actually achieved under load
+            out[name]["achieved_relative_speeds"] = [min(compute) / c for c in compute]
     return out
 
 
@@ -168,7 +214,7 @@ def headline(summary: dict) -> dict:
     return h
 
 
-def emulation_info(speeds: list[float]) -> dict:
+def emulation_info(speeds: list[float], cpu_share: float = 1.0) -> dict:
     import hwtopo
 
     method = "cgroup" if hwtopo.cgroup_available() else "duty-cycle"

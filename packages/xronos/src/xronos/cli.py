@@ -70,6 +70,21 @@ def _model_args(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def _emulation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cpu-share",
+        type=float,
+        default=1.0,
+        help="CPUs of the fastest emulated rank (rank r gets speed[r] x this); lower it on a busy machine",
+    )
+    p.add_argument(
+        "--rebalance-every",
+        type=int,
+        default=4,
+        help="Xronos re-profiles from measured step times and reshards every N steps (0: off)",
+    )
+
+
 def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
     rows = [["variant", "step time (s)", "idle ratio (max rank)", "compute stall", "eval loss", "shards / stages"]]
     for name, s in summary.items():
@@ -135,7 +150,11 @@ def _run_compare(args, cfg, speeds, variants):
     from .bench import headline, run_comparison, summarize
 
     t0 = time.perf_counter()
-    results = run_comparison(cfg, speeds, variants)
+    if not 0 < args.cpu_share <= 1:
+        raise UsageError(f"--cpu-share must be in (0, 1], not {args.cpu_share}")
+    if args.rebalance_every < 0:
+        raise UsageError(f"--rebalance-every must be >= 0 (0 disables), not {args.rebalance_every}")
+    results = run_comparison(cfg, speeds, variants, rebalance_every=args.rebalance_every, cpu_share=args.cpu_share)
     summary = summarize(results)
     return results, summary, headline(summary), time.perf_counter() - t0
 
@@ -203,7 +222,7 @@ def cmd_bench(args) -> int:
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
         "results": {**summary, "profiles": [r["profile"] for r in results]},
         "headline": head,
-        "emulated": emulation_info(speeds),
+        "emulated": emulation_info(speeds, args.cpu_share),
     }
     if args.json:
         hwtopo.atomic_write_text(Path(args.json), json.dumps(doc, indent=2, default=str) + "\n")
@@ -304,12 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="demo-output/xronos", help="output directory (report.md, timeline.png)")
     d.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
     _model_args(d, steps=10)
+    _emulation_args(d)
     common(d)
     b = sub.add_parser("bench", help="Xronos vs even TP vs GPipe PP vs single-process reference, side by side")
     b.add_argument("--quick", action="store_true", help="2 ranks at speeds 1.0,0.5 (under 3 minutes)")
     b.add_argument("--json", help="write the results JSON here")
     b.add_argument("--speeds", help="emulated relative speed per rank (default 1.0,0.5 quick; 1.0,0.7,0.4 full)")
     _model_args(b, steps=20)
+    _emulation_args(b)
     common(b)
     t = sub.add_parser("train", help="fine-tune with checkpoints (resumes), evaluate, optionally save_pretrained")
     t.add_argument("--speeds", default="1.0,0.5")
