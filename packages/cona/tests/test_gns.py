@@ -61,3 +61,12 @@ def test_degenerate_pairs_are_skipped_and_bad_input_named():
         unbiased_estimates(1.0, 8, 1.0, 4)
     with pytest.raises(ValueError, match="reference_batch"):
         GradientNoiseScale(reference_batch=0)
+
+
+def test_noise_scale_keeps_last_value_when_g2_estimate_goes_negative():
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    gns.update(1.0 + 4.0 / 4, 4, 1.0 + 4.0 / 64, 64)  # |G|^2 = 1, tr(Sigma) = 4
+    assert gns.noise_scale == pytest.approx(4.0)
+    gns.update(20.0, 4, 1.0, 64)  # an unlucky pair: |G|^2 estimate < 0
+    assert gns.grad_sq < 0
+    assert gns.noise_scale == pytest.approx(4.0)

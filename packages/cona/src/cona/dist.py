@@ -87,7 +87,7 @@ def _raise_root_cause(procs, out_dir, results) -> None:
     """The failure to report: a rank that died without a result, else one that raised by itself
     (not a peer's broken connection), lowest rank first."""
     time.sleep(1.0)  # let the other ranks notice and report
-    for r, p in enumerate(procs):
+    for r in range(len(procs)):
         path = Path(out_dir) / f"rank{r}.pkl"
         if r not in results and path.exists():
             with open(path, "rb") as f:

@@ -323,7 +323,11 @@ class Executor:
         t0 = time.perf_counter()
         self._grads_zero()
         mbs = self._local_micro_batches(batch)
-        want = gns and s.dp * s.accum > 1
+        if gns and s.dp * s.accum == 1 and s.micro_batch > 1:
+            # one replica, one micro-batch: split it in two for this step so that a smaller-batch
+            # gradient exists (the same gradient, slightly slower; the caller accounts for that)
+            mbs = list(mbs[0].split((s.micro_batch + 1) // 2))
+        want = gns and len(mbs) * s.dp > 1
         loss_sum, sq_small, gns_s = self._forward_backward(mbs, want)
         self._dp_allreduce()
         t1 = time.perf_counter()
@@ -334,7 +338,10 @@ class Executor:
         dist.all_reduce(red)
         loss, sq_small, sq_big = (red / s.dp).tolist()
         compute_s = time.perf_counter() - t0 - gns_s
-        return StepResult(loss, sq_small, s.micro_batch, sq_big, s.global_batch, compute_s, gns_s)
+        b_small = mbs[0].shape[0] if want else s.micro_batch
+        return StepResult(
+            loss, sq_small, b_small, sq_big, s.global_batch, compute_s, gns_s, {"split": len(mbs) != s.accum}
+        )
 
     def train_step(self, batch: torch.Tensor, lr: float | None = None, gns: bool = True) -> StepResult:
         """One optimizer step on ``batch`` (the whole global batch; each rank takes its part)."""

@@ -58,6 +58,7 @@ class GradientNoiseScale:
     _s: float = 0.0
     _w: float = 0.0  # EMA bias-correction weight
     updates: int = 0
+    _last_phi: float = 0.0
     history: list[GnsSnapshot] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -97,12 +98,14 @@ class GradientNoiseScale:
     def noise_scale(self) -> float:
         """phi = tr(Sigma)/|G|^2 in samples; small early in training, grows as the gradient shrinks.
 
-        Clamped to [0, 1e9]: a non-positive |G|^2 estimate (pure noise) means "use any batch".
+        While the smoothed |G|^2 estimate is not positive (noise dominates) the last well-defined value is
+        kept (0 before there was one).
         """
         g2, s = self.grad_sq, max(self.variance, 0.0)
-        if g2 <= 0:
-            return 1e9 if s > 0 else 0.0
-        return min(s / g2, 1e9)
+        if g2 <= 0:  # the noise swamps |G|^2 for now: keep the last well-defined value
+            return self._last_phi
+        self._last_phi = min(s / g2, 1e9)
+        return self._last_phi
 
     def efficiency(self, batch: float, noise_scale: float | None = None) -> float:
         """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)."""

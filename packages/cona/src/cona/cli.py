@@ -1,0 +1,291 @@
+"""The `cona` console script: demo, bench, strategies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import hwtopo
+
+from . import __version__
+from .space import StrategyError
+
+log = logging.getLogger(__name__)
+
+HEADLINE_KEYS = ("ttp_ratio_vs_best_static", "gap_to_oracle", "switches", "switch_overhead_frac", "gns_overhead_frac")
+
+
+class UsageError(ValueError):
+    """Bad command-line input (exit 2)."""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 8,16,32") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers, e.g. 8,16,32")
+    return vals
+
+
+def _run_config(args, quick: bool):
+    from .train import BenchConfig
+
+    kw = {} if quick else {"world": 4, "budget_s": 120.0, "target_ppl": 8.0, "oracle_branches": 4}
+    for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches"):
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    if getattr(args, "no_oracle", False):
+        kw["oracle"] = False
+    try:
+        cfg = BenchConfig(**kw)
+    except ValueError as e:
+        raise UsageError(f"--{str(e).replace('_', '-')}") from None
+    from .model import tiny_llama_config
+    from .space import ModelDims, enumerate_strategies
+
+    dims = ModelDims.from_config(
+        tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate), cfg.seq_len
+    )
+    enumerate_strategies(dims, cfg.world, list(cfg.global_batches), list(cfg.micro_batches), float("inf"))
+    return cfg
+
+
+def _headline(runs: dict, cfg) -> tuple[dict, list[str]]:
+    """Headline numbers and the notes that qualify them (censored runs)."""
+    notes = []
+    ttt = {k: r["time_to_target_s"] for k, r in runs.items()}
+    for k, t in ttt.items():
+        if t is None:
+            notes.append(
+                f"{k} did not reach the target perplexity {cfg.target_ppl:g} within the {cfg.budget_s:g}s budget "
+                f"(final perplexity {runs[k]['final_val_ppl']:.2f}); its time to target is censored at the budget"
+            )
+    cona = runs["cona"]
+    c = ttt["cona"]
+    bs = ttt["best_static"] if ttt["best_static"] is not None else cfg.budget_s
+    head = {
+        "ttp_ratio_vs_best_static": (c / bs) if c is not None else None,
+        "gap_to_oracle": ((c - ttt["oracle"]) / ttt["oracle"]) if c is not None and ttt.get("oracle") else None,
+        "switches": max(len(cona["chain"]) - 1, 0),
+        "switch_overhead_frac": cona["switch_s"] / cona["clock_s"] if cona["clock_s"] else 0.0,
+        "gns_overhead_frac": cona["gns_s"] / cona["clock_s"] if cona["clock_s"] else 0.0,
+    }
+    return head, notes
+
+
+def _execute(args, quick: bool) -> dict:
+    from .dist import launch
+    from .train import bench_worker
+
+    cfg = _run_config(args, quick)
+    if not args.quiet:
+        print(f"cona: {cfg.world} ranks, tiny Llama on stdlib text, target perplexity {cfg.target_ppl:g}, "
+              f"budget {cfg.budget_s:g}s per variant ...", file=sys.stderr, flush=True)  # fmt: skip
+    t0 = time.time()
+    out = launch(bench_worker, cfg.world, asdict(cfg), timeout_s=max(900.0, 12 * cfg.budget_s))[0]
+    head, notes = _headline(out["runs"], cfg)
+    return {
+        "package": "cona",
+        "version": __version__,
+        "config": asdict(cfg)
+        | {
+            "quick": quick,
+            "wall_s": time.time() - t0,
+            "model": "LlamaForCausalLM (tiny, random init)",
+            "data": "Python stdlib sources, byte-level",
+            "clock": "training wall time on rank 0, validation excluded",
+        },  # fmt: skip
+        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
+        "results": {
+            k: {kk: vv for kk, vv in r.items() if kk not in ("decisions",)} | {"decisions": r["decisions"][:40]}
+            for k, r in out["runs"].items()
+        },
+        "probe": out["probe"] | {"throughput": out["throughput"]},
+        "step0": out["step0"],
+        "headline": head,
+        "notes": notes + ["measured on a shared, loaded 2-core machine: variants run interleaved to share the load"],
+        "emulated": False,
+    }
+
+
+def _table(res: dict) -> str:
+    rows = [
+        "| variant | time to target (s) | final ppl | steps | samples | switches | strategies |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, r in res["results"].items():
+        t = r["time_to_target_s"]
+        strat = " -> ".join(dict.fromkeys(c["strategy"] for c in r["chain"]))
+        rows.append(
+            f"| {k} | {'not reached' if t is None else f'{t:.1f}'} | {r['final_val_ppl']:.2f} | {r['steps']} | "
+            f"{r['samples']} | {max(len(r['chain']) - 1, 0)} | {strat} |"
+        )
+    head = "\n".join(f"| `{k}` | {_fmt(v)} |" for k, v in res["headline"].items())
+    return "\n".join(rows) + "\n\n| headline | value |\n|---|---|\n" + head + "\n"
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+
+def _chain_text(res: dict) -> str:
+    lines = []
+    for c in res["results"]["cona"]["chain"]:
+        lines.append(f"- t={c['clock']:.1f}s {c['strategy']}: {c['why']}")
+    return "\n".join(lines)
+
+
+def _plot(res: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install 'cona[plot]'); no plot written")
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k, r in res["results"].items():
+        tr = r["trace"]
+        ax.plot([t for t, _ in tr], [math.exp(v) for _, v in tr], marker=".", label=k)
+    ax.axhline(res["config"]["target_ppl"], color="grey", ls="--", lw=1, label="target")
+    ax.set_yscale("log")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title("cona vs baselines (tiny Llama, 2 ranks, CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def cmd_bench(args) -> int:
+    res = _execute(args, quick=args.quick)
+    for n in res["notes"][:-1]:
+        print(f"note: {n}", file=sys.stderr)
+    print(_table(res))
+    if args.json:
+        hwtopo.atomic_write_text(args.json, json.dumps(res, indent=2, default=str) + "\n")
+        if not args.quiet:
+            print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    res = _execute(args, quick=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = _table(res)
+    chain = _chain_text(res)
+    print(table)
+    print("cona chain:\n" + chain)
+    for n in res["notes"][:-1]:
+        print(f"note: {n}")
+    plotted = _plot(res, out / "perplexity_vs_time.png")
+    report = (
+        "# cona demo\n\nTime to a target validation perplexity on a tiny Llama (Python stdlib text), "
+        f"{res['config']['world']} ranks on CPU, {time.strftime('%Y-%m-%d')}; measured on a shared, loaded machine.\n\n"
+        + table
+        + "\n## The chain cona chose\n\n"
+        + chain
+        + "\n"
+        + "".join(f"\nNote: {n}\n" for n in res["notes"])
+        + (
+            "\n- `perplexity_vs_time.png`: validation perplexity against training time, every variant\n"
+            if plotted
+            else ""
+        )
+    )
+    hwtopo.atomic_write_text(out / "report.md", report)
+    hwtopo.atomic_write_text(out / "result.json", json.dumps(res, indent=2, default=str) + "\n")
+    if not args.quiet:
+        print(f"wrote {out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+def cmd_strategies(args) -> int:
+    from .model import tiny_llama_config
+    from .space import ModelDims, enumerate_strategies, memory_per_rank_bytes
+
+    cluster = hwtopo.load(args.spec) if args.spec else None
+    try:
+        cfg = tiny_llama_config(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
+    except Exception as e:  # noqa: BLE001 - transformers' validators raise several types
+        raise UsageError(
+            f"--hidden/--heads/--kv-heads do not make a valid Llama config ({str(e).splitlines()[0]}); "
+            "use an even head size hidden/heads, e.g. --hidden 64 --heads 4"
+        ) from None
+    dims = ModelDims.from_config(cfg, args.seq_len)
+    world = args.world if args.world is not None else (len(cluster.machines) if cluster else 2)
+    found = enumerate_strategies(dims, world, list(args.global_batches), list(args.micro_batches), cluster=cluster)
+    for s in found:
+        print(f"{s.name}\taccum={s.accum}\tmemory/rank={hwtopo.format_bytes(memory_per_rank_bytes(s, dims))}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cona", description="Online parallelism-strategy chaining (CONA).")
+    p.add_argument("--version", action="version", version=f"cona {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--quiet", action="store_true", help="no progress messages")
+        sp.add_argument("--debug", action="store_true", help="show tracebacks")
+        sp.add_argument("--world", type=int, help="number of ranks (quick: 2, full: 4)")
+        sp.add_argument("--target-ppl", type=float, help="target validation perplexity")
+        sp.add_argument("--budget-s", type=float, help="training-time budget per variant, seconds")
+        sp.add_argument("--global-batches", type=_ints, help="candidate global batch sizes, e.g. 8,16,32,64")
+        sp.add_argument("--micro-batches", type=_ints, help="candidate micro-batch sizes, e.g. 4,8,16")
+        sp.add_argument("--oracle-branches", type=int, help="strategies branched per oracle phase")
+        sp.add_argument("--no-oracle", action="store_true", help="skip the oracle sequence (faster)")
+
+    b = sub.add_parser("bench", help="cona vs best static, surrogate-at-step-0 static and oracle, side by side")
+    b.add_argument("--quick", action="store_true", help="2 ranks, short budget (<= 3 minutes on 2 cores)")
+    b.add_argument("--json", help="write the results as JSON here")
+    common(b)
+    b.set_defaults(fn=cmd_bench)
+    d = sub.add_parser("demo", help="print the chain cona picks and plot perplexity vs time")
+    d.add_argument("--out", default="demo-output/cona", help="output directory (default demo-output/cona)")
+    common(d)
+    d.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("strategies", help="list the feasible strategies for this machine or an hwtopo spec")
+    s.add_argument("--spec", help="hwtopo spec (bundled name or file); default: this machine")
+    s.add_argument("--world", type=int, help="ranks (default: the spec's machines, else 2)")
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--hidden", type=int, default=64)
+    s.add_argument("--heads", type=int, default=4)
+    s.add_argument("--kv-heads", type=int, default=2)
+    s.add_argument("--seq-len", type=int, default=64)
+    s.add_argument("--global-batches", type=_ints, default=(8, 16, 32, 64))
+    s.add_argument("--micro-batches", type=_ints, default=(4, 8, 16))
+    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--debug", action="store_true")
+    s.set_defaults(fn=cmd_strategies)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except (UsageError, StrategyError, hwtopo.SpecError) as e:
+        if args.debug:
+            raise
+        print(f"cona: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one line unless --debug
+        if args.debug:
+            raise
+        print(f"cona: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        return 1

@@ -1,0 +1,164 @@
+"""Throughput: short real probes of a strategy (cached per strategy) and a cost model fitted from them.
+
+The cost model is per (dp, tp, pp) layout: a step runs ``slots`` sequential micro-batch slots
+(``accum`` for pp=1, ``accum + pp - 1`` for GPipe), so
+
+    step_s = c0 + c1 * slots + c2 * slots * micro_batch        (c >= 0, least squares)
+
+which predicts every micro-batch / global-batch combination of a layout from three probes of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import hwtopo
+
+from .space import Strategy
+
+__all__ = ["cache_dir", "CostModel", "ProbeCache", "probe_plan", "time_steps"]
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlsyskit" / "cona"
+
+
+def _features(s: Strategy) -> list[float]:
+    slots = s.accum + s.pp - 1
+    return [1.0, float(slots), float(slots * s.micro_batch)]
+
+
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (tiny active-set loop; 3 unknowns)."""
+    active = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+@dataclass
+class CostModel:
+    """Step time per layout, fitted from measured (strategy, seconds per step) pairs."""
+
+    measured: dict[Strategy, float] = field(default_factory=dict)
+    _coef: dict[tuple[int, int, int], np.ndarray] = field(default_factory=dict)
+
+    def add(self, s: Strategy, step_s: float) -> None:
+        if not step_s > 0:
+            raise ValueError(f"step time of {s.name} must be > 0, got {step_s}")
+        self.measured[s] = float(step_s)
+        self._coef.pop((s.dp, s.tp, s.pp), None)
+
+    def _fit(self, layout: tuple[int, int, int]) -> np.ndarray | None:
+        if layout not in self._coef:
+            pts = [(s, t) for s, t in self.measured.items() if (s.dp, s.tp, s.pp) == layout]
+            if not pts:
+                return None
+            X = np.array([_features(s) for s, _ in pts])
+            y = np.array([t for _, t in pts])
+            self._coef[layout] = _nnls(X, y)
+        return self._coef[layout]
+
+    def step_time(self, s: Strategy) -> tuple[float, str]:
+        """(seconds per step, "probe" or "model"); KeyError when the layout was never probed."""
+        if s in self.measured:
+            return self.measured[s], "probe"
+        coef = self._fit((s.dp, s.tp, s.pp))
+        if coef is None:
+            raise KeyError(f"no probe of layout dp{s.dp}-tp{s.tp}-pp{s.pp}; probe one of its strategies first")
+        return float(np.dot(coef, _features(s))), "model"
+
+    def throughput(self, s: Strategy) -> tuple[float, str]:
+        """(samples per second, source)."""
+        t, src = self.step_time(s)
+        return s.global_batch / max(t, 1e-9), src
+
+    def relative_error(self) -> float:
+        """Leave-one-out median relative error of the fitted model over the probes (nan if too few)."""
+        errs = []
+        for s, t in self.measured.items():
+            others = CostModel({k: v for k, v in self.measured.items() if k != s})
+            try:
+                pred, _ = others.step_time(s)
+            except KeyError:
+                continue
+            errs.append(abs(pred - t) / t)
+        return statistics.median(errs) if errs else float("nan")
+
+
+def probe_plan(candidates: Iterable[Strategy], per_layout: int = 3) -> list[Strategy]:
+    """Which strategies to probe: per layout the extremes of slots x micro-batch (3 points fit the model)."""
+    by_layout: dict[tuple[int, int, int], list[Strategy]] = {}
+    for s in candidates:
+        by_layout.setdefault((s.dp, s.tp, s.pp), []).append(s)
+    plan = []
+    for group in by_layout.values():
+        picks = [
+            min(group, key=lambda s: (s.global_batch, s.micro_batch)),
+            max(group, key=lambda s: (s.micro_batch, -s.global_batch)),
+            max(group, key=lambda s: (s.accum, s.global_batch)),
+            max(group, key=lambda s: (s.global_batch, s.micro_batch)),
+        ]
+        for s in dict.fromkeys(picks):
+            if len([p for p in plan if (p.dp, p.tp, p.pp) == (s.dp, s.tp, s.pp)]) < per_layout:
+                plan.append(s)
+    return plan
+
+
+def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
+    """Fastest of ``steps`` timed calls of ``step_fn()`` after ``warmup`` untimed ones (the minimum is
+    the least disturbed by other load on a shared machine)."""
+    for _ in range(warmup):
+        step_fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@dataclass
+class ProbeCache:
+    """Measured step times by (machine, model, world, strategy), in a JSON file written atomically."""
+
+    path: Path
+    key: str
+    data: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, key: str, path: Path | None = None) -> ProbeCache:
+        path = path or cache_dir() / "probes.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        return cls(path, key, data)
+
+    def get(self, s: Strategy) -> float | None:
+        return self.data.get(self.key, {}).get(s.name)
+
+    def put(self, s: Strategy, step_s: float) -> None:
+        self.data.setdefault(self.key, {})[s.name] = step_s
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        hwtopo.atomic_write_text(self.path, json.dumps(self.data, indent=1, sort_keys=True))

@@ -1,0 +1,343 @@
+"""The training harness: probes, then cona and its baselines trained side by side to a target loss.
+
+Runs inside ``launch``ed ranks (``bench_worker``). Every variant starts from the same initial weights
+and reads the same sample stream; its clock counts training steps, gradient statistics and
+resharding (measured on rank 0 and broadcast, so all ranks take the same decisions) and excludes
+validation. Variants:
+
+- ``best_static``: the strategy with the highest probed/modelled throughput (what an offline
+  per-iteration-time searcher picks), kept all run;
+- ``surrogate_static``: the surrogate's choice at step 0 (noise scale measured on the first
+  batches), kept all run;
+- ``cona``: the chainer re-ranks every ``decide_every_s`` and switches with hysteresis;
+- ``oracle``: quick oracle sequence: every phase, branch each shortlisted strategy from the same
+  checkpoint (written layout-independently), keep the branch with the lowest validation loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .chain import Chainer
+from .executor import Executor, FullState, initial_state, load_state, save_state
+from .gns import GradientNoiseScale
+from .model import TextData, stdlib_tokens, tiny_llama_config
+from .probe import CostModel, probe_plan, time_steps
+from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
+
+__all__ = ["BenchConfig", "bench_worker", "TargetNotReached", "time_to_target"]
+
+log = logging.getLogger(__name__)
+
+
+class TargetNotReached(RuntimeError):
+    """A run ended (time budget spent) above the target validation loss."""
+
+
+@dataclass
+class BenchConfig:
+    world: int = 2
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 192
+    seq_len: int = 64
+    global_batches: tuple[int, ...] = (8, 16, 32, 64)
+    micro_batches: tuple[int, ...] = (4, 8, 16)
+    reference_batch: int = 8
+    lr: float = 2e-3
+    target_ppl: float = 11.0
+    budget_s: float = 30.0
+    eval_every_s: float = 1.0
+    decide_every_s: float = 3.0
+    oracle_phase_s: float = 3.0
+    val_samples: int = 32
+    margin: float = 0.05
+    gns_every: int = 1
+    seed: int = 0
+    corpus_bytes: int = 1_000_000
+    probe_steps: int = 3
+    oracle: bool = True
+    oracle_branches: int = 3  # quick oracle: the fastest strategy of each of the smallest global batches
+
+    def __post_init__(self) -> None:
+        self.global_batches = tuple(self.global_batches)
+        self.micro_batches = tuple(self.micro_batches)
+        for name in ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl", "lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.target_ppl <= 1:
+            raise ValueError(f"target_ppl must be > 1, got {self.target_ppl}")
+        if self.world < 1:
+            raise ValueError(f"world must be >= 1, got {self.world}")
+
+    @property
+    def target_loss(self) -> float:
+        return math.log(self.target_ppl)
+
+    def lr_for(self, global_batch: int) -> float:
+        """Square-root learning-rate scaling from the reference batch (the same rule for every variant)."""
+        return self.lr * math.sqrt(global_batch / self.reference_batch)
+
+
+def time_to_target(trace: list[tuple[float, float]], target_loss: float) -> float | None:
+    """Clock of the first evaluation at or below the target (None if never)."""
+    return next((t for t, v in trace if v <= target_loss), None)
+
+
+def _bcast(x: float) -> float:
+    """Rank 0's value on every rank (clocks and measured times drive identical decisions)."""
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.broadcast(t, 0)
+    return float(t[0])
+
+
+@dataclass
+class Run:
+    name: str
+    trace: list[tuple[float, float]] = field(default_factory=list)
+    chain: list[dict] = field(default_factory=list)
+    steps: int = 0
+    samples: int = 0
+    clock: float = 0.0
+    switch_s: float = 0.0
+    gns_s: float = 0.0
+    eval_s: float = 0.0
+    decisions: list[dict] = field(default_factory=list)
+
+
+class _Variant:
+    """One training run that can be advanced in slices (so variants interleave under the same load)."""
+
+    def __init__(self, tr: _Trainer, run: Run, s: Strategy, state: FullState, chainer: Chainer | None,
+                 gns: GradientNoiseScale | None, consumed: int) -> None:  # fmt: skip
+        self.tr, self.run, self.s, self.chainer, self.gns, self.consumed = tr, run, s, chainer, gns, consumed
+        cfg = tr.cfg
+        self.ex = tr.executor(s, state)
+        run.chain.append({"clock": run.clock, "strategy": s.name, "why": "start"})
+        self.next_eval = run.clock + cfg.eval_every_s
+        self.next_decide = run.clock + cfg.decide_every_s
+        if not run.trace:
+            run.trace.append((run.clock, self.ex.evaluate(tr.val)))
+        self.plain_times: list[float] = []  # recent step times of s without gradient statistics
+        self.done = False
+
+    def advance(self, until_s: float, stop_at_target: bool = True) -> None:
+        """Train until the clock reaches ``until_s`` or (``stop_at_target``) the target loss."""
+        tr, run, cfg = self.tr, self.run, self.tr.cfg
+        until_s = min(until_s, cfg.budget_s)
+        while not self.done and run.clock < until_s:
+            s, ex, gns = self.s, self.ex, self.gns
+            batch = tr.data.samples(self.consumed, s.global_batch)
+            self.consumed += s.global_batch
+            split = s.dp * s.accum == 1  # a gradient-statistics step must split the micro-batch
+            every = cfg.gns_every * (4 if split else 1)
+            want_gns = gns is not None and (run.steps % every == 0 or not self.plain_times)
+            t0 = time.perf_counter()
+            r = ex.train_step(batch, lr=cfg.lr_for(s.global_batch), gns=want_gns)
+            dt, gns_dt = _bcast(time.perf_counter() - t0), _bcast(r.gns_s)
+            if want_gns and split and self.plain_times:
+                gns_dt += max(0.0, dt - statistics.median(self.plain_times))  # the split's extra time
+            elif not (want_gns and split):
+                self.plain_times.append(dt - gns_dt)
+                del self.plain_times[:-9]
+            run.clock += dt
+            run.gns_s += gns_dt
+            run.steps += 1
+            run.samples += s.global_batch
+            if want_gns:
+                gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps)
+            if run.clock >= self.next_eval:
+                te = time.perf_counter()
+                v = ex.evaluate(tr.val)
+                run.eval_s += time.perf_counter() - te
+                run.trace.append((run.clock, v))
+                self.next_eval = run.clock + cfg.eval_every_s
+                if stop_at_target and v <= cfg.target_loss:
+                    self.done = True
+            if self.chainer is not None and run.clock >= self.next_decide and not self.done:
+                self._decide()
+        if run.clock >= cfg.budget_s:
+            self.done = True
+
+    def _decide(self) -> None:
+        tr, run, s = self.tr, self.run, self.s
+        self.next_decide = run.clock + tr.cfg.decide_every_s
+        if len(self.plain_times) >= 3:  # online throughput: what this strategy really runs at now
+            tr.cost.add(s, statistics.median(self.plain_times))
+        d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
+        run.decisions.append(d.to_dict())
+        if d.switched:
+            t0 = time.perf_counter()
+            new = tr.executor(d.chosen, self.ex.full_state())  # in-memory resharding
+            sw = _bcast(time.perf_counter() - t0)
+            self.chainer.observe_switch(sw)
+            self.ex, self.s = new, d.chosen
+            self.plain_times = []
+            run.clock += sw
+            run.switch_s += sw
+            run.chain.append({"clock": run.clock, "strategy": d.chosen.name, "why": d.reason})
+
+
+class _Trainer:
+    """State shared by the variants of one bench: config, data, candidates, throughput model."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.model_cfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
+        self.dims = ModelDims.from_config(self.model_cfg, cfg.seq_len)
+        self.data = TextData(stdlib_tokens(cfg.corpus_bytes), cfg.seq_len, cfg.seed)
+        self.val = self.data.validation(cfg.val_samples)
+        self.state0 = initial_state(self.model_cfg, cfg.seed)
+        self.candidates = enumerate_strategies(
+            self.dims, cfg.world, list(cfg.global_batches), list(cfg.micro_batches),
+            memory_budget_bytes=rank_memory_budget(None, cfg.world),
+        )  # fmt: skip
+        self.cost = CostModel()
+
+    def executor(self, s: Strategy, state: FullState) -> Executor:
+        return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch))
+
+    # --- throughput --------------------------------------------------------------------------------
+    def probe(self) -> dict:
+        t0 = time.perf_counter()
+        plan = probe_plan(self.candidates)
+        for s in plan:
+            ex = self.executor(s, self.state0)
+            batch = self.data.samples(0, s.global_batch)
+            secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), self.cfg.probe_steps)
+            self.cost.add(s, _bcast(secs))
+        return {"probed": [s.name for s in plan], "probe_s": _bcast(time.perf_counter() - t0),
+                "cost_model_loo_rel_error": self.cost.relative_error()}  # fmt: skip
+
+    def gns_at_step0(self, batches: int = 4) -> tuple[GradientNoiseScale, float]:
+        """Noise scale from the first batches (no optimizer step), with the strategy with most micro-batches."""
+        t0 = time.perf_counter()
+        gns = GradientNoiseScale(self.cfg.reference_batch, decay=0.95)
+        informative = [c for c in self.candidates if c.dp * c.accum > 1] or self.candidates
+        s = min(informative, key=lambda c: (c.global_batch, -c.dp * c.accum, c.tp, c.pp))
+        ex = self.executor(s, self.state0)
+        for k in range(batches):
+            r = ex.compute_grads(self.data.samples(k * s.global_batch, s.global_batch))
+            gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=0)
+        return gns, _bcast(time.perf_counter() - t0)
+
+    # --- one variant ---------------------------------------------------------------------------------
+    def variant(self, run: Run, s: Strategy, state: FullState, chainer: Chainer | None = None,
+                gns: GradientNoiseScale | None = None, consumed: int = 0) -> _Variant:  # fmt: skip
+        return _Variant(self, run, s, state, chainer, gns, consumed)
+
+    def oracle(self, shortlist: list[Strategy], ckpt_dir: str) -> Run:
+        """Greedy per-phase oracle: branch every shortlisted strategy from one checkpoint, keep the best."""
+        cfg = self.cfg
+        run = Run("oracle")
+        state, consumed, prev = self.state0, 0, None
+        run.trace.append((0.0, self.executor(shortlist[0], state).evaluate(self.val)))
+        path = os.path.join(ckpt_dir, "phase.safetensors")
+        while run.clock < cfg.budget_s:
+            if dist.get_rank() == 0:
+                save_state(path, state)
+            dist.barrier()
+            best = None
+            for s in shortlist:
+                branch = Run(s.name, clock=run.clock, trace=[run.trace[-1]])
+                t0 = time.perf_counter()
+                loaded = load_state(path)
+                build_s = _bcast(time.perf_counter() - t0) if prev is not None and s != prev else 0.0
+                branch.clock += build_s
+                v = self.variant(branch, s, loaded, consumed=consumed)
+                v.advance(run.clock + cfg.oracle_phase_s)
+                hit = time_to_target(branch.trace[1:], cfg.target_loss)
+                key = (hit if hit is not None else math.inf, branch.trace[-1][1])
+                if best is None or key < best[0]:
+                    best = (key, s, branch, v.ex.full_state(), v.consumed, build_s)
+            _, s, branch, state, consumed, build_s = best
+            run.trace += branch.trace[1:]
+            run.clock = branch.clock
+            run.steps += branch.steps
+            run.samples += branch.samples
+            run.switch_s += build_s
+            run.chain.append({"clock": branch.trace[0][0], "strategy": s.name,
+                              "why": f"lowest validation loss of {len(shortlist)} branches"})  # fmt: skip
+            prev = s
+            if time_to_target(branch.trace[1:], cfg.target_loss) is not None:
+                break
+        return run
+
+
+def _summary(run: Run, target_loss: float) -> dict:
+    ttt = time_to_target(run.trace, target_loss)
+    return {
+        "time_to_target_s": ttt,
+        "final_val_loss": run.trace[-1][1],
+        "final_val_ppl": math.exp(run.trace[-1][1]),
+        "clock_s": run.clock,
+        "steps": run.steps,
+        "samples": run.samples,
+        "switch_s": run.switch_s,
+        "gns_s": run.gns_s,
+        "eval_s_excluded": run.eval_s,
+        "chain": run.chain,
+        "trace": [[round(t, 4), round(v, 5)] for t, v in run.trace],
+        "decisions": run.decisions,
+    }
+
+
+def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
+    """All variants in one process group; rank 0 returns the results."""
+    torch.manual_seed(0)
+    cfg = BenchConfig(**cfg_dict)
+    tr = _Trainer(cfg)
+    out: dict = {"candidates": [s.name for s in tr.candidates], "probe": tr.probe()}
+    table = {s.name: dict(zip(("samples_per_s", "source"), tr.cost.throughput(s))) for s in tr.candidates}
+    out["throughput"] = table
+    best_static = max(tr.candidates, key=lambda s: (tr.cost.throughput(s)[0], s.name))
+    gns0, gns0_s = tr.gns_at_step0()
+    ch0 = Chainer(tr.candidates, tr.cost.throughput, gns0)
+    surrogate0 = ch0.rank()[0].strategy
+    out["step0"] = {"noise_scale": gns0.noise_scale, "gns_s": gns0_s, "best_static": best_static.name,
+                    "surrogate_choice": surrogate0.name}  # fmt: skip
+    runs = {
+        "best_static": Run("best_static"),
+        "surrogate_static": Run("surrogate_static", clock=gns0_s, gns_s=gns0_s),
+        "cona": Run("cona", clock=gns0_s, gns_s=gns0_s),
+    }
+    chainer = Chainer(tr.candidates, tr.cost.throughput, gns0, horizon_s=cfg.decide_every_s, margin=cfg.margin,
+                      switch_cost_s=0.2)  # fmt: skip
+    runs["cona"].decisions.append(chainer.decide(None, 0, runs["cona"].clock).to_dict())
+    variants = [
+        tr.variant(runs["best_static"], best_static, tr.state0),
+        tr.variant(runs["surrogate_static"], surrogate0, tr.state0),
+        tr.variant(runs["cona"], surrogate0, tr.state0, chainer=chainer, gns=gns0),
+    ]
+    t = cfg.eval_every_s
+    while not all(v.done for v in variants):  # interleaved slices: the variants share the machine's load
+        for v in variants:
+            v.advance(t)
+        t += cfg.eval_every_s
+    if cfg.oracle:
+        fastest: dict[int, Strategy] = {}
+        for s in tr.candidates:
+            if (
+                s.global_batch not in fastest
+                or tr.cost.throughput(s)[0] > tr.cost.throughput(fastest[s.global_batch])[0]
+            ):
+                fastest[s.global_batch] = s
+        shortlist = [fastest[g] for g in sorted(fastest)][: cfg.oracle_branches]
+        with tempfile.TemporaryDirectory(prefix="cona-oracle-") as d:
+            dirs = [d]
+            dist.broadcast_object_list(dirs, 0)
+            runs["oracle"] = tr.oracle(shortlist, dirs[0])
+    out["runs"] = {k: _summary(v, cfg.target_loss) for k, v in runs.items()}
+    out["config"] = asdict(cfg)
+    return out if rank == 0 else None

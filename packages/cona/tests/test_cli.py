@@ -1,0 +1,75 @@
+import json
+import math
+
+import pytest
+
+from cona.cli import HEADLINE_KEYS, main
+
+
+@pytest.mark.slow
+def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--quick", "--quiet", "--json", str(out), "--budget-s", "3", "--target-ppl", "80",
+               "--global-batches", "8,16", "--micro-batches", "4,8", "--oracle-branches", "2"])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res) >= {"package", "version", "config", "machine", "results", "headline", "emulated"}
+    assert res["package"] == "cona" and res["emulated"] is False
+    assert set(res["headline"]) == set(HEADLINE_KEYS)
+    assert set(res["results"]) == {"best_static", "surrogate_static", "cona", "oracle"}
+    for name, r in res["results"].items():
+        assert r["steps"] > 0, name
+        assert r["trace"][0][1] == pytest.approx(math.log(256), abs=0.3)  # an untrained byte-level LM
+        assert r["trace"][-1][1] < r["trace"][0][1], f"{name} did not learn"
+    cona = res["results"]["cona"]
+    assert cona["decisions"][0]["reason"].startswith("initial choice")
+    assert 0 <= res["headline"]["gns_overhead_frac"] < 1
+    assert res["headline"]["switches"] == len(cona["chain"]) - 1
+    # every candidate has a throughput, probed or from the fitted cost model
+    assert set(res["probe"]["throughput"]) == set(json.loads(json.dumps(res["probe"]["throughput"])))
+    assert {v["source"] for v in res["probe"]["throughput"].values()} <= {"probe", "model"}
+    assert "| cona |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["bench", "--world", "5"], "no feasible strategy for world=5"),
+        (["bench", "--budget-s", "0"], "--budget-s must be > 0"),
+        (["bench", "--target-ppl", "1"], "--target-ppl must be > 1"),
+        (
+            [
+                "strategies",
+                "--layers",
+                "1",
+                "--heads",
+                "3",
+                "--kv-heads",
+                "3",
+                "--hidden",
+                "66",
+                "--global-batches",
+                "3",
+                "--micro-batches",
+                "3",
+            ],
+            "no feasible strategy for world=2",
+        ),
+        (["strategies", "--hidden", "63", "--heads", "3", "--kv-heads", "3"], "--hidden"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_strategies_lists_feasible_ones(capsys):
+    assert main(["strategies", "--world", "2", "--global-batches", "8", "--micro-batches", "4"]) == 0
+    names = [ln.split("\t")[0] for ln in capsys.readouterr().out.splitlines()]
+    assert names == ["dp1-tp1-pp2-mb4-gb8", "dp1-tp2-pp1-mb4-gb8", "dp2-tp1-pp1-mb4-gb8"]
+
+
+def test_bad_spec_is_a_usage_error(capsys):
+    assert main(["strategies", "--spec", "/nonexistent.toml"]) == 2
+    assert "nonexistent" in capsys.readouterr().err
