@@ -173,3 +173,23 @@ def test_policy_is_learned_from_profiles():
 def test_bad_capacity_is_rejected():
     with pytest.raises(ValueError, match="capacity"):
         CpuAdmission(AdmissionPolicy(), {"s": 0})
+
+
+def test_demand_and_cost_shape_admission():
+    """Load counts the expected demand (not the raw intensity); short runs pass a full set."""
+
+    async def go():
+        adm = CpuAdmission(AdmissionPolicy(heavy_threshold=0.5, cost_threshold=0.3, max_wait_s=60), {"s": 1.0})
+        held = [
+            await asyncio.wait_for(adm.acquire(f"r{i}", "k", "s", 0.9, cost_s=1.0, demand=0.3), 1) for i in range(3)
+        ]
+        fourth = asyncio.create_task(adm.acquire("r4", "k", "s", 0.9, cost_s=1.0, demand=0.3))
+        await asyncio.sleep(0.05)
+        assert not fourth.done()  # 4 x 0.3 > 1 core
+        short = await asyncio.wait_for(adm.acquire("r5", "k", "s", 0.9, cost_s=0.05), 1)
+        assert not short.heavy  # CPU-bound but short: not held back
+        for t in held + [short]:
+            adm.release(t)
+        await asyncio.wait_for(fourth, 1)
+
+    run(go())

@@ -6,12 +6,15 @@ least the learned ``cost_threshold`` is *CPU-heavy* (short tools pass: holding t
 more latency than their few milliseconds of CPU take from others). A heavy run is
 admitted into its core set only while
 
-* the CPU load our admitted runs put on that core set, plus its own intensity, fits the set's cores
-  (``capacity`` x ``overcommit``), and
+* the CPU load our admitted runs put on that core set, plus its own expected demand, fits the
+  set's cores (``capacity`` x ``overcommit``); a run's demand is its intensity times the share of
+  a core a run actually got when characterized alone (1 - its run-queue stall, at least 1/3), so
+  on a host that other tenants load, admission counts the CPU we can really take; and
 * the system is not under CPU pressure *that we add*: PSI ``cpu some`` over the last tick is below
   the pressure seen while none of our heavy runs was running (other tenants' share, tracked online)
-  plus the learned ``pressure_margin``, and the runnable count below ``runnable_limit`` -- and a
-  set where nothing of ours runs always admits (other tenants can delay us but never stall us);
+  plus the learned ``pressure_margin``, and the runnable count no more than ``runnable_margin``
+  above the runnable count seen then -- and a set where nothing of ours runs always admits (other
+  tenants can delay us but never stall us);
 
 otherwise it waits. Waiters are served fairly across requests: the next admitted is the waiter
 whose request has been admitted the fewest times so far (then the shortest predicted CPU time,
@@ -43,7 +46,7 @@ class AdmissionPolicy:
     heavy_threshold: float = 0.5
     cost_threshold: float = 0.0
     pressure_margin: float = 0.3
-    runnable_limit: int = 8
+    runnable_margin: int = 4
     overcommit: float = 1.0
     max_wait_s: float = 30.0
     source: str = "default"
@@ -68,7 +71,7 @@ class AdmissionPolicy:
             heavy_threshold=thr,
             cost_threshold=cost_thr,
             pressure_margin=margin,
-            runnable_limit=max(2, 3 * cores),
+            runnable_margin=max(2, 2 * cores),
             overcommit=1.0,
             max_wait_s=max_wait,
             source="learned",
@@ -86,6 +89,7 @@ class Ticket:
     intensity: float
     heavy: bool
     cost_s: float
+    demand: float  # cores it is expected to take while it runs (counted in the load)
     seq: int
     t_arrive: float
     t_admit: float | None = None
@@ -121,7 +125,8 @@ class CpuAdmission:
         self._seq = itertools.count()
         self._poller: asyncio.Task | None = None
         self.forced = 0
-        self.baseline_pressure: float | None = None  # cpu some while none of our heavy runs runs
+        self.baseline_pressure: float | None = None  # cpu some while none of our runs runs
+        self.baseline_runnable: float | None = None  # runnable tasks then (other tenants)
 
     # ---------------------------------------------------------------- decisions
     def _system_busy(self) -> bool:
@@ -130,7 +135,8 @@ class CpuAdmission:
             return False
         base = self.baseline_pressure if self.baseline_pressure is not None else 0.0
         limit = min(0.99, base + self.policy.pressure_margin)
-        return snap.cpu_some >= limit or snap.runnable > self.policy.runnable_limit
+        base_run = self.baseline_runnable if self.baseline_runnable is not None else 1.0
+        return snap.cpu_some >= limit or snap.runnable > base_run + self.policy.runnable_margin
 
     def _track_baseline(self) -> None:
         if any(v > 0 for v in self.load.values()):
@@ -140,6 +146,8 @@ class CpuAdmission:
             return
         b = self.baseline_pressure
         self.baseline_pressure = snap.cpu_some if b is None else b + 0.3 * (snap.cpu_some - b)
+        r = self.baseline_runnable
+        self.baseline_runnable = float(snap.runnable) if r is None else r + 0.3 * (snap.runnable - r)
 
     def _fits(self, t: Ticket) -> bool:
         if not t.heavy:
@@ -147,7 +155,7 @@ class CpuAdmission:
         load = self.load[t.core_set]
         if load <= 0:
             return True  # nothing of ours runs there: always make progress
-        if load + t.intensity > self.capacity[t.core_set] * self.policy.overcommit + 1e-9:
+        if load + t.demand > self.capacity[t.core_set] * self.policy.overcommit + 1e-9:
             return False
         return not self._system_busy()
 
@@ -155,7 +163,7 @@ class CpuAdmission:
         t.t_admit = time.monotonic()
         t.forced = forced
         self.forced += forced
-        self.load[t.core_set] += t.intensity
+        self.load[t.core_set] += t.demand
         self.running[t.core_set] += 1
         self.served[t.request_id] = self.served.get(t.request_id, 0) + 1
         self.log.append(t)
@@ -198,13 +206,23 @@ class CpuAdmission:
         cost_ok = cost_s is None or cost_s >= self.policy.cost_threshold
         return intensity >= self.policy.heavy_threshold and cost_ok
 
-    async def acquire(self, request_id: str, key: str, core_set: str, intensity: float, cost_s: float = 0.0) -> Ticket:
+    async def acquire(
+        self,
+        request_id: str,
+        key: str,
+        core_set: str,
+        intensity: float,
+        cost_s: float = 0.0,
+        demand: float | None = None,
+    ) -> Ticket:
+        """Wait for admission. ``intensity``/``cost_s`` decide heaviness; ``demand`` (default: the
+        intensity) is the share of a core the run is expected to take here, counted in the load."""
         if core_set not in self.capacity:
             raise ValueError(f"core_set {core_set!r} unknown; one of {sorted(self.capacity)}")
         self._track_baseline()
-        t = Ticket(
-            request_id, key, core_set, intensity, self.is_heavy(intensity), cost_s, next(self._seq), time.monotonic()
-        )
+        d = intensity if demand is None else demand
+        heavy = self.is_heavy(intensity, cost_s)
+        t = Ticket(request_id, key, core_set, intensity, heavy, cost_s, d, next(self._seq), time.monotonic())
         t._fut = asyncio.get_running_loop().create_future()
         if not t.heavy:  # I/O-bound runs share: admitted at once, counted in the load
             self._grant(t)
@@ -222,12 +240,20 @@ class CpuAdmission:
         return t
 
     def release(self, t: Ticket) -> None:
-        self.load[t.core_set] = max(0.0, self.load[t.core_set] - t.intensity)
+        self.load[t.core_set] = max(0.0, self.load[t.core_set] - t.demand)
         self.running[t.core_set] -= 1
         self._dispatch()
 
-    def admit(self, request_id: str, key: str, core_set: str, intensity: float, cost_s: float = 0.0) -> _Slot:
-        return _Slot(self, request_id, key, core_set, intensity, cost_s)
+    def admit(
+        self,
+        request_id: str,
+        key: str,
+        core_set: str,
+        intensity: float,
+        cost_s: float = 0.0,
+        demand: float | None = None,
+    ) -> _Slot:
+        return _Slot(self, request_id, key, core_set, intensity, cost_s, demand)
 
     def stats(self) -> dict:
         waits = [t.waited_s for t in self.log]
@@ -238,12 +264,15 @@ class CpuAdmission:
             "max_wait_s": max(waits, default=0.0),
             "mean_wait_s": sum(waits) / len(waits) if waits else 0.0,
             "baseline_pressure": self.baseline_pressure,
+            "baseline_runnable": self.baseline_runnable,
         }
 
 
 class _Slot:
-    def __init__(self, adm: CpuAdmission, request_id: str, key: str, core_set: str, intensity: float, cost_s: float):
-        self.adm, self.args = adm, (request_id, key, core_set, intensity, cost_s)
+    def __init__(
+        self, adm: CpuAdmission, request_id: str, key: str, core_set: str, intensity: float, cost_s: float, demand
+    ):
+        self.adm, self.args = adm, (request_id, key, core_set, intensity, cost_s, demand)
         self.ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:

@@ -106,7 +106,10 @@ class CpuAwarePolicy(Policy):
         cs = self.allocator.core_set(task_type)
         p = self.profiles.get(task_type, tool)
         cost = p.cpu_s if p is not None else 1.0
-        async with self.admission.admit(request_id, f"{task_type}/{tool}", cs, self.intensity(task_type, tool), cost):
+        inten = self.intensity(task_type, tool)
+        # the share of a core a run got alone (run-queue stall from other tenants discounted)
+        avail = max(1 / 3, 1.0 - p.cpu_pressure) if p is not None and p.n_alone else 1.0
+        async with self.admission.admit(request_id, f"{task_type}/{tool}", cs, inten, cost, inten * avail):
             yield group
 
     def observe(self, task_type: str, tool: str, usage: Usage) -> None:
