@@ -96,3 +96,56 @@ def test_detects_per_expert_layout():
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(ly.module[1](x), ly.weights().expert_forward(1, x, ly.act_fn))
+
+
+class TransposedInterleavedExperts(nn.Module):
+    """A fused layout stored transposed with gate/up interleaved (as transformers flags it for GPT-OSS)."""
+
+    is_transposed = True
+    is_concatenated = False
+
+    def __init__(self, e=4, h=12, i=6):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(e, h, 2 * i))
+        self.down_proj = nn.Parameter(torch.randn(e, i, h))
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for s in range(idx.shape[1]):
+                e = int(idx[t, s])
+                gu = x[t] @ self.gate_up_proj[e]
+                out[t] += w[t, s] * (self.act_fn(gu[0::2]) * gu[1::2]) @ self.down_proj[e]
+        return out
+
+
+class TransposedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(12, 4, bias=False)
+        self.experts = TransposedInterleavedExperts()
+
+    def forward(self, input_ids=None):
+        x = torch.nn.functional.one_hot(input_ids.reshape(-1) % 12, 12).float() + 0.1
+        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.experts(x, idx, w)
+
+
+def test_transposed_interleaved_fused_layout_is_read_from_its_flags():
+    from parser_moe import calibrate, compress_model, prepare
+
+    torch.manual_seed(0)
+    model = TransposedModel()
+    (ly,) = find_moe_layers(model)
+    assert ly.transposed and not ly.concatenated and (ly.hidden, ly.intermediate) == (12, 6)
+    x = torch.randn(3, 12)
+    with torch.no_grad():
+        y = ly.module(x, torch.full((3, 1), 1), torch.ones(3, 1))
+    torch.testing.assert_close(y, ly.weights().expert_forward(1, x, ly.act_fn), rtol=1e-5, atol=1e-5)
+    ids = torch.arange(240)[None]
+    plan = prepare(model, calibrate(model, ids), "aligned")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            compress_model(model, plan, "parser", 1.0)(input_ids=ids), model(input_ids=ids), rtol=1e-4, atol=1e-4
+        )

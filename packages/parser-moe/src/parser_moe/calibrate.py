@@ -40,8 +40,8 @@ class Reservoir:
         m = x.shape[0]
         if m == 0:
             return
-        x = x.detach().float()
-        w = w.detach().float()
+        x = x.detach().float().cpu()
+        w = w.detach().float().cpu()
         fill = max(0, min(m, self.cap - self.seen))
         if fill:
             self.x[self.seen : self.seen + fill] = x[:fill]
@@ -154,11 +154,13 @@ def calibrate(
             batches = [batches] if batches.dim() == 2 else list(batches)
         was_training = model.training
         model.eval()
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
         tokens = 0
         with torch.no_grad():
             for b in batches:
                 b = b if b.dim() == 2 else b.unsqueeze(0)
-                model(input_ids=b)
+                model(input_ids=b.to(device))
                 tokens += b.numel()
         model.train(was_training)
     finally:

@@ -177,7 +177,10 @@ def cmd_demo(args) -> int:
     loaded = load_compressed(saved)
     with torch.no_grad():
         same = torch.equal(loaded(input_ids=ev[:2]).logits, cm(input_ids=ev[:2]).logits)
-    rt = f"saved to {saved.name}/ and reloaded with transformers: outputs identical = {same}, ppl {perplexity(loaded, ev):.4f}"
+    rt = (
+        f"saved to {saved.name}/ and reloaded with transformers: outputs identical = {same}, "
+        f"ppl {perplexity(loaded, ev):.4f} on {ev.numel()} held-out tokens"
+    )
     print(rt)
     cfg = res["config"]
     lines = [

@@ -14,9 +14,11 @@ def perplexity(model: nn.Module, ids: torch.Tensor, batch_size: int = 8) -> floa
         raise ValueError(f"ids must be [N, T] with T >= 2, got shape {tuple(ids.shape)}")
     total, count = 0.0, 0
     model.eval()
+    p = next(model.parameters(), None)
+    device = p.device if p is not None else torch.device("cpu")
     with torch.no_grad():
         for i in range(0, ids.shape[0], batch_size):
-            b = ids[i : i + batch_size]
+            b = ids[i : i + batch_size].to(device)
             logits = model(input_ids=b).logits[:, :-1].float()
             nll = nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="sum"

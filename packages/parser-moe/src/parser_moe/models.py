@@ -78,11 +78,11 @@ class MoELayer:
     concatenated: bool = True
 
     def weights(self) -> ExpertWeights:
-        """A float32 copy of all experts of this layer in canonical orientation."""
+        """A float32 CPU copy of all experts of this layer in canonical orientation."""
         with torch.no_grad():
             if self.layout == "fused":
-                gu = self.module.gate_up_proj.detach().float()
-                dn = self.module.down_proj.detach().float()
+                gu = self.module.gate_up_proj.detach().float().cpu()
+                dn = self.module.down_proj.detach().float().cpu()
                 if self.transposed:  # [E, H, 2I] and [E, I, H]
                     gu = gu.transpose(1, 2)
                     dn = dn.transpose(1, 2)
@@ -94,9 +94,9 @@ class MoELayer:
             gates, ups, downs = [], [], []
             for child in self.module:
                 g, u, d = _linear_triple(child)
-                gates.append(g.weight.detach().float())
-                ups.append(u.weight.detach().float())
-                downs.append(d.weight.detach().float())
+                gates.append(g.weight.detach().float().cpu())
+                ups.append(u.weight.detach().float().cpu())
+                downs.append(d.weight.detach().float().cpu())
             return ExpertWeights(torch.stack(gates).clone(), torch.stack(ups).clone(), torch.stack(downs).clone())
 
     def original_bytes(self) -> int:

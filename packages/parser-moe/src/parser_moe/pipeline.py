@@ -40,6 +40,7 @@ class Plan:
     decomps: dict[str, Decomposition]
     calib: CalibrationData
     dtype: dict[str, torch.dtype] = field(default_factory=dict)
+    device: dict[str, torch.device] = field(default_factory=dict)
     _scores: dict = field(default_factory=dict)
 
     def original_bytes(self) -> int:
@@ -49,14 +50,15 @@ class Plan:
 def prepare(model: nn.Module, calib: CalibrationData, base: str = "aligned", rounds: int = 5) -> Plan:
     """Find the MoE layers of ``model`` and decompose each into a base and residuals."""
     layers = find_moe_layers(model)
-    decomps, dtypes = {}, {}
+    decomps, dtypes, devices = {}, {}, {}
     for ly in layers:
         if ly.name not in calib.layers:
             raise CalibrationError(f"calibration data has no samples for layer {ly.name!r}")
         decomps[ly.name] = decompose(ly.weights(), base, rounds)
         p = next(iter(ly.module.parameters()), None)
         dtypes[ly.name] = p.dtype if p is not None else torch.float32
-    return Plan(layers, decomps, calib, dtypes)
+        devices[ly.name] = p.device if p is not None else torch.device("cpu")
+    return Plan(layers, decomps, calib, dtypes, devices)
 
 
 def _scores(plan: Plan, ly: MoELayer, method: str, structured: bool):
@@ -118,5 +120,5 @@ def compress_model(
         else:
             masks = select_elements(s, keep_ratio, min_per_expert)
             storage = CompressedExperts.from_entries(base, experts, masks, ly.act_fn, dtype)
-        install(target, by_name[ly.name], storage)
+        install(target, by_name[ly.name], storage.to(plan.device.get(ly.name, "cpu")))
     return target
