@@ -43,6 +43,7 @@ def _cfg(args, **extra):
         steps=args.steps,
         seed=args.seed,
         data=getattr(args, "data", None),
+        micro_batches=args.micro_batches or (4 if args.batch % 4 == 0 else args.batch),
     )
     fields.update(extra)
     cfg = TrainConfig(**fields)
@@ -66,6 +67,7 @@ def _model_args(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--intermediate", type=int, default=1024)
     g.add_argument("--seq-len", type=int, default=128)
     g.add_argument("--batch", type=int, default=4)
+    g.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default 4, or --batch)")
     g.add_argument("--steps", type=int, default=steps)
     g.add_argument("--seed", type=int, default=0)
 
@@ -236,6 +238,8 @@ def cmd_train(args) -> int:
     cfg = _cfg(args, lora_r=args.lora_r)
     if args.data and not Path(args.data).is_file():
         raise UsageError(f"--data: {args.data} is not a readable file")
+    if args.torchrun:
+        return _train_torchrun(args, cfg, speeds)
     res = finetune(
         cfg,
         speeds,
@@ -260,6 +264,34 @@ def cmd_train(args) -> int:
             indent=2,
         )
     )
+    return 0
+
+
+def _train_torchrun(args, cfg, speeds) -> int:
+    """One rank of a torchrun / multi-node launch (env rendezvous); rank 0 prints the report."""
+    import torch
+
+    from .launch import emulate_speed, init_from_env
+    from .runner import _finetune_worker, cache_dir
+
+    torch.set_num_threads(int(args.threads))
+    rank, world = init_from_env(timeout_s=300)
+    if len(speeds) not in (1, world):
+        raise UsageError(f"--speeds lists {len(speeds)} ranks but WORLD_SIZE is {world}")
+    speed = speeds[rank] if len(speeds) == world else speeds[0]
+    throttle = emulate_speed(speed) if args.emulate else None
+    try:
+        ckpt = args.ckpt_dir or str(cache_dir() / f"{cfg.family}-{args.mode}-{world}r-seed{cfg.seed}")
+        Path(ckpt).mkdir(parents=True, exist_ok=True)
+        mem = None if args.memory is None else _bytes(args.memory)
+        r = _finetune_worker(rank, world, cfg.to_dict(), args.mode, ckpt, args.ckpt_every, args.save, mem)
+    finally:
+        if throttle is not None:
+            throttle.close()
+    if rank == 0:
+        print(
+            json.dumps({k: r[k] for k in ("partition", "resumed_from", "eval_loss", "perplexity", "saved")}, indent=2)
+        )
     return 0
 
 
@@ -341,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ckpt-every", type=int, default=10)
     t.add_argument("--save", help="write the gathered full model here (save_pretrained)")
     t.add_argument("--memory", help="memory per rank for shards, e.g. 64MiB")
+    t.add_argument(
+        "--torchrun",
+        action="store_true",
+        help="run as one rank of a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)",
+    )
+    t.add_argument("--emulate", action="store_true", help="with --torchrun: throttle this rank to its --speeds entry")
+    t.add_argument("--threads", type=int, default=1, help="with --torchrun: torch threads per rank")
     _model_args(t, steps=20)
     common(t)
     p = sub.add_parser("partition", help="print the partition for given speeds (or an hwtopo cluster spec)")
