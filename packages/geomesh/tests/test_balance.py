@@ -125,3 +125,10 @@ def test_plan_accounts_for_step_overhead():
     phases = [w.inner_steps * prof.step_time_s(w.batch, 32) for w, prof in zip(p.workers, profiles)]
     assert (max(phases) - min(phases)) / max(phases) < 0.06
     assert p.imbalance == pytest.approx((max(phases) - min(phases)) / max(phases))
+
+
+def test_preferred_steps_keeps_h_equal_and_moves_batch():
+    p = plan(_profiles((1.0, 0.5, 0.25)), seq_len=16, target_tokens=16 * 7 * 8 * 3, max_batch=32, preferred_steps=8)
+    assert [w.inner_steps for w in p.workers] == [8, 8, 8]
+    assert [w.batch for w in p.workers] == [12, 6, 3]
+    assert p.imbalance < 0.01

@@ -110,3 +110,15 @@ def test_compressor_state_roundtrip():
     assert torch.equal(other.errors[0], comp.errors[0])
     with pytest.raises(ValueError, match="shapes"):
         SignCompressor([(11,)]).load_state_dict(comp.state_dict())
+
+
+def test_ef_decay_zero_is_plain_sign_and_bad_decay_rejected():
+    g = [torch.randn(40)]
+    a = SignCompressor([(40,)], chunk_size=8, ef_decay=0.0)
+    b = SignCompressor([(40,)], chunk_size=8, error_feedback=False)
+    for _ in range(3):
+        assert torch.equal(a.compress(g), b.compress(g))
+    with pytest.raises(ValueError, match="ef_decay"):
+        SignCompressor([(4,)], ef_decay=1.5)
+    with pytest.raises(ValueError, match="scale"):
+        SignCodec([(4,)], scale="max")

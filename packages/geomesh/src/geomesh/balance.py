@@ -147,11 +147,14 @@ def plan(
     preferred_batch: int | None = None,
     min_steps: int = 1,
     tolerance: float = 0.03,
+    preferred_steps: int | None = None,
 ) -> Plan:
     """Choose (b_i, H_i) per worker so inner phases take equal wall time and tokens ~ target_tokens.
 
     Among candidates within ``tolerance`` of the best phase match, the batch closest to
-    ``preferred_batch`` (default: the largest that fits) wins, so optimizer dynamics stay similar.
+    ``preferred_batch`` (default: the largest that fits) wins, so optimizer dynamics stay similar;
+    with ``preferred_steps`` the inner-step count closest to it wins instead (equal H everywhere
+    when memory allows, the speed difference absorbed by the batch size).
     """
     _check_profiles(profiles)
     if not isinstance(seq_len, int) or seq_len < 1:
@@ -181,8 +184,11 @@ def plan(
             cands.append((abs(t - phase) / phase, b, h, t))
         best = min(c[0] for c in cands)
         near = [c for c in cands if c[0] <= best + tolerance]
-        pref = preferred_batch if preferred_batch is not None else top
-        _, b, h, t = min(near, key=lambda c: (abs(c[1] - pref), c[0], -c[1]))
+        if preferred_steps is not None:
+            _, b, h, t = min(near, key=lambda c: (abs(c[2] - preferred_steps), c[0], -c[1]))
+        else:
+            pref = preferred_batch if preferred_batch is not None else top
+            _, b, h, t = min(near, key=lambda c: (abs(c[1] - pref), c[0], -c[1]))
         workers.append(WorkerPlan(p.name, b, h, b * h * seq_len, t))
     total = sum(w.tokens for w in workers)
     workers = [replace(w, weight=w.tokens / total) for w in workers]

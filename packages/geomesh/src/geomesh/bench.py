@@ -32,6 +32,7 @@ __all__ = ["BenchConfig", "METHODS", "run_bench", "load_corpus", "build_model", 
 
 log = logging.getLogger(__name__)
 METHODS = ("geomesh", "diloco-fp32", "diloco-fp16", "ddp", "async")
+ABLATIONS = ("geomesh-fp32", "diloco-sign")  # balancing without compression; compression without balancing
 
 
 @dataclass
@@ -49,12 +50,16 @@ class BenchConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     chunk_size: int = 1024
+    scale: str = "mean"
+    error_feedback: bool = True
+    ef_decay: float = 0.5  # damped error feedback: full feedback (1.0) cost ~9% ppl at 8 outer steps here
+    balance_by: str = "steps"  # "steps": b near the preferred one, H_i absorbs speed; "batch": equal H, b_i absorbs it
     seed: int = 0
     text_bytes: int = 1_500_000
     val_seqs: int = 48
     profile_steps: int = 4
     rebalance_threshold: float = 0.15
-    ddp_time_cap: float = 3.0  # DDP stops after this many times DiLoCo-fp32's wall time (when measured first)
+    ddp_time_cap: float = 2.5  # DDP stops after this many times DiLoCo-fp32's wall time (when measured first)
     methods: tuple[str, ...] = METHODS
     timeout_s: float = 600.0
     extra: dict = field(default_factory=dict)
@@ -66,11 +71,13 @@ class BenchConfig:
                 raise ValueError(f"{name}: {v!r} must be a positive integer")
         if self.hidden % self.heads:
             raise ValueError(f"hidden: {self.hidden} must be a multiple of heads ({self.heads})")
+        if self.balance_by not in ("steps", "batch"):
+            raise ValueError(f"balance_by: {self.balance_by!r} must be 'steps' or 'batch'")
         if not 0 < self.cpus <= 4:
             raise ValueError(f"cpus: {self.cpus!r} must be in (0, 4]")
-        bad = [m for m in self.methods if m not in METHODS]
+        bad = [m for m in self.methods if m not in METHODS + ABLATIONS]
         if bad or not self.methods:
-            raise ValueError(f"methods: {bad or '[]'} not valid; choose from {list(METHODS)}")
+            raise ValueError(f"methods: {bad or '[]'} not valid; choose from {list(METHODS + ABLATIONS)}")
         hwtopo.load(self.cluster)  # SpecError names the bad field
 
 
@@ -155,7 +162,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
     seq, b, h = cfg.seq_len, cfg.batch, cfg.inner_steps
     rb = None
-    if method == "geomesh":
+    if method.startswith("geomesh"):
         # profile throughput on a throw-away copy, share it, and plan (b_i, H_i) identically everywhere
         probe = copy.deepcopy(model)
         popt = torch.optim.AdamW(probe.parameters(), lr=cfg.inner_lr)
@@ -177,6 +184,8 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
             for m, g in zip(machines, got)
         ]
         kw = {"memory": memory, "max_batch": 2 * b, "preferred_batch": b}
+        if cfg.balance_by == "batch":
+            kw["preferred_steps"] = h
         p = plan(profiles, seq, world * b * h * seq, **kw)
         out["plan"] = p.to_dict()
         rb = Rebalancer(p, threshold=cfg.rebalance_threshold, ema=0.5, **kw)
@@ -191,6 +200,9 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         outer_momentum=cfg.outer_momentum,
         compression=comp,
         chunk_size=cfg.chunk_size,
+        scale=cfg.scale,
+        error_feedback=cfg.error_feedback,
+        ef_decay=cfg.ef_decay,
         batch_size=b,
         wan=wan,
         rebalancer=rb,

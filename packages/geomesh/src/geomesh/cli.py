@@ -13,7 +13,7 @@ import hwtopo
 
 from . import __version__
 
-QUICK = {"outer_steps": 8}
+QUICK = {"outer_steps": 12}
 FULL = {"outer_steps": 20, "hidden": 96, "text_bytes": 3_000_000}
 
 

@@ -100,6 +100,9 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         compression: str = "sign",
         chunk_size: int | None = 4096,
+        scale: str = "mean",
+        error_feedback: bool = True,
+        ef_decay: float = 1.0,
         batch_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         wan: WanEmulator | None = None,
@@ -125,7 +128,9 @@ class DiLoCo:
         self.synced = [torch.nn.Parameter(p.detach().clone().float(), requires_grad=False) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=True)
         shapes = [p.shape for p in self.params]
-        self.compressor = SignCompressor(shapes, chunk_size) if compression == "sign" else None
+        self.compressor = (
+            SignCompressor(shapes, chunk_size, error_feedback, scale, ef_decay) if compression == "sign" else None
+        )
         self.local_step = 0
         self.outer_step = 0
         self.tokens = 0

@@ -68,7 +68,12 @@ class _Layout:
 class SignCodec:
     """Encodes a fixed list of tensor shapes into one uint8 buffer and back (see module doc)."""
 
-    def __init__(self, shapes: Sequence[torch.Size | Sequence[int]], chunk_size: int | None = 4096):
+    def __init__(
+        self, shapes: Sequence[torch.Size | Sequence[int]], chunk_size: int | None = 4096, scale: str = "mean"
+    ):
+        if scale not in ("mean", "rms"):
+            raise ValueError(f"scale must be 'mean' (L2-optimal, mean |x|) or 'rms' (norm-preserving), not {scale!r}")
+        self.scale = scale
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(
                 f"chunk_size must be a positive integer or None (one scale per tensor), not {chunk_size!r}"
@@ -86,13 +91,17 @@ class SignCodec:
     def _scales(self, t: torch.Tensor, n_chunks: int) -> torch.Tensor:
         flat = t.detach().reshape(-1).float()
         if n_chunks == 1:
-            return flat.abs().mean().reshape(1) if flat.numel() else flat.new_zeros(1)
+            if not flat.numel():
+                return flat.new_zeros(1)
+            return (flat.abs().mean() if self.scale == "mean" else flat.square().mean().sqrt()).reshape(1)
         size = self.chunk_size
         pad = n_chunks * size - flat.numel()
-        padded = torch.cat([flat.abs(), flat.new_zeros(pad)]).view(n_chunks, size)
+        mag = flat.abs() if self.scale == "mean" else flat.square()
+        padded = torch.cat([mag, flat.new_zeros(pad)]).view(n_chunks, size)
         counts = torch.full((n_chunks,), float(size), device=flat.device)
         counts[-1] = size - pad
-        return padded.sum(dim=1) / counts
+        out = padded.sum(dim=1) / counts
+        return out if self.scale == "mean" else out.sqrt()
 
     def _expand(self, scales: torch.Tensor, numel: int, n_chunks: int) -> torch.Tensor:
         if n_chunks == 1:
@@ -149,10 +158,18 @@ class SignCompressor:
     """A ``SignCodec`` with error feedback: what the sign dropped this round is added next round."""
 
     def __init__(
-        self, shapes: Sequence[torch.Size | Sequence[int]], chunk_size: int | None = 4096, error_feedback: bool = True
+        self,
+        shapes: Sequence[torch.Size | Sequence[int]],
+        chunk_size: int | None = 4096,
+        error_feedback: bool = True,
+        scale: str = "mean",
+        ef_decay: float = 1.0,
     ):
-        self.codec = SignCodec(shapes, chunk_size)
+        if not 0.0 <= ef_decay <= 1.0:
+            raise ValueError(f"ef_decay must be in [0, 1] (1 carries the whole residual), not {ef_decay!r}")
+        self.codec = SignCodec(shapes, chunk_size, scale)
         self.error_feedback = error_feedback
+        self.ef_decay = ef_decay
         self.errors = [torch.zeros(s) for s in self.codec.shapes]
 
     @property
@@ -163,7 +180,7 @@ class SignCompressor:
         """Encode ``tensors + residual``; the new residual is what the decoded buffer misses."""
         self.codec.check(tensors)
         if self.error_feedback:
-            target = [t.detach().float() + e.to(t.device) for t, e in zip(tensors, self.errors)]
+            target = [t.detach().float() + self.ef_decay * e.to(t.device) for t, e in zip(tensors, self.errors)]
         else:
             target = [t.detach().float() for t in tensors]
         buf = self.codec.encode(target, tokens)
