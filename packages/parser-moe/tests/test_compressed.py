@@ -126,3 +126,18 @@ def test_bad_method_and_ratio_are_rejected(ids):
         compress_model(model, plan, "random", 0.2)
     with pytest.raises(ValueError, match="keep_ratio must be in"):
         compress_model(model, plan, "parser", 0.0)
+
+
+def test_base_only_model_runs_every_expert_as_the_base(ids):
+    from parser_moe.pipeline import base_only_model
+
+    model = tiny_model("qwen2_moe")
+    plan = prepare(model, calibrate(model, ids), "mean")
+    bo = base_only_model(model, plan)
+    mod = bo.model.layers[1].mlp.experts
+    assert mod.kept_index.numel() == 0
+    g, _, d = mod.expert_weights()
+    torch.testing.assert_close(g[2], plan.decomps["model.layers.1.mlp.experts"].base_gate)
+    assert not torch.allclose(_logits(bo, ids), _logits(model, ids))
+    ppl_plain = compress_model(model, plan, "parser_plain", 1.0)
+    torch.testing.assert_close(_logits(ppl_plain, ids), _logits(model, ids), rtol=1e-4, atol=1e-4)

@@ -12,7 +12,7 @@ from .calibrate import calibrate
 from .compressed import compressed_modules
 from .data import sequences
 from .evaluate import perplexity
-from .pipeline import METHODS, compress_model, entry_ratio_for, prepare
+from .pipeline import METHODS, base_only_model, compress_model, entry_ratio_for, prepare
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,18 @@ def run_bench(
     results: dict = {
         "uncompressed": {"ppl": ppl_full, "gap": 0.0, "expert_bytes": original, "memory_reduction": 0.0},
     }
-    jobs = [(m, r, True) for r in ratios for m in METHODS] + [(m, r, False) for r in ratios for m in UNSTRUCTURED]
+    base_only = base_only_model(model, plan)
+    nb = sum(m.nbytes() for m in compressed_modules(base_only).values())
+    results["base_only"] = {
+        "ppl": perplexity(base_only, eval_ids),
+        "expert_bytes": nb,
+        "memory_reduction": 1 - nb / original,
+        "keep_ratio": 0.0,
+    }
+    results["base_only"]["gap"] = results["base_only"]["ppl"] - ppl_full
+    del base_only
+    jobs = [(m, r, True) for r in ratios for m in (*METHODS, "parser_plain")]
+    jobs += [(m, r, False) for r in ratios for m in UNSTRUCTURED]
     bar = tqdm(jobs, desc="compress+eval", disable=not progress, leave=False)
     for method, ratio, structured in bar:
         keep = ratio if structured else entry_ratio_for(ratio, plan.layers[0].hidden, 4)

@@ -30,6 +30,8 @@ from .models import MoELayer, find_moe_layers
 log = logging.getLogger(__name__)
 
 METHODS = ("parser", *BASELINES)
+# the issue's literal score: no routing-weight or routing-frequency weighting (an ablation)
+VARIANTS = (*METHODS, "parser_plain")
 
 
 @dataclass
@@ -66,14 +68,15 @@ def _scores(plan: Plan, ly: MoELayer, method: str, structured: bool):
     if key in plan._scores:
         return plan._scores[key]
     dec, cal = plan.decomps[ly.name], plan.calib.layers[ly.name]
-    if method == "parser":
-        s = layer_output_importance(dec, cal, ly.act_fn)
+    if method in ("parser", "parser_plain"):
+        plain = method == "parser_plain"
+        s = layer_output_importance(dec, cal, ly.act_fn, weighted=not plain, by_frequency=not plain)
         if not structured:
             s = element_scores_from_units(s, dec, cal, ly.act_fn)
     elif method in BASELINES:
         s = unit_scores(method, dec, cal, ly.act_fn) if structured else entry_scores(method, dec, cal, ly.act_fn)
     else:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"method must be one of {VARIANTS}, got {method!r}")
     plan._scores[key] = s
     return s
 
@@ -104,8 +107,8 @@ def compress_model(
     (unstructured; :func:`entry_ratio_for` converts a unit ratio into the entry ratio of equal bytes).
     """
     keep_ratio = check_keep_ratio(keep_ratio)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in VARIANTS:
+        raise ValueError(f"method must be one of {VARIANTS}, got {method!r}")
     target = model if inplace else copy.deepcopy(model)
     by_name = {ly.name: ly for ly in find_moe_layers(target)}
     for ly in plan.layers:
@@ -120,5 +123,19 @@ def compress_model(
         else:
             masks = select_elements(s, keep_ratio, min_per_expert)
             storage = CompressedExperts.from_entries(base, experts, masks, ly.act_fn, dtype)
+        install(target, by_name[ly.name], storage.to(plan.device.get(ly.name, "cpu")))
+    return target
+
+
+def base_only_model(model: nn.Module, plan: Plan) -> nn.Module:
+    """A copy of ``model`` whose experts all equal the base (no residual kept): the floor of compression."""
+    target = copy.deepcopy(model)
+    by_name = {ly.name: ly for ly in find_moe_layers(target)}
+    for ly in plan.layers:
+        dec = plan.decomps[ly.name]
+        base = (dec.base_gate, dec.base_up, dec.base_down)
+        experts = (dec.experts.gate, dec.experts.up, dec.experts.down)
+        mask = torch.zeros(ly.num_experts, ly.intermediate, dtype=torch.bool)
+        storage = CompressedExperts.from_units(base, experts, mask, ly.act_fn, plan.dtype[ly.name])
         install(target, by_name[ly.name], storage.to(plan.device.get(ly.name, "cpu")))
     return target
