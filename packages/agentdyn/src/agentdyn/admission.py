@@ -134,7 +134,9 @@ class CpuAdmission:
         if snap is None:
             return False
         base = self.baseline_pressure if self.baseline_pressure is not None else 0.0
-        limit = min(0.99, base + self.policy.pressure_margin)
+        # when other tenants already saturate PSI, the limit passes 1.0: pressure cannot show our
+        # increment any more and only the load accounting and runnable count gate
+        limit = base + self.policy.pressure_margin
         base_run = self.baseline_runnable if self.baseline_runnable is not None else 1.0
         return snap.cpu_some >= limit or snap.runnable > base_run + self.policy.runnable_margin
 

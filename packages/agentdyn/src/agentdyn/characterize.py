@@ -94,7 +94,7 @@ def breakdown(results) -> dict:
 async def characterize(cfg: CharacterizeConfig, progress=None) -> dict:
     """Run the grid; returns {"rows": [...], "profiles": ..., "config": ...}."""
     cpus = usable_cpus()
-    wl = WorkloadConfig(coding_work=cfg.coding_work)
+    wl = WorkloadConfig(coding_work=cfg.coding_work, types=tuple(cfg.types))
     rows: list[dict] = []
     sampler = SystemSampler(0.1).start()
     try:
