@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,8 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
 def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
     rows = [["variant", "step time (s)", "idle ratio (max rank)", "compute stall", "eval loss", "shards / stages"]]
     for name, s in summary.items():
+        if name == "machine_load":
+            continue
         if "partition" in s:
             p = s["partition"]
             shards = f"heads {p['q_heads']} mlp {p['mlp_columns']}"
@@ -108,6 +111,22 @@ def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _load_line(summary: dict) -> str:
+    ml = summary.get("machine_load", {})
+    ach = summary.get("tp", {}).get("achieved_relative_speeds")
+    parts = [
+        f"Machine load (1-min load average) {ml.get('loadavg_1min_start', 0):.1f} -> "
+        f"{ml.get('loadavg_1min_end', 0):.1f} on {ml.get('cpus')} CPUs."
+    ]
+    if ach:
+        parts.append(
+            "Relative speeds the emulation actually achieved (even-TP compute time): "
+            + ", ".join(f"{a:.2f}" for a in ach)
+            + "."
+        )
+    return " ".join(parts)
 
 
 def _fmt_table(rows: list[list[str]], markdown: bool) -> str:
@@ -156,8 +175,14 @@ def _run_compare(args, cfg, speeds, variants):
         raise UsageError(f"--cpu-share must be in (0, 1], not {args.cpu_share}")
     if args.rebalance_every < 0:
         raise UsageError(f"--rebalance-every must be >= 0 (0 disables), not {args.rebalance_every}")
+    load0 = os.getloadavg()[0]
     results = run_comparison(cfg, speeds, variants, rebalance_every=args.rebalance_every, cpu_share=args.cpu_share)
     summary = summarize(results)
+    summary["machine_load"] = {
+        "loadavg_1min_start": load0,
+        "loadavg_1min_end": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+    }
     return results, summary, headline(summary), time.perf_counter() - t0
 
 
@@ -189,6 +214,8 @@ def cmd_demo(args) -> int:
         "",
         "Headline: " + ", ".join(f"`{k}` = {v:.4g}" for k, v in head.items()),
         "",
+        _load_line(summary),
+        "",
     ]
     if plotted:
         md.append("- timeline.png: one step per rank, computing vs waiting at all-reduces, Xronos vs even TP")
@@ -210,6 +237,7 @@ def cmd_bench(args) -> int:
         print(f"xronos bench: {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps", file=sys.stderr)
     results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp", "pp"])
     print(_fmt_table(_table(summary, speeds), False))
+    print(_load_line(summary))
     print(json.dumps(head, indent=2))
     doc = {
         "package": "xronos",

@@ -106,14 +106,15 @@ def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group) if _active(group) else x
 
 
-def _check_sizes(name: str, sizes: Sequence[int], rank: int) -> tuple[int, ...]:
+def _check_sizes(name: str, sizes: Sequence[int], rank: int, group=None) -> tuple[int, ...]:
     sizes = tuple(int(s) for s in sizes)
     if not sizes or any(s < 0 for s in sizes):
         raise ValueError(f"{name} must be a non-empty list of shard sizes >= 0, not {list(sizes)}")
     if not 0 <= rank < len(sizes):
         raise ValueError(f"rank {rank} is outside {name} ({len(sizes)} ranks)")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != len(sizes):
-        raise ValueError(f"{name} has {len(sizes)} entries but the process group has {dist.get_world_size()} ranks")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) != len(sizes):
+        n = dist.get_world_size(group)
+        raise ValueError(f"{name} has {len(sizes)} entries but the process group has {n} ranks")
     return sizes
 
 
@@ -161,7 +162,7 @@ class ColumnParallelLinear(_ParallelLinear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.sizes = _check_sizes("out_sizes", out_sizes, rank)
+        self.sizes = _check_sizes("out_sizes", out_sizes, rank, group)
         self.rank, self.group, self.sync_input_grad = rank, group, sync_input_grad
         self.full_in, self.full_out = in_features, sum(self.sizes)
         self.in_features, self.out_features = in_features, self.sizes[rank]
@@ -222,7 +223,7 @@ class RowParallelLinear(_ParallelLinear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.sizes = _check_sizes("in_sizes", in_sizes, rank)
+        self.sizes = _check_sizes("in_sizes", in_sizes, rank, group)
         self.rank, self.group, self.reduce_output = rank, group, reduce_output
         self.full_in, self.full_out = sum(self.sizes), out_features
         self.in_features, self.out_features = self.sizes[rank], out_features
