@@ -83,3 +83,10 @@ def test_run_reports_llm_down_as_runtime_failure(free_port):
     )
     assert p.returncode == 1
     assert "failed after 1 attempt(s)" in json.loads(p.stdout)["error"]
+
+
+def test_bench_schedule_alternates_native_and_optimized():
+    from agentdyn.bench import _schedule
+
+    assert _schedule(("native", "static", "optimized"), 2) == ["native", "optimized", "optimized", "native", "static"]
+    assert _schedule(("static",), 3) == ["static"]

@@ -121,6 +121,7 @@ def test_bench_pipeline_reports_headline_keys():
     assert h["requests_failed"] == 0 and h["zombie_processes"] == 0
     assert h["cpu_task"] == "coding"
     assert set(out["results"]) == {"native", "static", "optimized"}
+    assert out["order"] == ["native", "optimized", "static"]  # native and optimized side by side
     nat = out["results"]["native"]
     assert abs(nat["cpu_task_mean_latency_s"] - nat["per_type"]["coding"]["mean_latency_s"]) < 1e-9
     # the CPU-aware policy learned its thresholds from the calibration's profiles

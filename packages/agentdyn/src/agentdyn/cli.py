@@ -209,6 +209,7 @@ def _bench_json(out: dict, cfg, quick: bool) -> dict:
         "headline": out["headline"],
         "emulated": {"llm": cfg.emulator.describe(), "web_link": {"emulated": True, "latency_s": cfg.site_latency_s}},
         "profiles": out.get("profiles"),
+        "order": out.get("order"),
         "sampler_overhead": out.get("sampler_overhead"),
         "note": "measured side by side in one process, one variant after another; the host may be shared",
     }
@@ -219,8 +220,12 @@ def cmd_bench(args) -> int:
     from .report import bench_table
 
     cfg = _workload(args)
-    out = asyncio.run(bench(cfg, progress=_progress(args)))
+    repeats = args.repeats or (1 if args.quick else 2)
+    if repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, not {repeats}")
+    out = asyncio.run(bench(cfg, progress=_progress(args), repeats=repeats))
     doc = _bench_json(out, cfg, args.quick)
+    doc["config"]["repeats"] = repeats
     print(bench_table(out))
     print(json.dumps(out["headline"], indent=2))
     if args.json:
@@ -322,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--seed", type=int, default=0)
         if name == "bench":
             b.add_argument("--json", help="write the results JSON here")
+            b.add_argument(
+                "--repeats",
+                type=int,
+                default=None,
+                help="rounds of native/optimized, alternating (default 1 quick, 2 full)",
+            )
         else:
             b.add_argument("--out", default="demo-output/agentdyn")
         b.set_defaults(fn=fn)
