@@ -72,8 +72,9 @@ def decomposition_for(row: dict) -> Decomposition:
     return _DECOMP_CACHE[key]
 
 
-def features(d: Decomposition, precision_aware: bool = True) -> dict[str, float]:
-    """Per-kind layer features (x precision when `precision_aware`)."""
+def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "adamw") -> dict[str, float]:
+    """Per-kind layer features (x precision when `precision_aware`), plus the optimizer's update
+    work (parameters x state tensors it reads and writes)."""
     kinds = d.by_kind()
     f: dict[str, float] = {}
     other = defaultdict(float)
@@ -94,6 +95,10 @@ def features(d: Decomposition, precision_aware: bool = True) -> dict[str, float]
     f["params"] = math.log1p(d.params)
     f["tokens"] = math.log1p(d.tokens)
     f["saved"] = math.log1p(d.saved_bytes)
+    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer, 1)
+    f["optimizer_states"] = float(states)
+    f["optimizer_work"] = math.log1p(d.params * (1 + states))
+    f["params_linear"] = d.params / 1e6
     total_flops = d.fwd_flops + d.bwd_flops
     f["total_flops"] = math.log1p(total_flops)
     if precision_aware:
@@ -138,17 +143,18 @@ class TimePredictor:
         self._trees = None
         self._ranges: dict[str, tuple[float, float]] = {}
 
-    def _matrix(self, ds: list[Decomposition]) -> np.ndarray:
-        rows = [features(d, self.precision_aware) for d in ds]
+    def _matrix(self, ds: list[Decomposition], optimizers: list[str] | None = None) -> np.ndarray:
+        opts = optimizers or ["adamw"] * len(ds)
+        rows = [features(d, self.precision_aware, o) for d, o in zip(ds, opts)]
         if not self._cols:
             self._cols = sorted(rows[0])
         return np.array([[r.get(c, 0.0) for c in self._cols] for r in rows])
 
-    def fit(self, ds: list[Decomposition], times_s: list[float]) -> TimePredictor:
+    def fit(self, ds: list[Decomposition], times_s: list[float], optimizers: list[str] | None = None) -> TimePredictor:
         from sklearn.linear_model import Ridge
 
         self._cols = []
-        x = self._matrix(ds)
+        x = self._matrix(ds, optimizers)
         y = np.log(np.asarray(times_s, float))
         self._ridge = Ridge(alpha=1.0).fit(x, y)
         resid = y - self._ridge.predict(x)
@@ -156,11 +162,11 @@ class TimePredictor:
         self._ranges = {c: (float(x[:, i].min()), float(x[:, i].max())) for i, c in enumerate(self._cols)}
         return self
 
-    def predict(self, ds: list[Decomposition]) -> np.ndarray:
+    def predict(self, ds: list[Decomposition], optimizers: list[str] | None = None) -> np.ndarray:
         """Predicted compute step time (s) of each decomposition; warns outside the training range."""
         if self._ridge is None:
             raise RuntimeError("TimePredictor.predict called before fit")
-        x = self._matrix(ds)
+        x = self._matrix(ds, optimizers)
         for name in ("total_flops", "params", "tokens"):
             i = self._cols.index(name)
             lo, hi = self._ranges[name]
@@ -172,10 +178,12 @@ class TimePredictor:
                 )
         return np.exp(self._ridge.predict(x) + self._trees.predict(x))
 
-    def predict_step(self, d: Decomposition, world_size: int = 1, link=None, bandwidth_bytes_per_s=None) -> float:
+    def predict_step(
+        self, d: Decomposition, world_size: int = 1, link=None, bandwidth_bytes_per_s=None, optimizer: str = "adamw"
+    ) -> float:
         """Data-parallel step time: compute of the local batch + gradient all-reduce over `link`
         (an hwtopo.Link) or `bandwidth_bytes_per_s`."""
-        t = float(self.predict([d])[0])
+        t = float(self.predict([d], [optimizer])[0])
         if world_size > 1:
             bw = link.bandwidth_bytes_per_s if link is not None else bandwidth_bytes_per_s
             lat = link.latency_s if link is not None else 0.0
@@ -218,12 +226,14 @@ def evaluate_holdout_families(rows: list[dict], flops_per_s: float, seed: int = 
         # the precision-blind baseline sees the static fp32 graph (as precision-unaware predictors do)
         btrain = [decomposition_for({**r, "precision": "fp32"}) for r in train]
         btest = [decomposition_for({**r, "precision": "fp32"}) for r in test]
-        aware = TimePredictor(True, seed).fit(dtrain, ytrain)
-        blind = TimePredictor(False, seed).fit(btrain, ytrain)
+        otrain = [r.get("optimizer", "adamw") for r in train]
+        otest = [r.get("optimizer", "adamw") for r in test]
+        aware = TimePredictor(True, seed).fit(dtrain, ytrain, otrain)
+        blind = TimePredictor(False, seed).fit(btrain, ytrain, otrain)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            preds["aware"] += list(aware.predict(dtest))
-            preds["blind"] += list(blind.predict(btest))
+            preds["aware"] += list(aware.predict(dtest, otest))
+            preds["blind"] += list(blind.predict(btest, otest))
             preds["analytical"] += list(analytical.predict(dtest))
             for r in rows:
                 if r["world_size"] > 1 and r["family"] == fam:
@@ -232,6 +242,7 @@ def evaluate_holdout_families(rows: list[dict], flops_per_s: float, seed: int = 
                             decomposition_for(r),
                             r["world_size"],
                             bandwidth_bytes_per_s=r["allreduce_bandwidth_bytes_per_s"],
+                            optimizer=r.get("optimizer", "adamw"),
                         )
                     )
                     dp_true.append(r[target])

@@ -118,7 +118,16 @@ def _text_config(family: str, size: str, max_pos: int = 2048):
             max_position_embeddings=max_pos,
         )
     if family == "gpt2":
-        return T.GPT2Config(vocab_size=VOCAB, n_embd=h, n_layer=n, n_head=a, n_positions=max_pos, n_inner=i)
+        return T.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=h,
+            n_layer=n,
+            n_head=a,
+            n_positions=max_pos,
+            n_inner=i,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     raise ValueError(family)
 
 

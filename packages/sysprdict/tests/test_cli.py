@@ -1,0 +1,69 @@
+import json
+
+from sysprdict.cli import main
+
+
+def test_fit_and_predict_cli(capsys):
+    assert main(["fit", "--memory", "3MiB", "llama-xs", "--seq-len", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["batch"] >= 1 and out["predicted_peak_bytes"] <= 3 * 2**20
+    assert main(["predict", "llava-clip-xs", "--batch", "2", "--seq-len", "16", "--json"]) == 0
+    pred = json.loads(capsys.readouterr().out)
+    assert pred["memory"]["peak_bytes"] > pred["accelerate_style_bytes"]
+
+
+def test_usage_errors_exit_2_without_traceback(capsys):
+    assert main(["fit", "--memory", "8 parsecs", "llama-s"]) == 2
+    err = capsys.readouterr().err
+    assert "memory" in err and "Traceback" not in err
+    assert main(["predict", "nosuch-s"]) == 2
+    assert "model" in capsys.readouterr().err
+
+
+def test_bad_dataset_exits_1(tmp_path, capsys):
+    p = tmp_path / "d.jsonl"
+    p.write_text("garbage\n")
+    assert main(["bench", "--dataset", str(p)]) == 1
+    assert "d.jsonl:1" in capsys.readouterr().err
+
+
+def test_profile_cli_writes_dataset(tmp_path, capsys):
+    out = tmp_path / "p.jsonl"
+    rc = main(
+        [
+            "--quiet",
+            "profile",
+            "--models",
+            "gpt2-xs",
+            "--batches",
+            "1",
+            "--precisions",
+            "fp32",
+            "--steps",
+            "1",
+            "--seq-len",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    from sysprdict.dataset import load_rows
+
+    _, rows = load_rows(out)
+    assert len(rows) == 1 and rows[0]["peak_bytes"] > 0
+
+
+def test_blockchain_bench_cli(tmp_path, capsys, monkeypatch):
+    import sysprdict.blockchain.evaluate as ev
+    from sysprdict.blockchain.fabricsim import SimParams, simulate_dataset
+
+    monkeypatch.setattr(
+        ev, "simulate_dataset", lambda n, r, s, p: simulate_dataset(12, 2, s, SimParams(duration_s=2.0))
+    )
+    out = tmp_path / "b.json"
+    assert main(["blockchain-bench", "--quick", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    h = res["headline"]
+    assert h["data_source"] == "simulated" and res["emulated"]["simulated"] is True
+    assert 0 <= h["tps_smape"] < 1 and 0 <= h["success_smape"] < 1
