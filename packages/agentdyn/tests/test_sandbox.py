@@ -73,3 +73,10 @@ def test_unknown_tool_and_tool_errors_are_reported(tmp_path):
     a, b = asyncio.run(go())
     assert not a.ok and "unknown tool 'no_such_tool'" in a.error
     assert not b.ok and "args.query" in b.error
+
+
+def test_killed_tool_still_has_sampled_usage(tmp_path):
+    res = asyncio.run(Sandbox().run("burn", {"cpu_s": 30, "alloc_mb": 50}, str(tmp_path), SandboxLimits(timeout_s=3)))
+    assert res.killed
+    assert res.usage.cpu_s > 0.1  # sampled from /proc while it ran
+    assert res.usage.peak_rss_bytes >= 50 << 20

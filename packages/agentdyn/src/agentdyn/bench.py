@@ -218,6 +218,7 @@ async def bench(
                 out["order"].append(v)
                 pol.close()
             h.set_policy(NativePolicy())
+            out["watcher_overhead"] = h.runtime.watcher.overhead()
     finally:
         sampler.stop()
     for v, rs in runs.items():

@@ -211,6 +211,7 @@ def _bench_json(out: dict, cfg, quick: bool) -> dict:
         "profiles": out.get("profiles"),
         "order": out.get("order"),
         "sampler_overhead": out.get("sampler_overhead"),
+        "group_watcher_overhead": out.get("watcher_overhead"),
         "note": "measured side by side in one process, one variant after another; the host may be shared",
     }
 
