@@ -139,27 +139,36 @@ async def generate(request: web.Request) -> web.Response:
     )
 
 
-async def completions(request: web.Request) -> web.Response:
+async def _openai(request: web.Request, body: dict, ids: list[int], kind: str) -> web.Response:
+    """Decode ``ids`` and answer in the OpenAI completions / chat.completions shape."""
     engine = request.app[ENGINE_KEY]
-    body = await _json(request)
-    ids = _prompt_ids(engine, body)
     cfg = _decode_cfg(engine, body, "max_tokens")
     c = await _complete(engine, ids, cfg)
     text, finish = _answer_text(engine, c.tokens)
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        prefix, obj = "chatcmpl", "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        prefix, obj = "cmpl", "text_completion"
     return web.json_response(
         {
-            "id": f"cmpl-{uuid.uuid4().hex[:16]}",
-            "object": "text_completion",
+            "id": f"{prefix}-{uuid.uuid4().hex[:16]}",
+            "object": obj,
             "created": int(time.time()),
             "model": request.app[NAME_KEY],
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+            "choices": [choice],
             "usage": _usage(ids, c.tokens),
         }
     )
 
 
+async def completions(request: web.Request) -> web.Response:
+    body = await _json(request)
+    return await _openai(request, body, _prompt_ids(request.app[ENGINE_KEY], body), "text")
+
+
 async def chat_completions(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
     body = await _json(request)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -169,20 +178,8 @@ async def chat_completions(request: web.Request) -> web.Response:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise BadRequest(f"field 'messages[{i}]' must be an object with a string 'content'")
         parts.append(m["content"])
-    ids = _prompt_ids(engine, {"messages": " ".join(parts)}, "messages")
-    cfg = _decode_cfg(engine, body, "max_tokens")
-    c = await _complete(engine, ids, cfg)
-    text, finish = _answer_text(engine, c.tokens)
-    return web.json_response(
-        {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": request.app[NAME_KEY],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
-            "usage": _usage(ids, c.tokens),
-        }
-    )
+    ids = _prompt_ids(request.app[ENGINE_KEY], {"messages": " ".join(parts)}, "messages")
+    return await _openai(request, body, ids, "chat")
 
 
 async def models(request: web.Request) -> web.Response:

@@ -159,13 +159,14 @@ class TableTask:
             )
         return out
 
-    def training_batch(self, n: int, duplicates: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_batch(self, n: int, distinct: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` independent full sequences (prompt + answer) and the maskable positions.
 
         Maskable: the answer and the digits of few-shot examples that ask table keys (both are
-        table lookups, so each sequence carries several retrieval targets). ``duplicates`` > 0 is a
-        curriculum: that many other rows are overwritten with copies of the asked row, so that early
-        in training the lookup's attention finds the answer more easily.
+        table lookups, so each sequence carries several retrieval targets). ``distinct`` is a
+        curriculum: the table holds only that many distinct rows (the asked one, the few-shot ones
+        and others), each repeated equally often, so the lookup is easier but row frequency gives
+        no hint.
         """
         s = self.spec
         seqs, maskable = [], []
@@ -173,8 +174,8 @@ class TableTask:
         for _ in range(n):
             rows = self.rng.randrange(s.rows + 1)
             (r,) = self.burst(1, rows)
-            if duplicates:
-                self._duplicate(r, duplicates, rows_start)
+            if distinct is not None and distinct < s.rows:
+                self._fewer_rows(r, distinct, rows_start)
             seqs.append(r.prompt + r.answer)
             m = [False] * s.seq_length
             for i in range(s.prompt_length, s.seq_length):
@@ -186,12 +187,15 @@ class TableTask:
             maskable.append(m)
         return torch.tensor(seqs, dtype=torch.long), torch.tensor(maskable, dtype=torch.bool)
 
-    def _duplicate(self, r: Request, count: int, rows_start: int) -> None:
+    def _fewer_rows(self, r: Request, distinct: int, rows_start: int) -> None:
         s = self.spec
-        key = r.prompt[-1]
-        shot_keys = {r.prompt[1 + j * s.shot_len + 1] for j in range(s.shots)}
         starts = [rows_start + i * s.row_len for i in range(s.rows)]
-        row = next(i for i in starts if r.prompt[i] == key)
-        others = [i for i in starts if r.prompt[i] != key and r.prompt[i] not in shot_keys]
-        for i in self.rng.sample(others, min(count, len(others))):
-            r.prompt[i : i + s.row_len] = r.prompt[row : row + s.row_len]
+        rows = {r.prompt[i]: r.prompt[i : i + s.row_len] for i in starts}
+        keep = [r.prompt[-1]] + [r.prompt[1 + j * s.shot_len + 1] for j in range(s.shots)]
+        keep = [k for k in dict.fromkeys(keep) if k in rows]
+        others = [k for k in rows if k not in keep]
+        keep += self.rng.sample(others, max(0, distinct - len(keep)))
+        order = (keep * (s.rows // len(keep) + 1))[: s.rows]
+        self.rng.shuffle(order)
+        for i, k in zip(starts, order):
+            r.prompt[i : i + s.row_len] = rows[k]

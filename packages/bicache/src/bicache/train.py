@@ -37,8 +37,8 @@ class Recipe:
     lr: float = 3e-3
     warmup: int = 50
     seed: int = 0
-    curriculum_steps: int = 800  # asked-row duplicates decay from ``max_duplicates`` to 0 over these
-    max_duplicates: int = 12
+    curriculum_steps: int = 1000  # distinct table rows grow from ``min_distinct`` to all over these
+    min_distinct: int = 3
     target: float = 0.97  # held-out exact match (one parallel prediction), checked every ``eval_every``
     eval_every: int = 100
     spec: TaskSpec = TaskSpec()
@@ -125,8 +125,9 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     t0 = time.time()
     ema = None
     for step in range(start, recipe.steps):
-        dup = round(recipe.max_duplicates * max(0.0, 1.0 - step / max(1, recipe.curriculum_steps)))
-        x, maskable = task.training_batch(recipe.batch, duplicates=dup)
+        frac = min(1.0, step / max(1, recipe.curriculum_steps))
+        distinct = round(recipe.min_distinct + frac * (recipe.spec.rows - recipe.min_distinct))
+        x, maskable = task.training_batch(recipe.batch, distinct=distinct)
         loss = masked_diffusion_loss(dlm, x, maskable, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -139,7 +140,9 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
             bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % recipe.eval_every == 0:
             acc = heldout_accuracy(dlm)
-            log.info("step %d loss %.4f heldout %.3f (%.0fs)", step + 1, ema, acc, time.time() - t0)
+            log.info(
+                "step %d distinct %d loss %.4f heldout %.3f (%.0fs)", step + 1, distinct, ema, acc, time.time() - t0
+            )
             if bar is not None:
                 bar.set_postfix(loss=f"{ema:.3f}", heldout=f"{acc:.3f}")
             if state_path is not None:
@@ -157,7 +160,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
                     tmp,
                 )
                 os.replace(tmp, state_path)
-            if acc >= recipe.target and dup == 0:
+            if acc >= recipe.target and distinct >= recipe.spec.rows:
                 break
     if bar is not None:
         bar.close()
