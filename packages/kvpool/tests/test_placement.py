@@ -1,6 +1,6 @@
 import pytest
 
-from kvpool import CapacityError, DeviceInfo, Placement
+from kvpool import DeviceInfo, Placement
 
 MB = 1 << 20
 
@@ -61,13 +61,14 @@ def test_lru_eviction_across_the_pool_protects_the_new_request_and_keeps_heads()
     assert "a0" in p and "c0" in p
 
 
-def test_capacity_error_when_everything_is_protected():
+def test_no_room_leaves_the_rest_unplaced_without_evicting_in_vain():
     p = Placement([DeviceInfo("mem0", "memory", 1e9, 2 * MB)])
     p.place(chunks(2, "a"))
-    with pytest.raises(CapacityError):
-        p.place(chunks(1, "b", 3 * MB))
-    with pytest.raises(CapacityError):
-        p.place(chunks(1, "c"), protect=["a0", "a1"])
+    plan = p.place(chunks(1, "b", 3 * MB))  # bigger than the device: nothing evicted for nothing
+    assert plan.unplaced == ["b0"] and not plan.evicted and "a0" in p and "a1" in p
+    plan = p.place(chunks(3, "c"), protect=["a0"])
+    assert plan.assign == {"c0": "mem0"} and [r.key for r in plan.evicted] == ["a1"]
+    assert plan.unplaced == ["c1", "c2"] and "c1" not in p
 
 
 def test_promotion_into_free_memory_and_by_swap():

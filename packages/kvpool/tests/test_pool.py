@@ -217,3 +217,62 @@ def test_reused_destination_buffers(ssd_dirs):
         lc = pool.retrieve(a, out=too_small).join()
         assert lc.kbuf is not too_small.k
         check_prefix(lc, kv1, 64)
+
+
+def test_chunks_being_read_are_never_evicted(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir()
+    gate = threading.Event()
+    ssd = PassthroughStore("ssd0", d, 6 * 3 * 4096)  # six chunks: 3 units of 2 KiB + header, 4 KiB each
+    real_read = ssd.read
+
+    def slow_read(name, staging=None):
+        gate.wait(60)  # hold the retrieval in flight until the test lets it go
+        return real_read(name, staging)
+
+    ssd.read = slow_read
+    with KVPool([ssd], LAY, "m", {"ssd0": 1e9}) as pool:
+        a, ka = list(range(96)), make_kv(96, 1)
+        pool.put(a, ka)
+        load = pool.retrieve(a)
+        assert pool.pinned() == {k.hex for k in pool.keys(a)}
+        assert pool.put(list(range(500, 596)), make_kv(96, 2)) == 0  # everything evictable is pinned
+        gate.set()
+        load.join()
+        check_prefix(load, ka, 96)
+        assert pool.pinned() == set()
+        assert pool.put(list(range(500, 596)), make_kv(96, 2)) == 6  # now a's chunks can go
+
+
+def test_devices_from_an_hwtopo_spec(tmp_path, caplog):
+    import hwtopo
+    from kvpool import from_machine
+
+    (tmp_path / "nvme0").mkdir()
+    spec = {
+        "name": "box",
+        "machines": [
+            {
+                "name": "kv",
+                "memory": "4GiB",
+                "numa_nodes": [{"id": 0, "memory": "2GiB", "bandwidth": "20GB/s"}, {"id": 1, "memory": "2GiB"}],
+                "disks": [
+                    {"name": "nvme0", "path": str(tmp_path / "nvme0"), "read_bandwidth": "3GB/s"},
+                    {"name": "nvme1", "path": str(tmp_path / "absent")},
+                ],
+            }
+        ],
+    }
+    m = hwtopo.from_dict(spec).machines[0]
+    with caplog.at_level(logging.WARNING):
+        ds = from_machine(m, memory_fraction=0.005, ssd_bytes=1 << 20)
+    try:
+        assert [s.name for s in ds.stores] == ["mem0", "mem1", "ssd0"] and "ssd1" in ds.skipped
+        assert ds.bandwidths["mem0"] == 20e9 and ds.bandwidths["ssd0"] == 3e9  # from the spec
+        assert ds.bandwidths["mem1"] > 0  # measured
+        pool = KVPool(ds.stores, LAY, "m", ds.bandwidths)
+        kv = make_kv(64)
+        pool.put(list(range(64)), kv)
+        check_prefix(pool.retrieve(list(range(64))).join(), kv, 64)
+    finally:
+        ds.close()

@@ -9,7 +9,7 @@ into transformers as a Cache (``hf``).
 from .devices import DeviceSet, build_devices, from_machine, measure_read_bandwidth
 from .keys import DEFAULT_CHUNK_TOKENS, ChunkKey, KVLayout, chunk_keys, longest_prefix, unit_name
 from .passthrough import AlignedBuffer, DeviceUnavailable, PassthroughStore
-from .placement import CapacityError, ChunkRecord, DeviceInfo, Move, Placement, PlacementPlan
+from .placement import ChunkRecord, DeviceInfo, Move, Placement, PlacementPlan
 from .pool import KVPool
 from .retrieval import KVBuffers, LayerwiseLoad
 from .stores import ExtentAllocator, MemoryStore, StoreStats, Throttle
@@ -18,7 +18,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlignedBuffer",
-    "CapacityError",
     "ChunkKey",
     "ChunkRecord",
     "DEFAULT_CHUNK_TOKENS",

@@ -109,9 +109,7 @@ def build_devices(
     return out
 
 
-def from_machine(
-    machine: hwtopo.Machine, workdir: str | os.PathLike, memory_fraction: float = 0.01, ssd_bytes: int = 256 << 20
-) -> DeviceSet:
+def from_machine(machine: hwtopo.Machine, memory_fraction: float = 0.01, ssd_bytes: int = 256 << 20) -> DeviceSet:
     """Devices of an hwtopo machine: an arena per NUMA node, a slab per disk with a path.
 
     Disk paths that do not exist here are skipped with a warning; bandwidths come from the spec
@@ -125,8 +123,7 @@ def from_machine(
     for i, n in enumerate(nodes):
         if n.bandwidth_bytes_per_s:
             given[f"mem{i}"] = n.bandwidth_bytes_per_s
-    for i, d in enumerate(d for d in machine.disks if d.path):
+    for i, d in enumerate(x for x in machine.disks if x.path):
         if d.read_bandwidth_bytes_per_s:
             given[f"ssd{i}"] = d.read_bandwidth_bytes_per_s
-    del workdir  # slabs live on the disks' own paths
     return build_devices(paths, memory_modules=modules, memory_bytes=per, ssd_bytes=ssd_bytes, bandwidths=given)

@@ -18,14 +18,10 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["DeviceInfo", "ChunkRecord", "Move", "PlacementPlan", "Placement", "CapacityError"]
+__all__ = ["DeviceInfo", "ChunkRecord", "Move", "PlacementPlan", "Placement"]
 
 MEMORY = "memory"
 SSD = "ssd"
-
-
-class CapacityError(RuntimeError):
-    """The pool cannot hold a chunk even after evicting every unprotected chunk."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +79,7 @@ class Move:
 class PlacementPlan:
     assign: dict[str, str] = field(default_factory=dict)  # chunk key -> device
     evicted: list[ChunkRecord] = field(default_factory=list)  # chunks the caller must delete
+    unplaced: list[str] = field(default_factory=list)  # no room even after eviction (from here on)
 
     def per_device(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -141,24 +138,26 @@ class Placement:
 
         ``context``: keys of the same request already in the pool (counted in the balance).
         ``protect``: keys that must not be evicted (besides the chunks being placed). Chunks already
-        present are skipped. Raises CapacityError when a chunk fits nowhere.
+        present are skipped. When a chunk fits nowhere even after evicting every unprotected chunk,
+        it and the chunks after it are left out (``plan.unplaced``): a prefix with a gap is useless.
         """
         with self._lock:
             plan = PlacementPlan()
             load = self.predicted_times(context)
             guard = set(protect) | set(context) | {k for k, _, _ in chunks}
-            for key, nbytes, units in chunks:
+            for i, (key, nbytes, units) in enumerate(chunks):
                 if key in self.records or key in plan.assign:
                     continue
                 dev = self._best(load, nbytes, units)
                 while dev is None:
                     victim = self._lru_victim(guard, self._could_fit(guard, nbytes, units))
                     if victim is None:
-                        raise CapacityError(
-                            f"no device can hold a chunk of {nbytes} bytes even after evicting every unprotected chunk"
-                        )
+                        break
                     plan.evicted.append(self._drop(victim))
                     dev = self._best(load, nbytes, units)
+                if dev is None:
+                    plan.unplaced = [k for k, _, _ in chunks[i:] if k not in self.records]
+                    break
                 info = self.devices[dev]
                 charged = info.charge(nbytes, units)
                 self.used[dev] += charged
@@ -241,14 +240,15 @@ class Placement:
                     r.last_use = next(self._clock)
                     r.hits += 1
 
-    def plan_promotions(self, keys: Sequence[str], max_moves: int = 8) -> list[Move]:
+    def plan_promotions(self, keys: Sequence[str], max_moves: int = 8, busy: Iterable[str] = ()) -> list[Move]:
         """Moves that bring hot SSD chunks among ``keys`` into memory.
 
         Into free memory first; otherwise by swapping with the coldest memory chunk that has fewer
         hits (which goes to the SSD slot the hot chunk leaves). Reserves the room; the caller
-        executes each move and calls ``finish_move`` (or ``abort_move`` on failure).
+        executes each move (or calls ``abort_move`` on failure). ``busy``: chunks not to move.
         """
         moves: list[Move] = []
+        busy = set(busy)
         with self._lock:
             mems = [d for d in self.active() if d.kind == MEMORY]
             if not mems:
@@ -273,6 +273,7 @@ class Placement:
                     and c.nbytes == r.nbytes
                     and c.units == r.units
                     and c.key not in keys
+                    and c.key not in busy
                 ]
                 if not cold:
                     continue

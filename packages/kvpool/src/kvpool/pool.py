@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .keys import ChunkKey, KVLayout, chunk_keys, longest_prefix, unit_name
-from .placement import CapacityError, DeviceInfo, Placement
+from .placement import DeviceInfo, Placement
 from .retrieval import TORCH_DTYPES, KVBuffers, LayerwiseLoad
 
 __all__ = ["KVPool"]
@@ -65,9 +66,10 @@ class KVPool:
         self.promote = promote
         self.readers = {"ssd": max(1, ssd_readers), "memory": 1}
         self.counters = {"lookups": 0, "hit_tokens": 0, "miss_tokens": 0, "chunks_stored": 0, "promotions": 0}
-        self.counters.update({"evictions": 0, "lost_chunks": 0, "failed_writes": 0})
+        self.counters.update({"evictions": 0, "lost_chunks": 0, "failed_writes": 0, "unplaced_chunks": 0})
         self.warnings: list[str] = []
         self._lock = threading.Lock()
+        self._pins: Counter[str] = Counter()  # chunks being read: never evicted or moved meanwhile
         self._adopt()
 
     # --- restart -------------------------------------------------------------------------------
@@ -122,12 +124,12 @@ class KVPool:
         new = [k for k in keys if k.hex not in self.placement]
         if not new:
             return 0
-        try:
-            plan = self.placement.place([(k.hex, self.layout.chunk_bytes, L) for k in new], context=present)
-        except CapacityError as e:
-            self.warnings.append(str(e))
-            log.warning("%s", e)
-            return 0
+        plan = self.placement.place(
+            [(k.hex, self.layout.chunk_bytes, L) for k in new], context=present, protect=self.pinned()
+        )
+        if plan.unplaced:
+            self.counters["unplaced_chunks"] += len(plan.unplaced)
+            log.info("no room for %d chunk(s) even after eviction (the rest is in use)", len(plan.unplaced))
         for r in plan.evicted:
             self._delete_units(r.device, r.key)
         self.counters["evictions"] += len(plan.evicted)
@@ -177,10 +179,9 @@ class KVPool:
             )
         if hx in self.placement:
             return True
-        try:
-            plan = self.placement.place([(hx, self.layout.chunk_bytes, L)], context=list(context))
-        except CapacityError as e:
-            self.warnings.append(str(e))
+        plan = self.placement.place([(hx, self.layout.chunk_bytes, L)], context=list(context), protect=self.pinned())
+        if plan.unplaced:
+            self.counters["unplaced_chunks"] += 1
             return False
         for r in plan.evicted:
             self._delete_units(r.device, r.key)
@@ -197,8 +198,30 @@ class KVPool:
             self._fail_device(dev, store.failed)
         return False
 
+    def pinned(self) -> set[str]:
+        with self._lock:
+            return {k for k, n in self._pins.items() if n > 0}
+
+    def _pin(self, hexes: Sequence[str]) -> None:
+        with self._lock:
+            self._pins.update(hexes)
+
+    def _unpin(self, hexes: Sequence[str]) -> None:
+        with self._lock:
+            self._pins.subtract(hexes)
+            for h in hexes:
+                if self._pins[h] <= 0:
+                    del self._pins[h]
+
     def get_chunk(self, hx: str) -> torch.Tensor | None:
         """One chunk as ``[layers, 2, kv_heads, chunk_tokens, head_dim]``, or None (miss or failed check)."""
+        self._pin([hx])
+        try:
+            return self._get_chunk(hx)
+        finally:
+            self._unpin([hx])
+
+    def _get_chunk(self, hx: str) -> torch.Tensor | None:
         dev = self.placement.location(hx)
         if dev is None:
             return None
@@ -263,8 +286,19 @@ class KVPool:
             self.counters["hit_tokens"] += m * self.layout.chunk_tokens
             self.counters["miss_tokens"] += max(0, len(tokens) - m * self.layout.chunk_tokens)
             self.placement.touch([k.hex for k in hit])
+            pins = [k.hex for k in hit]
+            self._pins.update(pins)
         extra = max(0, len(tokens) - len(hit) * self.layout.chunk_tokens) if extra_tokens is None else extra_tokens
-        return LayerwiseLoad(self.stores, self.layout, hit, where, extra_tokens=extra, readers=self.readers, out=out)
+        return LayerwiseLoad(
+            self.stores,
+            self.layout,
+            hit,
+            where,
+            extra_tokens=extra,
+            readers=self.readers,
+            out=out,
+            on_done=lambda: self._unpin(pins),
+        )
 
     def forget_lost(self, load: LayerwiseLoad) -> None:
         """Drop the chunks a load could not read (corrupt or missing) so they are rewritten later."""
@@ -281,7 +315,8 @@ class KVPool:
         if not self.promote:
             return 0
         hexes = [k.hex for k in keys] if keys is not None else list(self.placement.records)
-        moves = self.placement.plan_promotions(hexes, max_moves=max_moves)
+        busy = self.pinned()
+        moves = self.placement.plan_promotions([h for h in hexes if h not in busy], max_moves=max_moves, busy=busy)
         if not moves:
             return 0
         # read every moved chunk first (a swap frees the room its partner needs), then rewrite

@@ -67,6 +67,7 @@ class LayerwiseLoad:
         extra_tokens: int = 0,
         readers: dict[str, int] | None = None,
         out: KVBuffers | None = None,
+        on_done=None,
     ):
         self.layout = layout
         self.keys = list(keys)
@@ -97,6 +98,7 @@ class LayerwiseLoad:
         self._left = [len(groups)] * L
         self._lock = threading.Lock()
         self._threads_left = len(groups)
+        self._on_done = on_done
         self.lost: set[int] = set()
         self.device_bytes = {d: 0 for d in per_dev}
         self.device_s = {d: 0.0 for d in per_dev}
@@ -118,6 +120,8 @@ class LayerwiseLoad:
             for e in self.ready:
                 e.set()
             self.t_done = self.t_start
+            if on_done is not None:
+                on_done()
         for t in self.threads:
             t.start()
 
@@ -161,10 +165,13 @@ class LayerwiseLoad:
     def _finish_thread(self) -> None:
         with self._lock:
             self._threads_left -= 1
-            if self._threads_left == 0:
+            last = self._threads_left == 0
+            if last:
                 self.t_done = time.perf_counter()
                 for e in self.ready:  # a worker that died early must not leave waiters hanging
                     e.set()
+        if last and self._on_done is not None:
+            self._on_done()  # e.g. the pool unpins the chunks this load was reading
 
     def wait(self, layer: int, timeout: float | None = 600.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Block until layer ``layer`` is loaded on every device; returns its (K, V) ``[1, H, T, D]``."""
