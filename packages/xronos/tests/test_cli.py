@@ -27,5 +27,7 @@ def test_usage_errors_exit_2_with_one_line(capsys):
     assert "rank 0 has 1024 bytes" in capsys.readouterr().err
     assert main(["bench", "--quick", "--cpu-share", "0"]) == 2
     assert "--cpu-share" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--cpu-share", "lots"]) == 2
+    assert "--cpu-share" in capsys.readouterr().err
     assert main(["train", "--data", "/nonexistent/file.txt", "--steps", "1"]) == 2
     assert "--data" in capsys.readouterr().err

@@ -40,3 +40,29 @@ def test_uneven_sharded_model_matches_full_model(family, sharded_runs):
 
     loaded = AutoModelForCausalLM.from_pretrained(save, attn_implementation="sdpa")
     torch.testing.assert_close(loaded(input_ids=ids).logits, out.logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_partition_world_size_mismatch_is_one_clear_error():
+    from xronos.partition import ModelShape, PartitionError, even_partition
+    from xronos.shard import shard_model
+
+    cfg = tiny_config(
+        "llama", hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4
+    )
+    model = build_model(cfg)
+    with pytest.raises(PartitionError, match="partition has 2 ranks but the world size is 1"):
+        shard_model(model, even_partition(ModelShape.from_config(cfg, mlp_block=8), 2), 0)
+    other = ModelShape(
+        hidden_size=64, num_heads=4, num_kv_heads=4, head_dim=16, intermediate_size=96, num_layers=1, mlp_block=8
+    )
+    with pytest.raises(PartitionError, match="was made for 4 heads"):
+        shard_model(model, even_partition(other, 1), 0)
+
+
+def test_torchrun_env_missing_is_named(monkeypatch):
+    from xronos.launch import WorkerError, init_from_env
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(WorkerError, match="RANK is not set"):
+        init_from_env()

@@ -76,9 +76,9 @@ def _model_args(p: argparse.ArgumentParser, steps: int) -> None:
 def _emulation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-share",
-        type=float,
-        default=1.0,
-        help="CPUs of the fastest emulated rank (rank r gets speed[r] x this); lower it on a busy machine",
+        default="auto",
+        help="CPUs of the fastest emulated rank (rank r gets speed[r] x this), or 'auto': 1.0 on a quiet machine, "
+        "0.5 or 0.3 when the load average says other programs would keep the CPU quotas from binding",
     )
     p.add_argument(
         "--rebalance-every",
@@ -111,6 +111,20 @@ def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _cpu_share(text: str) -> float:
+    """'auto' or a number in (0, 1]. Auto: a share the loaded machine can still give each rank."""
+    if text == "auto":
+        per_cpu = os.getloadavg()[0] / (os.cpu_count() or 1)
+        return 1.0 if per_cpu < 0.5 else 0.5 if per_cpu < 2 else 0.3
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 < v <= 1:
+        raise UsageError(f"--cpu-share must be 'auto' or a number in (0, 1], not {text!r}")
+    return v
 
 
 def _load_line(summary: dict) -> str:
@@ -171,8 +185,7 @@ def _run_compare(args, cfg, speeds, variants):
     from .bench import headline, run_comparison, summarize
 
     t0 = time.perf_counter()
-    if not 0 < args.cpu_share <= 1:
-        raise UsageError(f"--cpu-share must be in (0, 1], not {args.cpu_share}")
+    args.cpu_share = _cpu_share(args.cpu_share)
     if args.rebalance_every < 0:
         raise UsageError(f"--rebalance-every must be >= 0 (0 disables), not {args.rebalance_every}")
     load0 = os.getloadavg()[0]
@@ -199,6 +212,7 @@ def cmd_demo(args) -> int:
     results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp"])
     rows = _table(summary, speeds)
     print(_fmt_table(rows, False))
+    print(_load_line(summary))
     print(json.dumps(head, indent=2))
     plotted = _timeline_plot(results, out / "timeline.png")
     import hwtopo
