@@ -180,3 +180,27 @@ def test_extent_allocator_coalesces_and_reserves():
     b = ExtentAllocator(10 * 4096)
     assert b.reserve(4096, 4096) and not b.reserve(4096, 10) and not b.reserve(9 * 4096, 8192)
     assert b.alloc(4096) == 0 and b.alloc(4096) == 2 * 4096
+
+
+def test_read_many_coalesces_adjacent_units_and_checks_each(tmp_path, monkeypatch):
+    with PassthroughStore("ssd0", tmp_path, 4 * MB) as s:
+        for i in range(6):
+            assert s.put(f"u{i}", rand_bytes(9000, i))
+        s.put("far", rand_bytes(100, 50))
+        s.delete("u4")  # a hole: u3 and u5 are no longer adjacent
+        off = s.index["u1"][0]
+        with open(s.slab_path, "r+b") as f:
+            f.seek(off + HEADER_BYTES + 7)
+            f.write(b"\x00\x00\x00\x00")
+        calls = []
+        real = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
+        names = ["u3", "u0", "missing", "u1", "u2", "u5"]
+        got = s.read_many(names, [None] * len(names))
+        assert calls == [4, 1]  # u0..u3 in one call, u5 alone
+        for nm, g in zip(names, got):
+            if nm in ("missing", "u1"):
+                assert g is None
+            else:
+                assert torch.equal(g, rand_bytes(9000, int(nm[1:])))
+        assert s.stats.corrupt == 1 and "u1" not in s

@@ -287,27 +287,65 @@ class PassthroughStore:
 
     def read(self, name: str, staging: AlignedBuffer | None = None) -> torch.Tensor | None:
         """The unit's payload as a uint8 view into ``staging``; None on a miss or a failed check."""
+        return self.read_many([name], [staging])[0]
+
+    def read_many(
+        self, names: list[str], stagings: list[AlignedBuffer | None], max_run_bytes: int = 16 << 20
+    ) -> list[torch.Tensor | None]:
+        """Read several units; units adjacent in the slab are fetched by one ``preadv`` (one iovec each).
+
+        Returns, per name, a uint8 view into its staging buffer (allocated when missing or too
+        small), or None on a miss or a failed check. Every unit is checked on its own.
+        """
         with self._lock:
-            ent = self.index.get(name)
-        if ent is None:
-            self.stats.add(misses=1)
-            return None
+            ents = [self.index.get(nm) for nm in names]
+        out: list[torch.Tensor | None] = [None] * len(names)
+        bufs = list(stagings)
+        order = sorted((i for i, e in enumerate(ents) if e is not None), key=lambda i: ents[i][0])
+        misses = len(names) - len(order)
+        if misses:
+            self.stats.add(misses=misses)
+        runs: list[list[int]] = []
+        end = run_bytes = -1
+        for i in order:
+            off, n = ents[i][0], ents[i][1]
+            ext = self.alloc.round(HEADER_BYTES + n)
+            if bufs[i] is None or bufs[i].nbytes < ext:
+                bufs[i] = AlignedBuffer(ext)
+            if runs and off == end and run_bytes + ext <= max_run_bytes:
+                runs[-1].append(i)
+                run_bytes += ext
+            else:
+                runs.append([i])
+                run_bytes = ext
+            end = off + ext
+        for run in runs:
+            t0 = time.perf_counter()
+            exts = [self.alloc.round(HEADER_BYTES + ents[i][1]) for i in run]
+            try:
+                got = os.preadv(self.fd, [bufs[i].view[:x] for i, x in zip(run, exts)], ents[run[0]][0])
+            except OSError as e:
+                self.stats.add(errors=1, misses=len(run))
+                log.warning(
+                    "%s: read of %d unit(s) failed (%s); treated as misses", self.name, len(run), e.strerror or e
+                )
+                continue
+            if self.throttle:
+                self.throttle.after_read(sum(exts), t0)
+            pos = 0
+            for i, x in zip(run, exts):
+                out[i] = self._check(names[i], ents[i], bufs[i], got - pos)
+                pos += x
+            self.stats.add(read_s=time.perf_counter() - t0)
+        return out
+
+    def _check(
+        self, name: str, ent: tuple[int, int, int, int], staging: AlignedBuffer, got: int
+    ) -> torch.Tensor | None:
         off, n, crc, seq = ent
-        ext = self.alloc.round(HEADER_BYTES + n)
-        if staging is None or staging.nbytes < ext:
-            staging = AlignedBuffer(ext)
-        t0 = time.perf_counter()
-        try:
-            got = os.preadv(self.fd, [staging.view[:ext]], off)
-        except OSError as e:
-            self.stats.add(errors=1, misses=1)
-            log.warning("%s: read of %s failed (%s); treated as a miss", self.name, name, e.strerror or e)
-            return None
-        if self.throttle:
-            self.throttle.after_read(ext, t0)
         why = None
         if got < HEADER_BYTES + n:
-            why = f"short read ({got} of {HEADER_BYTES + n} bytes: truncated slab?)"
+            why = f"short read ({max(0, got)} of {HEADER_BYTES + n} bytes: truncated slab?)"
         else:
             magic, ver, _flags, dig, ln, hcrc, hseq = _HEADER.unpack_from(staging.view, 0)
             if magic != MAGIC or ver != VERSION or dig != _digest(name) or ln != n or hcrc != crc or hseq != seq:
@@ -316,10 +354,12 @@ class PassthroughStore:
                 why = "checksum mismatch"
         if why is not None:
             log.warning("%s: unit %s is corrupt (%s); dropped, will be recomputed", self.name, name, why)
-            self.delete(name)
-            self.stats.add(corrupt=1, misses=1, read_s=time.perf_counter() - t0)
+            with self._lock:
+                if self.index.get(name) == ent:  # not replaced meanwhile
+                    self.delete(name)
+            self.stats.add(corrupt=1, misses=1)
             return None
-        self.stats.add(bytes_read=ext, reads=1, hits=1, read_s=time.perf_counter() - t0)
+        self.stats.add(bytes_read=self.alloc.round(HEADER_BYTES + n), reads=1, hits=1)
         return staging.tensor[HEADER_BYTES : HEADER_BYTES + n]
 
     def delete(self, name: str) -> bool:

@@ -141,25 +141,25 @@ class KVPool:
         stored = 0
 
         def write(dev: str, ks: list[ChunkKey]) -> int:
-            store, ok = self.stores[dev], 0
-            for key in ks:
-                s, e = key.index * n, (key.index + 1) * n
-                good = True
-                for layer, (k, v) in enumerate(kv):
+            # layer-major: a layer's units of consecutive chunks end up adjacent in the slab, so a
+            # reader fetches them with one preadv
+            store, failed = self.stores[dev], set()
+            for layer, (k, v) in enumerate(kv):
+                for key in ks:
+                    if key.hex in failed:
+                        continue
+                    s, e = key.index * n, (key.index + 1) * n
                     unit = torch.stack([k[0, :, s:e], v[0, :, s:e]]).contiguous()
-                    if not store.put(unit_name(key, layer), unit):
-                        good = False
-                        break
-                if good:
-                    ok += 1
-                    continue
-                self._delete_units(dev, key.hex)
-                self.placement.remove(key.hex)
-                self.counters["failed_writes"] += 1
-                if getattr(store, "failed", None) is not None:
-                    self._fail_device(dev, store.failed)
-                    break
-            return ok
+                    if store.put(unit_name(key, layer), unit):
+                        continue
+                    failed.add(key.hex)
+                    self._delete_units(dev, key.hex)
+                    self.placement.remove(key.hex)
+                    self.counters["failed_writes"] += 1
+                    if getattr(store, "failed", None) is not None:
+                        self._fail_device(dev, store.failed)
+                        return 0
+            return len(ks) - len(failed)
 
         with ThreadPoolExecutor(max_workers=max(1, len(by_dev))) as ex:
             for r in ex.map(lambda item: write(*item), by_dev.items()):

@@ -87,13 +87,14 @@ class LayerwiseLoad:
         for i, k in enumerate(self.keys):
             per_dev.setdefault(placement[k.hex], []).append((i, k))
         self.groups = per_dev
-        # ``readers[kind]`` threads per device (queue depth); each takes every r-th chunk of its device
+        # ``readers[kind]`` threads per device (queue depth); each takes a contiguous run of the
+        # device's chunks, whose units of one layer the pool wrote next to each other in the slab
         readers = readers or {}
         groups: dict[tuple[str, int], list[tuple[int, ChunkKey]]] = {}
         for d, g in per_dev.items():
             r = max(1, min(len(g), int(readers.get(getattr(stores[d], "kind", ""), 1))))
             for j in range(r):
-                groups[(d, j)] = g[j::r]
+                groups[(d, j)] = g[j * len(g) // r : (j + 1) * len(g) // r]
         self.ready = [threading.Event() for _ in range(L)]
         self._left = [len(groups)] * L
         self._lock = threading.Lock()
@@ -129,19 +130,20 @@ class LayerwiseLoad:
         n = self.layout.chunk_tokens
         H, D = self.layout.kv_heads, self.layout.head_dim
         dtype = TORCH_DTYPES[self.layout.dtype]
-        if staging is None:
-            staging = store.staging(self.layout.unit_bytes)
+        stagings = [staging if j == 0 else None for j in range(len(group))]
+        stagings = [s if s is not None else store.staging(self.layout.unit_bytes) for s in stagings]
         t0 = time.perf_counter()
         try:
             for layer in range(self.layout.num_layers):
-                for i, key in group:
-                    if i in self.lost:
-                        continue
-                    try:
-                        view = store.read(unit_name(key, layer), staging)
-                    except Exception as e:  # a broken device must not hang the request
-                        self.errors.append(f"{dev}: {e}")
-                        view = None
+                todo = [(j, i, key) for j, (i, key) in enumerate(group) if i not in self.lost]
+                try:
+                    views = store.read_many(
+                        [unit_name(key, layer) for _, _, key in todo], [stagings[j] for j, _, _ in todo]
+                    )
+                except Exception as e:  # a broken device must not hang the request
+                    self.errors.append(f"{dev}: {e}")
+                    views = [None] * len(todo)
+                for (_, i, _key), view in zip(todo, views):
                     if view is None or view.numel() != self.layout.unit_bytes:
                         self.lost.add(i)
                         continue

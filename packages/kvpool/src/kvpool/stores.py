@@ -223,6 +223,9 @@ class MemoryStore:
         self.stats.add(bytes_read=n, reads=1, hits=1, read_s=time.perf_counter() - t0)
         return view
 
+    def read_many(self, names: list[str], stagings: list | None = None) -> list[torch.Tensor | None]:
+        return [self.read(n) for n in names]
+
     def delete(self, name: str) -> bool:
         with self._lock:
             ent = self.index.pop(name, None)
