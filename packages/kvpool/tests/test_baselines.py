@@ -27,6 +27,7 @@ def test_serial_tiers_memory_first_then_one_file_per_chunk(tmp_path):
     t = load.timing
     assert t["open_s"] > 0 and t["stat_s"] > 0 and t["close_s"] > 0 and t["read_s"] > 0
     assert 0 < load.fs_time_frac < 1
+    assert load.kernel_time_frac is not None and load.kernel_time_frac >= 0
     assert load.blocked_s == load.elapsed_s
 
 

@@ -11,6 +11,7 @@ timed: ``os.stat`` (existence check), ``open``, the read/deserialize (``torch.lo
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,6 +25,14 @@ from .retrieval import TORCH_DTYPES, KVBuffers
 from .stores import Throttle
 
 __all__ = ["SerialTiers", "SerialLoad"]
+
+
+def _thread_stime() -> float:
+    """System (kernel) CPU seconds of the calling thread."""
+    try:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_stime
+    except (AttributeError, OSError):
+        return 0.0
 
 
 class SerialLoad:
@@ -43,6 +52,7 @@ class SerialLoad:
         self.k = [b[:, :, :n] for b in self.kbuf]
         self.v = [b[:, :, :n] for b in self.vbuf]
         self.timing = {"memory_s": 0.0, "disk_s": 0.0, "stat_s": 0.0, "open_s": 0.0, "read_s": 0.0, "close_s": 0.0}
+        self.timing["disk_kernel_cpu_s"] = 0.0  # system CPU time of the reading thread in the disk tier
         self.bytes = {"memory": 0, "disk": 0}
         self.elapsed_s = 0.0
 
@@ -61,8 +71,15 @@ class SerialLoad:
         t = self.timing
         return (t["stat_s"] + t["open_s"] + t["close_s"]) / t["disk_s"] if t["disk_s"] > 0 else None
 
+    @property
+    def kernel_time_frac(self) -> float | None:
+        """Share of the disk tier's wall time the reading thread spent in the kernel (getrusage)."""
+        t = self.timing
+        return t["disk_kernel_cpu_s"] / t["disk_s"] if t["disk_s"] > 0 else None
+
     def describe(self) -> dict:
         return {
+            "kernel_time_frac": self.kernel_time_frac,
             "tokens": self.tokens,
             "elapsed_s": self.elapsed_s,
             "bytes": dict(self.bytes),
@@ -168,6 +185,7 @@ class SerialTiers:
             if mem is not None:
                 chunk = mem
             else:
+                k0 = _thread_stime()
                 ts = time.perf_counter()
                 size = os.stat(path).st_size
                 to = time.perf_counter()
@@ -177,6 +195,7 @@ class SerialTiers:
                 tc = time.perf_counter()
                 f.close()
                 te = time.perf_counter()
+                tm["disk_kernel_cpu_s"] += _thread_stime() - k0
                 if self.throttle:
                     self.throttle.after_read(size, ts)
                 tm["stat_s"] += to - ts
