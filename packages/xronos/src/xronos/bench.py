@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from .launch import THROTTLE_PERIOD_US, spawn
+from .launch import spawn, throttle_period_us
 from .layers import COMM
 from .partition import even_partition, partition
 from .profile import profile_group
@@ -221,7 +221,9 @@ def emulation_info(speeds: list[float], cpu_share: float = 1.0) -> dict:
     return {
         "emulated": True,
         "relative_speeds": list(speeds),
+        "cpu_share": cpu_share,
+        "cpus_per_rank": [s * cpu_share for s in speeds],
         "method": method,
-        "cgroup_period_us": THROTTLE_PERIOD_US if method == "cgroup" else None,
-        "note": "ranks share one machine; slower ranks are CPU-throttled with hwtopo.throttle",
+        "cgroup_period_us": [throttle_period_us(s * cpu_share) for s in speeds] if method == "cgroup" else None,
+        "note": "ranks share one machine; each rank is CPU-throttled with hwtopo.throttle to cpus_per_rank",
     }

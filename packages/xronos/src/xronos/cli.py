@@ -195,6 +195,7 @@ def _run_compare(args, cfg, speeds, variants):
         "loadavg_1min_start": load0,
         "loadavg_1min_end": os.getloadavg()[0],
         "cpus": os.cpu_count(),
+        "cpu_share": args.cpu_share,
     }
     return results, summary, headline(summary), time.perf_counter() - t0
 

@@ -27,8 +27,15 @@ __all__ = ["WorkerError", "spawn", "free_port", "init_group", "init_from_env", "
 log = logging.getLogger(__name__)
 
 # cgroup quota period for emulated slow ranks. hwtopo uses 100 ms; a TP step synchronises every few
-# milliseconds, so a long period turns a steady 0.5x into bursts of full speed and full stops.
+# milliseconds, so a long period turns a steady 0.5x into bursts of full speed and full stops. The
+# kernel's smallest quota is 1 ms, so the period is the shortest that keeps the quota at 1 ms.
 THROTTLE_PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000
+
+
+def throttle_period_us(speed: float) -> int:
+    """Shortest cgroup period (<= THROTTLE_PERIOD_US) whose quota at ``speed`` is at least 1 ms."""
+    return min(THROTTLE_PERIOD_US, max(MIN_QUOTA_US, int(round(MIN_QUOTA_US / speed))))
 
 
 class WorkerError(RuntimeError):
@@ -69,17 +76,17 @@ def emulate_speed(speed: float):
     import hwtopo
 
     t = hwtopo.throttle(os.getpid(), speed=speed, cpus=1)
+    period = throttle_period_us(speed)
+    quota = max(MIN_QUOTA_US, int(speed * period))
     if t.group is not None and t.method == "cgroup-v1":
         try:  # finer period: quota first (it must stay <= the period), then the period
-            quota = max(1000, int(speed * THROTTLE_PERIOD_US))
             (t.group / "cpu.cfs_quota_us").write_text(str(quota))
-            (t.group / "cpu.cfs_period_us").write_text(str(THROTTLE_PERIOD_US))
+            (t.group / "cpu.cfs_period_us").write_text(str(period))
         except OSError:
             log.warning("could not shorten the cgroup period of %s", t.group)
     elif t.group is not None and t.method == "cgroup-v2":
         try:
-            quota = max(1000, int(speed * THROTTLE_PERIOD_US))
-            (t.group / "cpu.max").write_text(f"{quota} {THROTTLE_PERIOD_US}")
+            (t.group / "cpu.max").write_text(f"{quota} {period}")
         except OSError:
             log.warning("could not shorten the cgroup period of %s", t.group)
     return t
