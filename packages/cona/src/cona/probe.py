@@ -124,8 +124,8 @@ def probe_plan(candidates: Iterable[Strategy], per_layout: int = 3) -> list[Stra
 
 
 def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
-    """Fastest of ``steps`` timed calls of ``step_fn()`` after ``warmup`` untimed ones (the minimum is
-    the least disturbed by other load on a shared machine)."""
+    """Median seconds of ``steps`` timed calls of ``step_fn()`` after ``warmup`` untimed ones (the
+    typical step under the machine's current load, which is what training will see)."""
     for _ in range(warmup):
         step_fn()
     times = []
@@ -133,7 +133,7 @@ def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         step_fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 @dataclass

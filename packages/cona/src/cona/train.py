@@ -46,24 +46,25 @@ class TargetNotReached(RuntimeError):
 @dataclass
 class BenchConfig:
     world: int = 2
-    layers: int = 4
-    hidden: int = 64
+    layers: int = 2
+    hidden: int = 32
     heads: int = 4
     kv_heads: int = 2
-    intermediate: int = 192
-    seq_len: int = 64
-    global_batches: tuple[int, ...] = (8, 16, 32, 64)
-    micro_batches: tuple[int, ...] = (4, 8, 16)
+    intermediate: int = 96
+    seq_len: int = 32
+    global_batches: tuple[int, ...] = (8, 16, 32, 64, 128)
+    micro_batches: tuple[int, ...] = (8, 32)
     reference_batch: int = 8
     lr: float = 2e-3
-    target_ppl: float = 11.0
+    target_ppl: float = 6.5
     budget_s: float = 30.0
     eval_every_s: float = 1.0
     decide_every_s: float = 3.0
     oracle_phase_s: float = 3.0
+    slice_s: float = 0.5  # interleaving granularity of the side-by-side variants
     val_samples: int = 32
     margin: float = 0.05
-    gns_every: int = 1
+    gns_every: int = 2
     seed: int = 0
     corpus_bytes: int = 1_000_000
     probe_steps: int = 3
@@ -130,6 +131,7 @@ class _Variant:
         if not run.trace:
             run.trace.append((run.clock, self.ex.evaluate(tr.val)))
         self.plain_times: list[float] = []  # recent step times of s without gradient statistics
+        self.k = 0  # steps since this strategy started
         self.done = False
 
     def advance(self, until_s: float, stop_at_target: bool = True) -> None:
@@ -141,16 +143,17 @@ class _Variant:
             batch = tr.data.samples(self.consumed, s.global_batch)
             self.consumed += s.global_batch
             split = s.dp * s.accum == 1  # a gradient-statistics step must split the micro-batch
-            every = cfg.gns_every * (4 if split else 1)
-            want_gns = gns is not None and (run.steps % every == 0 or not self.plain_times)
+            every = cfg.gns_every * (8 if split else 1)
+            self.k += 1
+            want_gns = gns is not None and self.k % every == 0  # plain steps come first: a baseline time
             t0 = time.perf_counter()
             r = ex.train_step(batch, lr=cfg.lr_for(s.global_batch), gns=want_gns)
             dt, gns_dt = _bcast(time.perf_counter() - t0), _bcast(r.gns_s)
             if want_gns and split and self.plain_times:
-                gns_dt += max(0.0, dt - statistics.median(self.plain_times))  # the split's extra time
+                gns_dt += dt - statistics.median(self.plain_times)  # the split's extra time (unbiased, may be < 0)
             elif not (want_gns and split):
                 self.plain_times.append(dt - gns_dt)
-                del self.plain_times[:-9]
+                del self.plain_times[:-15]
             run.clock += dt
             run.gns_s += gns_dt
             run.steps += 1
@@ -174,7 +177,7 @@ class _Variant:
         tr, run, s = self.tr, self.run, self.s
         self.next_decide = run.clock + tr.cfg.decide_every_s
         if len(self.plain_times) >= 3:  # online throughput: what this strategy really runs at now
-            tr.cost.add(s, statistics.median(self.plain_times))
+            tr.cost.add(s, statistics.median(self.plain_times))  # the probes' estimator, kept comparable
         d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
         run.decisions.append(d.to_dict())
         if d.switched:
@@ -184,6 +187,7 @@ class _Variant:
             self.chainer.observe_switch(sw)
             self.ex, self.s = new, d.chosen
             self.plain_times = []
+            self.k = 0
             run.clock += sw
             run.switch_s += sw
             run.chain.append({"clock": run.clock, "strategy": d.chosen.name, "why": d.reason})
@@ -320,11 +324,12 @@ def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
         tr.variant(runs["surrogate_static"], surrogate0, tr.state0),
         tr.variant(runs["cona"], surrogate0, tr.state0, chainer=chainer, gns=gns0),
     ]
-    t = cfg.eval_every_s
+    t, rnd = cfg.slice_s, 0
     while not all(v.done for v in variants):  # interleaved slices: the variants share the machine's load
-        for v in variants:
+        for v in variants[rnd % 3 :] + variants[: rnd % 3]:  # rotated so no variant always goes first
             v.advance(t)
-        t += cfg.eval_every_s
+        t += cfg.slice_s
+        rnd += 1
     if cfg.oracle:
         fastest: dict[int, Strategy] = {}
         for s in tr.candidates:
