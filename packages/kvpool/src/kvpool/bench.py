@@ -47,7 +47,7 @@ class BenchConfig:
     kv_heads: int = 8
     intermediate: int = 1024
     chunk_tokens: int = 128  # quick: 2k tokens in 16 chunks so striping has something to balance
-    reps: int = 3
+    reps: int = 5
     memory_modules: int = 2
     memory_share: float = 0.25  # fraction of the prefix's KV the memory modules hold together
     ssds: int = 2
