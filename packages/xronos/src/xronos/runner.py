@@ -11,11 +11,13 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .launch import spawn
-from .partition import PartitionError, even_partition, partition
+from .partition import Partition, PartitionError, even_partition, partition
 from .profile import profile_group
+from .rebalance import repartition
 from .shard import save_full
 from .train import TPTrainer, TrainConfig, make_corpus
 
@@ -33,8 +35,11 @@ def _finetune_worker(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir
     corpus = make_corpus(cfg)
     costs, prof = profile_group(shape, cfg.batch, cfg.seq_len, memory_bytes=memory_bytes)
     part = partition(shape, costs) if mode == "xronos" else even_partition(shape, world)
-    trainer = TPTrainer(cfg, part, rank, None, corpus)
+    saved = saved_partition(ckpt_dir, rank, shape, world)
+    trainer = TPTrainer(cfg, saved or part, rank, None, corpus)
     resumed_from = trainer.step_idx if trainer.load(ckpt_dir) else None
+    if saved is not None and saved != part:
+        repartition(trainer, part)  # the profile changed since the checkpoint: reshard it exactly
     losses, times = [], []
     t0 = time.perf_counter()
     while trainer.step_idx < cfg.steps:
@@ -61,6 +66,19 @@ def _finetune_worker(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir
         "perplexity": math.exp(min(eval_loss, 50)),
         "saved": None if saved is None else str(saved),
     }
+
+
+def saved_partition(ckpt_dir, rank: int, shape, world: int) -> Partition | None:
+    """The partition a checkpoint in ``ckpt_dir`` was written with (None if there is none or it does not fit)."""
+    path = Path(ckpt_dir) / f"rank{rank}.pt"
+    if not path.exists():
+        return None
+    meta = torch.load(path, map_location="cpu", weights_only=False).get("partition")
+    if not meta or len(meta["kv_heads"]) != world:
+        raise PartitionError(
+            f"checkpoint {path} was written by {len(meta['kv_heads']) if meta else '?'} ranks, not {world}"
+        )
+    return Partition(shape, tuple(meta["kv_heads"]), tuple(c // shape.mlp_block for c in meta["mlp_columns"]))
 
 
 def finetune(
