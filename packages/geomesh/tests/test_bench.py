@@ -44,3 +44,12 @@ def test_small_bench_side_by_side():
     g = res["results"]["geomesh"]
     assert g["syncs"] == 2 and g["plan"]["imbalance"] < 0.5
     assert abs(h["tokens_rel_diff_vs_diloco"]) < 0.5  # H=3 leaves coarse (b, H) choices
+
+
+def test_ppl_at_tokens_interpolates_in_tokens():
+    from geomesh.bench import ppl_at_tokens
+
+    curve = [{"tokens": 0, "ppl": 100.0}, {"tokens": 100, "ppl": 20.0}, {"tokens": 200, "ppl": 10.0}]
+    assert ppl_at_tokens(curve, 150) == 15.0
+    assert ppl_at_tokens(curve, 100) == 20.0
+    assert ppl_at_tokens(curve, 500) == 10.0

@@ -442,6 +442,15 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     }
 
 
+def ppl_at_tokens(curve: list[dict], tokens: int) -> float:
+    """Validation perplexity of a run interpolated (linearly in tokens) at ``tokens``; the last value past the end."""
+    pts = [(c["tokens"], c["ppl"]) for c in curve]
+    for (t0, p0), (t1, p1) in zip(pts, pts[1:]):
+        if t0 <= tokens <= t1:
+            return p0 if t1 == t0 else p0 + (p1 - p0) * (tokens - t0) / (t1 - t0)
+    return pts[-1][1]
+
+
 def headline(results: dict) -> dict:
     """The issue's headline keys from the per-method results (None where a method was not run)."""
     g, d, ddp = results.get("geomesh"), results.get("diloco-fp32"), results.get("ddp")
@@ -466,7 +475,8 @@ def headline(results: dict) -> dict:
         )
         out["straggler_idle_geomesh"] = g["straggler_idle"]
         out["straggler_idle_diloco"] = d["straggler_idle"]
-        out["ppl_rel_diff_vs_diloco"] = (g["final_ppl"] - d["final_ppl"]) / d["final_ppl"]
+        # after the same number of tokens: GeoMesh's curve read at DiLoCo's final token count
+        out["ppl_rel_diff_vs_diloco"] = (ppl_at_tokens(g["curve"], d["tokens"]) - d["final_ppl"]) / d["final_ppl"]
         out["tokens_rel_diff_vs_diloco"] = (g["tokens"] - d["tokens"]) / d["tokens"]
     if g and ddp:
         out["ttt_ratio_vs_ddp"] = ttt["geomesh"] / ttt["ddp"] if ttt["geomesh"] and ttt["ddp"] else None
