@@ -116,48 +116,42 @@ def test_hung_tool_is_killed_and_the_request_still_answers():
 @pytest.mark.slow
 def test_holds_200_concurrent_requests():
     async def go():
-        h = Harness(
-            emulator=EmulatorConfig(ttft_s=0.5, ttft_sigma=0.1), site_pages=30, sampler=SystemSampler(0.1).start()
-        )
+        h = Harness(emulator=_fast(), site_pages=30, sampler=SystemSampler(0.1).start())
         runner, url = await _serve(h)
+        gate = asyncio.Event()
+        h.emulator.gate = gate  # the LLM answers nobody until all 200 requests are in flight
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
 
                 async def one(i):
                     # most answer from the model; every 20th also runs a (real, sandboxed) search
                     inp = {"searches": 1, "pages": 2} if i % 20 == 0 else {"searches": 0}
-                    async with s.post(
-                        url + "/v1/agent", json={"task_type": "web_search", "input": inp, "request_id": f"r{i}"}
-                    ) as r:
+                    body = {"task_type": "web_search", "input": inp, "request_id": f"r{i}"}
+                    async with s.post(url + "/v1/agent", json=body) as r:
                         return r.status, await r.json()
 
-                async def peak():
-                    m = 0
-                    while True:
-                        m = max(m, h.runtime.inflight)
-                        if m >= 200:
-                            return m
+                async def opener():
+                    while h.runtime.inflight < 200:
                         await asyncio.sleep(0.01)
+                    gate.set()
+                    return h.runtime.inflight
 
-                pk = asyncio.create_task(peak())
-                res = await asyncio.gather(*(one(i) for i in range(200)))
-                try:
-                    m = await asyncio.wait_for(pk, 0.01)
-                except asyncio.TimeoutError:
-                    m = None
+                op = asyncio.create_task(opener())
+                res = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), 300)
+                peak = await op
                 async with s.get(url + "/v1/stats") as r:
                     stats = await r.json()
-                return res, m, stats
+                return res, peak, stats
         finally:
             await runner.cleanup()
             await h.stop()
             h.sampler.stop()
 
     res, peak, stats = asyncio.run(go())
+    assert peak == 200  # all 200 were held in flight at once
     assert [st for st, _ in res] == [200] * 200
     assert sorted(b["request_id"] for _, b in res) == sorted(f"r{i}" for i in range(200))
     assert sum(1 for _, b in res if b["usage"]["tool_calls"] == 1) == 10
-    assert peak == 200  # all 200 were in flight at once
     assert stats["completed"] == 200 and stats["failed"] == 0
 
 
@@ -197,9 +191,14 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
             except urllib.error.HTTPError as e:
                 return e.code
 
+        def accepted():
+            with urllib.request.urlopen(url + "/v1/stats", timeout=10) as r:
+                return json.loads(r.read())["accepted"]
+
         async def go():
             tasks = [asyncio.create_task(asyncio.to_thread(post, i)) for i in range(5)]
-            await asyncio.sleep(0.6)  # all five are now waiting on the (1.5 s) LLM
+            while await asyncio.to_thread(accepted) < 5:  # all five in (waiting on the 4 s LLM)
+                await asyncio.sleep(0.05)
             p.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks)
 

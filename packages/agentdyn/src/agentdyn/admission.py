@@ -71,7 +71,7 @@ class AdmissionPolicy:
             heavy_threshold=thr,
             cost_threshold=cost_thr,
             pressure_margin=margin,
-            runnable_margin=max(2, 2 * cores),
+            runnable_margin=max(4, 4 * cores),
             overcommit=1.0,
             max_wait_s=max_wait,
             source="learned",

@@ -118,6 +118,7 @@ class LLMEmulator:
         self.host, self.port = host, port
         self.runner: web.AppRunner | None = None
         self.requests = 0
+        self.gate: asyncio.Event | None = None  # when set: answers wait for it (tests, demos)
 
     def latency_s(self, tokens: int) -> float:
         c = self.config
@@ -136,6 +137,8 @@ class LLMEmulator:
         self.requests += 1
         calls, answer = plan_step(msgs)
         tokens = self.config.tool_call_tokens if calls else self.config.answer_tokens
+        if self.gate is not None:
+            await self.gate.wait()
         await asyncio.sleep(self.latency_s(tokens))
         message: dict = {"role": "assistant", "content": answer or None}
         if calls:

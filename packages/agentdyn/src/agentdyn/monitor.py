@@ -419,7 +419,7 @@ class GroupWatcher:
     run-queue wait seen, so a killed group (which never reports its own rusage) still has usage.
     """
 
-    def __init__(self, interval_s: float = 0.1, rescan_every: int = 5):
+    def __init__(self, interval_s: float = 0.2, rescan_every: int = 3):
         self.interval_s = interval_s
         self.rescan_every = max(1, rescan_every)
         self.groups: dict[int, Usage] = {}

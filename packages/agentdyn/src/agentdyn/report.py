@@ -89,7 +89,7 @@ def plot_characterize(out: dict, outdir: str) -> list[str]:
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(range(len(rows)), labels, rotation=70, fontsize=7)
         ax.set_ylabel("seconds per request")
-        ax.set_title(f"latency breakdown, {cores} core(s) (emulated), LLM TTFT {ttft:g}s (emulated)")
+        ax.set_title(f"latency breakdown, {cores} core(s) (emulated), LLM TTFT {ttft:g}s (emulated)", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
         p = os.path.join(outdir, f"breakdown-{cores}core-ttft{ttft:g}.png")
