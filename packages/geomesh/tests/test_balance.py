@@ -132,3 +132,15 @@ def test_preferred_steps_keeps_h_equal_and_moves_batch():
     assert [w.inner_steps for w in p.workers] == [8, 8, 8]
     assert [w.batch for w in p.workers] == [12, 6, 3]
     assert p.imbalance < 0.01
+
+
+def test_tokens_meet_target_when_chosen_batches_differ_in_efficiency():
+    # a large per-step overhead makes big batches far more efficient than the reference batch
+    profiles = [
+        WorkerProfile("a", 30000.0, step_overhead_s=0.02),
+        WorkerProfile("b", 20000.0, step_overhead_s=0.02),
+        WorkerProfile("c", 8000.0, step_overhead_s=0.03),
+    ]
+    p = plan(profiles, seq_len=64, target_tokens=12288, max_batch=16, preferred_batch=8, preferred_steps=8)
+    assert abs(p.tokens / p.target_tokens - 1) < 0.05
+    assert p.imbalance < 0.06

@@ -172,24 +172,44 @@ def plan(
     # the phase T at which the workers, running near their reference batch, make the target together
     eff = [r * seq_len / p.step_time_s(r, seq_len) for p, r in zip(profiles, ref)]
     phase = target_tokens / sum(eff)
-    workers = []
-    for p, cap, rate in zip(profiles, caps, eff):
-        want_tokens = rate * phase
-        # beyond the batch that would finish the whole phase in one step nothing improves
-        top = max(1, min(cap, math.ceil(want_tokens / (seq_len * min_steps))))
-        cands = []
-        for b in range(1, top + 1):
-            h = max(min_steps, round(phase / p.step_time_s(b, seq_len)))
-            t = h * p.step_time_s(b, seq_len)
-            cands.append((abs(t - phase) / phase, b, h, t))
-        best = min(c[0] for c in cands)
-        near = [c for c in cands if c[0] <= best + tolerance]
-        if preferred_steps is not None:
-            _, b, h, t = min(near, key=lambda c: (abs(c[2] - preferred_steps), c[0], -c[1]))
-        else:
-            pref = preferred_batch if preferred_batch is not None else top
-            _, b, h, t = min(near, key=lambda c: (abs(c[1] - pref), c[0], -c[1]))
-        workers.append(WorkerPlan(p.name, b, h, b * h * seq_len, t))
+
+    def choose(phase: float) -> list[WorkerPlan]:
+        workers = []
+        for p, cap, rate in zip(profiles, caps, eff):
+            # beyond the batch that would finish the whole phase in one step nothing improves
+            top = max(1, min(cap, math.ceil(2 * rate * phase / (seq_len * min_steps))))
+            cands = []
+            for b in range(1, top + 1):
+                h = max(min_steps, round(phase / p.step_time_s(b, seq_len)))
+                t = h * p.step_time_s(b, seq_len)
+                cands.append((abs(t - phase) / phase, b, h, t))
+            best = min(c[0] for c in cands)
+            near = [c for c in cands if c[0] <= best + tolerance]
+            if preferred_steps is not None:
+                _, b, h, t = min(near, key=lambda c: (abs(c[2] - preferred_steps), c[0], -c[1]))
+            else:
+                pref = preferred_batch if preferred_batch is not None else top
+                _, b, h, t = min(near, key=lambda c: (abs(c[1] - pref), c[0], -c[1]))
+            workers.append(WorkerPlan(p.name, b, h, b * h * seq_len, t))
+        return workers
+
+    def score(ws: list[WorkerPlan]) -> float:
+        phases = [w.phase_s for w in ws]
+        tokens = sum(w.tokens for w in ws)
+        return abs(tokens / target_tokens - 1) + (max(phases) - min(phases)) / max(phases)
+
+    # the chosen batches run at other efficiencies than the reference one: rescale the phase until
+    # the tokens meet the target (a few fixed-point rounds), keeping the best plan seen
+    workers, best_phase = choose(phase), phase
+    for _ in range(8):
+        tokens = sum(w.tokens for w in workers)
+        if abs(tokens / target_tokens - 1) < 0.02:
+            break
+        phase *= target_tokens / tokens
+        trial = choose(phase)
+        if score(trial) < score(workers):
+            workers, best_phase = trial, phase
+    phase = best_phase
     total = sum(w.tokens for w in workers)
     workers = [replace(w, weight=w.tokens / total) for w in workers]
     return Plan(tuple(workers), seq_len, target_tokens, phase, tuple(profiles))
