@@ -246,11 +246,11 @@ class Executor:
         return list(mine.split(s.micro_batch))
 
     def _sq_norm(self, scale: float = 1.0) -> float:
-        tot = torch.zeros((), dtype=torch.float64)
-        for p in self.owned:
-            if p.grad is not None:
-                tot += p.grad.double().pow(2).sum()
-        return float(tot) * scale * scale
+        grads = [p.grad for p in self.owned if p.grad is not None]
+        if not grads:
+            return 0.0
+        norms = torch.stack(torch._foreach_norm(grads)).double()
+        return float(norms.pow(2).sum()) * scale * scale
 
     def _hidden_shape(self, mb: torch.Tensor) -> tuple[int, ...]:
         return (mb.shape[0], mb.shape[1], self.config.hidden_size)

@@ -64,7 +64,7 @@ class BenchConfig:
     slice_s: float = 0.5  # interleaving granularity of the side-by-side variants
     val_samples: int = 32
     margin: float = 0.05
-    gns_every: int = 2
+    gns_every: int = 4
     seed: int = 0
     corpus_bytes: int = 1_000_000
     probe_steps: int = 3
@@ -143,7 +143,7 @@ class _Variant:
             batch = tr.data.samples(self.consumed, s.global_batch)
             self.consumed += s.global_batch
             split = s.dp * s.accum == 1  # a gradient-statistics step must split the micro-batch
-            every = cfg.gns_every * (8 if split else 1)
+            every = cfg.gns_every * (4 if split else 1)
             self.k += 1
             want_gns = gns is not None and self.k % every == 0  # plain steps come first: a baseline time
             t0 = time.perf_counter()
