@@ -1,5 +1,11 @@
-"""xronos: heterogeneity-aware tensor parallelism for LLM fine-tuning on CPU devices."""
+"""xronos: heterogeneity-aware tensor parallelism for LLM fine-tuning on CPU devices.
 
+The core is :mod:`xronos.partition` (uneven shard sizes from a per-rank cost model); the layers,
+model sharding, profiling, training loops and launcher are the plumbing around it.
+"""
+
+from .launch import WorkerError, spawn
+from .layers import ColumnParallelLinear, RowParallelLinear, clip_grad_norm, copy_to_tp, reduce_from_tp
 from .partition import (
     ModelShape,
     Partition,
@@ -9,16 +15,40 @@ from .partition import (
     even_partition,
     partition,
 )
+from .profile import costs_from_cluster, profile_group
+from .rebalance import Rebalancer, repartition
+from .shard import build_model, enable_lora, gather_state_dict, save_full, shard_model, tiny_config
+from .train import PPTrainer, TPTrainer, TrainConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ColumnParallelLinear",
     "ModelShape",
+    "PPTrainer",
     "Partition",
     "PartitionError",
     "RankCost",
+    "Rebalancer",
+    "RowParallelLinear",
+    "TPTrainer",
+    "TrainConfig",
+    "WorkerError",
+    "build_model",
+    "clip_grad_norm",
+    "copy_to_tp",
+    "costs_from_cluster",
     "costs_from_speeds",
+    "enable_lora",
     "even_partition",
+    "gather_state_dict",
     "partition",
+    "profile_group",
+    "reduce_from_tp",
+    "repartition",
+    "save_full",
+    "shard_model",
+    "spawn",
+    "tiny_config",
     "__version__",
 ]

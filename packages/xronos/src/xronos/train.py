@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import ByteCorpus, load_text
-from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
+from .layers import COMM, clip_grad_norm, sync_partial_grads
 from .partition import ModelShape, Partition
 from .shard import build_model, enable_lora, shard_model, tiny_config
 
@@ -316,6 +316,3 @@ class PPTrainer:
         t = torch.tensor(total / len(batches) if self.last else 0.0, dtype=torch.float64)
         dist.all_reduce(t, group=self.group)
         return float(t)
-
-
-_ = all_reduce  # re-exported for workers that time their own collectives
