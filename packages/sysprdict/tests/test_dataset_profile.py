@@ -74,8 +74,8 @@ def test_data_parallel_gloo_two_ranks():
 
 @pytest.mark.slow
 def test_dead_rank_is_named():
-    # an invalid model name inside the ranks (bypassing GridPoint validation) kills them
+    # an invalid precision inside the ranks (bypassing GridPoint validation) kills them
     p = GridPoint("llama-xs", 2, world_size=2)
-    object.__setattr__(p, "model", "llama-zz")
+    object.__setattr__(p, "precision", "fp8")
     with pytest.raises(ProfileError, match="rank [01]"):
         _run_ddp(p, 1, 120)

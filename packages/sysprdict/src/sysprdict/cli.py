@@ -248,6 +248,10 @@ def cmd_bench(a) -> int:
 
         _, rows = load_rows(a.dataset)
     ev = run_evaluation(quick=a.quick, rows=rows, progress=not a.quiet)
+    if a.save_dataset:
+        from .dataset import save_rows
+
+        save_rows(a.save_dataset, ev["rows"], {"sysprdict": __version__})
     results = {
         "time_precision_aware": {k: v for k, v in ev["timing"]["aware"].items()},
         "time_precision_blind": ev["timing"]["blind"],
@@ -432,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the small grid (under 3 minutes on 2 idle cores)")
     p.add_argument("--json", default="", help="write the results JSON here")
     p.add_argument("--dataset", default="", help="evaluate on this profile dataset instead of profiling")
+    p.add_argument("--save-dataset", default="", help="also write the profiled rows to this dataset file")
     p.set_defaults(fn=cmd_bench)
 
     for name, fn, helptext in (

@@ -13,7 +13,8 @@ FLOP conventions (the hand-checked ones in the tests):
   * fused attention (SDPA) = 4 * b * heads * s_q * s_k * d  (QK^T and PV)
   * other non-view ops: one FLOP per output element
   * backward = 2x forward for matmul/conv/attention ops, 1x for the others
-Bytes moved per op = bytes of its tensor inputs + outputs (views move nothing); backward moves 2x.
+Bytes moved per op = bytes of its tensor inputs + outputs (views move nothing; a lookup such as
+`embedding` reads only the selected rows); backward moves 2x.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ _SDPA_OPS = {
     "_scaled_dot_product_fused_attention_overrideable",
     "scaled_dot_product_attention",
 }
+_GATHER_OPS = {"embedding", "index_select", "index", "gather"}
 _HEAVY = {"mm", "addmm", "bmm", "baddbmm", "convolution", *_SDPA_OPS}
 
 _KIND_PATTERNS = [
@@ -375,7 +377,10 @@ class _Trace:
         fl = op_flops(name, args, out)
         rec.fwd_flops += fl
         rec.bwd_flops += fl * (2 if name in _HEAVY else 1)
-        moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in outs)
+        if name in _GATHER_OPS:  # a lookup reads the selected rows (output-sized), not the whole table
+            moved = 2 * sum(_nbytes(t) for t in outs) + sum(_nbytes(t) for t in _tensors(args[1:2]))
+        else:
+            moved = sum(_nbytes(t) for t in _tensors(args)) + sum(_nbytes(t) for t in outs)
         rec.fwd_bytes += moved
         rec.bwd_bytes += 2 * moved
         rec.max_out_bytes = max(rec.max_out_bytes, max(_nbytes(t) for t in outs))

@@ -2,8 +2,9 @@
 
 Features of one configuration are the layer decomposition summed per layer kind (FLOPs, bytes moved,
 op and layer counts, saved bytes; log-scaled) crossed with the precision setting (one-hot, parameter
-and compute dtype widths, and FLOPs per precision).  The regressor is a ridge fit in log space (the
-multiplicative trend) with gradient-boosted trees (xgboost, or scikit-learn's histogram boosting
+and compute dtype widths, and FLOPs per precision).  The regressor is a ridge fit in log space on a few robust
+inputs (log FLOPs, log op count, optimizer work, tokens, and the precision terms: the multiplicative
+trend) with gradient-boosted trees (xgboost, or scikit-learn's histogram boosting
 when xgboost is not installed) on its residuals.  Data-parallel step time = compute time of the local
 batch + ring all-reduce of the gradients (bytes at the gradient dtype; bandwidth and latency from an
 `hwtopo.Link`, or the bandwidth the profiler measured).
@@ -38,6 +39,7 @@ __all__ = [
     "mape",
 ]
 
+_TREND = ("total_flops", "ops", "optimizer_work", "tokens")  # the log-linear trend's inputs
 GROUPS = ("linear", "attention", "conv", "embedding", "norm", "activation")
 _DECOMP_CACHE: dict[tuple, Decomposition] = {}
 
@@ -92,13 +94,13 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
     f["other_bytes"] = math.log1p(other["fwd_bytes"] + other["bwd_bytes"])
     f["ops"] = math.log1p(sum(r.ops for r in d.records))
     f["layers"] = float(len(d.records))
-    f["params"] = math.log1p(d.params)
     f["tokens"] = math.log1p(d.tokens)
     f["saved"] = math.log1p(d.saved_bytes)
     states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer, 1)
     f["optimizer_states"] = float(states)
     f["optimizer_work"] = math.log1p(d.params * (1 + states))
-    f["params_linear"] = d.params / 1e6
+    f["param_layers"] = float(sum(1 for r in d.records if r.params))
+    f["params"] = math.log1p(d.params)
     total_flops = d.fwd_flops + d.bwd_flops
     f["total_flops"] = math.log1p(total_flops)
     if precision_aware:
@@ -156,8 +158,11 @@ class TimePredictor:
         self._cols = []
         x = self._matrix(ds, optimizers)
         y = np.log(np.asarray(times_s, float))
-        self._ridge = Ridge(alpha=1.0).fit(x, y)
-        resid = y - self._ridge.predict(x)
+        self._trend_idx = [
+            i for i, c in enumerate(self._cols) if c in _TREND or c.startswith(("prec_", "flops_x_", "ops_x_"))
+        ]
+        self._ridge = Ridge(alpha=1.0).fit(x[:, self._trend_idx], y)
+        resid = y - self._ridge.predict(x[:, self._trend_idx])
         self._trees = _booster(self.seed).fit(x, resid)
         self._ranges = {c: (float(x[:, i].min()), float(x[:, i].max())) for i, c in enumerate(self._cols)}
         return self
@@ -176,7 +181,7 @@ class TimePredictor:
                     f"predicting for {name} outside the training range [{math.expm1(lo):.3g}, {math.expm1(hi):.3g}]",
                     stacklevel=2,
                 )
-        return np.exp(self._ridge.predict(x) + self._trees.predict(x))
+        return np.exp(self._ridge.predict(x[:, self._trend_idx]) + self._trees.predict(x))
 
     def predict_step(
         self, d: Decomposition, world_size: int = 1, link=None, bandwidth_bytes_per_s=None, optimizer: str = "adamw"
