@@ -7,7 +7,7 @@ from bicache.engine import Engine, PrefixStore, common_prefix_len
 
 @pytest.fixture(scope="module")
 def policy(dlm):
-    cal = depth.calibrate(dlm, shared_rows=[3, 9, 18], requests_per_fraction=2, groups=1)
+    cal = depth.calibrate(dlm, shared_rows=[0, 3, 7], requests_per_fraction=2, groups=1)
     return depth.DepthPolicy(cal, bound=float(max(max(r) for r in cal.drift)))  # reuse everything allowed
 
 
@@ -17,8 +17,8 @@ def test_common_prefix():
 
 
 def test_engine_batches_shared_prefixes_and_reuses(dlm, task, policy):
-    a = task.burst(4, 9, group=0)
-    b = task.burst(4, 15, group=1)
+    a = task.burst(4, 3, group=0)
+    b = task.burst(4, 6, group=1)
     mixed = [a[0], b[0], a[1], b[1], a[2], b[2], a[3], b[3]]
     eng = Engine(dlm, mode="bicache", policy=policy, max_batch=2)
     out = eng.run([r.prompt for r in mixed])
@@ -34,7 +34,7 @@ def test_engine_batches_shared_prefixes_and_reuses(dlm, task, policy):
 
 
 def test_engine_nocache_matches_direct_decode(dlm, task):
-    reqs = task.burst(3, 9)
+    reqs = task.burst(3, 3)
     eng = Engine(dlm, mode="none", max_batch=8)
     out = eng.run([r.prompt for r in reqs])
     ref = diffusion.generate(dlm, torch.tensor([r.prompt for r in reqs]), eng.cfg)
@@ -42,7 +42,7 @@ def test_engine_nocache_matches_direct_decode(dlm, task):
 
 
 def test_engine_depth_zero_equals_nocache(dlm, task, policy):
-    reqs = task.burst(4, 9)
+    reqs = task.burst(4, 3)
     prompts = [r.prompt for r in reqs]
     a = Engine(dlm, mode="none", max_batch=4).run(prompts)
     b = Engine(dlm, mode="fixed", fixed_depth=0, max_batch=4).run(prompts)
@@ -71,7 +71,7 @@ def test_engine_errors(dlm, policy):
 def test_prefix_store_longest_match_and_eviction(dlm, task):
     from bicache.kvcache import fill_entry
 
-    reqs = task.burst(2, 9)
+    reqs = task.burst(2, 3)
     x = torch.tensor([reqs[0].prompt + [dlm.mask_id] * 4])
     short, _ = fill_entry(dlm, x, 11)
     long, _ = fill_entry(dlm, x, reqs[0].prefix_len)

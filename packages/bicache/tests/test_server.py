@@ -50,7 +50,7 @@ def test_bad_requests_are_400(dlm, payload, needle):
 
 
 def test_generate_and_openai_routes(dlm, task):
-    req = task.burst(2, 9)
+    req = task.burst(2, 3)
     text = dlm.vocab.decode(req[0].prompt)
 
     async def fn(c):

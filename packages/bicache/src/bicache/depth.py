@@ -232,18 +232,24 @@ def choose_bound(
         batches.append((reqs[0].prefix_len / dlm.spec.prompt_length, ids[1:], entry, ref))
     values = sorted({v for row in getattr(calibration, statistic) for v in row}, reverse=True)
     report = {}
+    decoded: dict[tuple[int, int], int] = {}  # (batch, depth) -> answers agreeing with no-cache
+
+    def agreeing(i: int, d: int) -> int:
+        if (i, d) not in decoded:
+            _, ids, entry, ref = batches[i]
+            out = diffusion.generate(dlm, ids, cfg, mode="bicache", depth=d, entry=entry)
+            decoded[(i, d)] = int((out == ref).all(1).sum())
+        return decoded[(i, d)]
+
     for bound in values:
         policy = DepthPolicy(calibration, bound, statistic)
-        agree, count = 0, 0
-        for frac, ids, entry, ref in batches:
-            d = policy.depth(frac)
-            out = diffusion.generate(dlm, ids, cfg, mode="bicache", depth=d, entry=entry)
-            agree += int((out == ref).all(1).sum())
-            count += ids.shape[0]
+        depths = [policy.depth(b[0]) for b in batches]
+        agree = sum(agreeing(i, d) for i, d in enumerate(depths))
+        count = sum(b[1].shape[0] for b in batches)
         dis = 1 - agree / max(count, 1)
         report[f"{bound:.5g}"] = {
             "disagreement": round(dis, 4),
-            "depths": {f"{b[0]:.3f}": policy.depth(b[0]) for b in batches},
+            "depths": {f"{b[0]:.3f}": d for b, d in zip(batches, depths)},
         }
         if dis <= max_disagreement:
             return bound, report

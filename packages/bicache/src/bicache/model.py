@@ -22,9 +22,14 @@ from .task import TaskSpec, Vocab
 
 
 def tiny_config(
-    vocab_size: int, layers: int = 6, hidden: int = 128, heads: int = 4, max_len: int = 256
+    vocab_size: int, layers: int = 4, hidden: int = 64, heads: int = 4, max_len: int = 256, attn_scalar: int = 2
 ) -> Gemma3TextConfig:
-    """A small bidirectional Gemma3 config (full attention in every layer, no soft-capping)."""
+    """A small bidirectional Gemma3 config (full attention in every layer, no soft-capping).
+
+    Gemma3 RMS-normalises queries and keys, so with the usual ``1/sqrt(head_dim)`` scaling a logit
+    is at most ``sqrt(head_dim)`` (4 for 16 dims): too flat for a table lookup among ~100 positions.
+    ``query_pre_attn_scalar = attn_scalar`` lets one position win the softmax.
+    """
     return Gemma3TextConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -33,7 +38,13 @@ def tiny_config(
         num_attention_heads=heads,
         num_key_value_heads=heads,
         head_dim=hidden // heads,
-        query_pre_attn_scalar=hidden // heads,
+        query_pre_attn_scalar=attn_scalar,
+        # Gemma3's global layers default to rope_theta 1e6: with 16-dim heads only one or two
+        # frequencies then turn over ~100 positions, too coarse to find "the digit after a key".
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
         max_position_embeddings=max_len,
         layer_types=["full_attention"] * layers,
         sliding_window=max_len,

@@ -26,8 +26,8 @@ DIGITS = [str(d) for d in range(10)]
 class TaskSpec:
     """Sizes of the table task; the defaults are what the bundled checkpoint is trained on."""
 
-    n_keys: int = 48
-    rows: int = 20
+    n_keys: int = 24
+    rows: int = 8
     shots: int = 2
     value_digits: int = 3
 
@@ -67,7 +67,7 @@ class TaskSpec:
 class Vocab:
     """Whitespace tokenizer over the task's closed vocabulary (specials, digits, keys k00..)."""
 
-    def __init__(self, n_keys: int = 48) -> None:
+    def __init__(self, n_keys: int = 24) -> None:
         self.tokens = SPECIALS + DIGITS + [f"k{i:02d}" for i in range(n_keys)]
         self.index = {t: i for i, t in enumerate(self.tokens)}
         self.pad_id, self.mask_id, self.bos_id, self.eos_id, self.q_id = range(5)

@@ -37,10 +37,10 @@ class Recipe:
     lr: float = 3e-3
     warmup: int = 50
     seed: int = 0
-    curriculum_steps: int = 1000  # distinct table rows grow from ``min_distinct`` to all over these
+    curriculum_steps: int = 300  # distinct table rows grow from ``min_distinct`` to all over these
     min_distinct: int = 3
     target: float = 0.97  # held-out exact match (one parallel prediction), checked every ``eval_every``
-    eval_every: int = 100
+    eval_every: int = 50
     spec: TaskSpec = TaskSpec()
 
     def key(self) -> str:
