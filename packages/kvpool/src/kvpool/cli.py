@@ -161,7 +161,8 @@ def _plot(res: dict, path: Path) -> bool:
         colors = ["tab:blue"] * (len(names) - 2) + ["tab:gray", "tab:green"]
         ax.bar(names, vals, color=colors)
         ax.set_ylabel("MB/s")
-        ax.set_title(f"retrieval bandwidth per device ({mode}{', emulated caps' if mode == 'emulated' else ''})")
+        label = "emulated per-SSD caps" if mode == "emulated" else "raw, one disk"
+        ax.set_title(f"retrieval bandwidth per device ({label})")
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
