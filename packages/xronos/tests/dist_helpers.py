@@ -154,6 +154,7 @@ def train_checks(rank, world, ckpt_dir):
     pp = PPTrainer(cfg, [1.0, 0.5], rank, world)
     pp_losses = [pp.step()["loss"] for _ in range(2)]
     return {
+        "runner": runner_checks(rank, world, ckpt_dir + "/runner"),
         "reshard": reshard_checks(rank, world),
         "full": full,
         "eval": eval_a,
@@ -184,3 +185,14 @@ def reshard_checks(rank, world):
         losses += [t.step()["loss"] for _ in range(2)]
         out[lora] = {"losses": losses, "heads": heads, "state": gather_state_dict(t.model)}
     return out
+
+
+def runner_checks(rank, world, ckpt_dir):
+    """xronos train's worker twice in one group: even TP for 2 steps, then resume under Xronos and save."""
+    from xronos.runner import _finetune_worker
+
+    first = _finetune_worker(rank, world, small_cfg(steps=2).to_dict(), "tp", ckpt_dir, 1, None, None)
+    second = _finetune_worker(
+        rank, world, small_cfg(steps=3).to_dict(), "xronos", ckpt_dir, 0, ckpt_dir + "/model", None
+    )
+    return {"first": first, "second": second, "model": ckpt_dir + "/model"}
