@@ -147,7 +147,7 @@ def test_recommender_meets_constraint_and_is_cheapest(trained, tmp_path):
     assert rec.predicted["throughput_tps"] >= target and rec.predicted["success_rate"] >= 0.9
     lo, hi = rec.interval["throughput_tps"]
     assert lo <= rec.predicted["throughput_tps"] <= hi
-    cands = candidates(wl)
+    cands = candidates(wl, m.space)
     pred = m.predict(cands)
     costs = Costs()
     cheaper_ok = [

@@ -106,8 +106,9 @@ def measure_training(
 ) -> StepResult:
     """Train `zm` for `warmup + steps` steps on random data of `shape`; the memory peak is MemTracker's
     over one steady-state step (optimizer states already allocated), the times the median step's wall
-    time and process CPU time (one thread: CPU time is the step's compute time even when other
-    tenants of a shared machine stretch the wall time)."""
+    time and the smallest step's process CPU time (one thread: CPU time is the step's compute time
+    even when other tenants of a shared machine stretch the wall time; the minimum is the least
+    disturbed by their cache and SMT interference, as timeit reports)."""
     param_dtype, autocast_dtype = precision_setup(precision)
     zm.module.to(param_dtype)
     zm.module.train()
@@ -143,7 +144,7 @@ def measure_training(
             breakdown = {str(getattr(k, "value", k)): int(v) for k, v in snap[dev].items()}
     if checkpointing:
         set_checkpointing(zm, False)
-    return StepResult(statistics.median(times), times, statistics.median(cpu), peak, breakdown, rss, float(loss))
+    return StepResult(statistics.median(times), times, min(cpu), peak, breakdown, rss, float(loss))
 
 
 def count_params(module: nn.Module) -> int:

@@ -53,6 +53,7 @@ FEATURES = {
     "peer_mem_per_cpu": "peer_mem_gb / peer_cpus",
 }
 TARGETS = ("throughput_tps", "avg_latency_s", "success_rate")
+SCALING = ("peers", "orderers", "orgs", "peer_cpus", "peer_mem_gb", "orderer_cpus", "orderer_mem_gb")
 _POLICY = {"OR": 0, "MAJORITY": 1, "AND": 2}
 
 
@@ -134,8 +135,11 @@ class PerfModel:
         self.kind, self.seed = kind, seed
         self.models: dict = {}
         self.residual_q: dict[str, tuple[float, float]] = {}
+        self.space: dict[str, list] = {}
 
     def fit(self, rows: list[dict]) -> PerfModel:
+        # the scaling values seen in training: the recommender searches only inside them
+        self.space = {c: sorted({r[c] for r in rows}) for c in SCALING}
         x = featurize(rows)
         for t in TARGETS:
             self.models[t] = _regressor(self.kind, self.seed).fit(x, _encode(t, rows))
@@ -177,7 +181,8 @@ class PerfModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         with open(tmp, "wb") as f:
-            pickle.dump({"kind": self.kind, "seed": self.seed, "models": self.models, "residual_q": self.residual_q}, f)
+            state = {"kind": self.kind, "seed": self.seed, "models": self.models, "residual_q": self.residual_q}
+            pickle.dump({**state, "space": self.space}, f)
         os.replace(tmp, path)
         return path
 
@@ -186,7 +191,7 @@ class PerfModel:
         with open(path, "rb") as f:
             d = pickle.load(f)  # noqa: S301 - our own saved models
         m = cls(d["kind"], d["seed"])
-        m.models, m.residual_q = d["models"], d["residual_q"]
+        m.models, m.residual_q, m.space = d["models"], d["residual_q"], d.get("space", {})
         return m
 
 

@@ -41,24 +41,27 @@ class Recommendation:
     candidates_meeting: int
 
 
-def candidates(workload: dict, orgs: int = 2) -> list[dict]:
-    """Scaling options at a fixed workload (send rate, read fraction, block size, timeout, policy)."""
+DEFAULT_SPACE = {
+    "peers": [2, 4, 6],
+    "orderers": [1, 3, 5],
+    "orgs": [2],
+    "peer_cpus": [0.5, 1.0, 2.0, 4.0],
+    "peer_mem_gb": [1.0, 2.0, 4.0],
+    "orderer_cpus": [0.5, 1.0, 2.0],
+    "orderer_mem_gb": [0.5, 1.0, 2.0],
+}
+
+
+def candidates(workload: dict, space: dict | None = None) -> list[dict]:
+    """Scaling options (the product of `space`'s values; by default DEFAULT_SPACE) at a fixed
+    workload (send rate, read fraction, block size, timeout, policy)."""
+    sp = {**DEFAULT_SPACE, **(space or {})}
+    keys = list(DEFAULT_SPACE)
     out = []
-    for peers_per_org, orderers, pc, pm, oc, om in itertools.product(
-        [1, 2, 3], [1, 3, 5], [0.5, 1.0, 2.0, 4.0], [1.0, 2.0, 4.0], [0.5, 1.0, 2.0], [0.5, 1.0, 2.0]
-    ):
-        out.append(
-            {
-                "peers": orgs * peers_per_org,
-                "orderers": orderers,
-                "orgs": orgs,
-                "peer_cpus": pc,
-                "peer_mem_gb": pm,
-                "orderer_cpus": oc,
-                "orderer_mem_gb": om,
-                **workload,
-            }
-        )
+    for vals in itertools.product(*(sp[k] for k in keys)):
+        c = dict(zip(keys, vals))
+        if c["orgs"] <= c["peers"]:
+            out.append({**c, **workload})
     return out
 
 
@@ -68,17 +71,18 @@ def recommend(
     target_tps: float,
     target_success: float,
     costs: Costs | None = None,
-    orgs: int = 2,
+    space: dict | None = None,
     conservative: bool = False,
     q: float = 0.9,
 ) -> Recommendation | None:
-    """The cheapest candidate meeting the targets, or None when none is predicted to."""
+    """The cheapest candidate meeting the targets, or None when none is predicted to.  Candidates
+    span `space`, by default the scaling values the model was trained on (no extrapolation)."""
     if workload.get("endorsement", "OR") not in ENDORSEMENT:
         raise ValueError(f"endorsement: {workload.get('endorsement')!r} is not valid; use one of {ENDORSEMENT}")
     if not 0 <= target_success <= 1:
         raise ValueError(f"target_success: {target_success!r} must be within [0, 1]")
     costs = costs or Costs()
-    cands = candidates(workload, orgs)
+    cands = candidates(workload, space if space is not None else getattr(model, "space", None))
     pred = model.predict(cands)
     lo_t, hi_t = model.interval(cands, "throughput_tps", q)
     lo_s, hi_s = model.interval(cands, "success_rate", q)
