@@ -219,14 +219,20 @@ def cmd_strategies(args) -> int:
 
     cluster = hwtopo.load(args.spec) if args.spec else None
     try:
-        cfg = tiny_llama_config(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
+        cfg = tiny_llama_config(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                                intermediate=args.intermediate or 3 * args.hidden)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - transformers' validators raise several types
         raise UsageError(
             f"--hidden/--heads/--kv-heads do not make a valid Llama config ({str(e).splitlines()[0]}); "
             "use an even head size hidden/heads, e.g. --hidden 64 --heads 4"
         ) from None
     dims = ModelDims.from_config(cfg, args.seq_len)
-    world = args.world if args.world is not None else (len(cluster.machines) if cluster else 2)
+    if args.world is not None:
+        world = args.world
+    elif cluster is not None:  # one rank per accelerator, else per machine
+        world = sum(len(m.accelerators) for m in cluster.machines) or len(cluster.machines)
+    else:
+        world = 2
     found = enumerate_strategies(dims, world, list(args.global_batches), list(args.micro_batches), cluster=cluster)
     for s in found:
         print(f"{s.name}\taccum={s.accum}\tmemory/rank={hwtopo.format_bytes(memory_per_rank_bytes(s, dims))}")
@@ -260,11 +266,12 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
     s = sub.add_parser("strategies", help="list the feasible strategies for this machine or an hwtopo spec")
     s.add_argument("--spec", help="hwtopo spec (bundled name or file); default: this machine")
-    s.add_argument("--world", type=int, help="ranks (default: the spec's machines, else 2)")
+    s.add_argument("--world", type=int, help="ranks (default: the spec's accelerators or machines, else 2)")
     s.add_argument("--layers", type=int, default=4)
     s.add_argument("--hidden", type=int, default=64)
     s.add_argument("--heads", type=int, default=4)
     s.add_argument("--kv-heads", type=int, default=2)
+    s.add_argument("--intermediate", type=int, help="MLP width (default 3 x hidden)")
     s.add_argument("--seq-len", type=int, default=64)
     s.add_argument("--global-batches", type=_ints, default=(8, 16, 32, 64))
     s.add_argument("--micro-batches", type=_ints, default=(4, 8, 16))

@@ -324,6 +324,7 @@ def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
         tr.variant(runs["surrogate_static"], surrogate0, tr.state0),
         tr.variant(runs["cona"], surrogate0, tr.state0, chainer=chainer, gns=gns0),
     ]
+    runs["cona"].chain[0]["why"] = runs["cona"].decisions[0]["reason"]
     t, rnd = cfg.slice_s, 0
     while not all(v.done for v in variants):  # interleaved slices: the variants share the machine's load
         for v in variants[rnd % 3 :] + variants[: rnd % 3]:  # rotated so no variant always goes first
