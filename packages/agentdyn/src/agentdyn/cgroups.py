@@ -27,6 +27,7 @@ PREFIX = "agentdyn-"
 PERIOD_US = 100_000
 _live: dict[str, CpuGroup] = {}
 _counter = [0]
+_swept = [False]
 _lock = threading.Lock()
 
 
@@ -111,6 +112,11 @@ class CpuGroup:
         self._paths: list[Path] = []
         self._throttles: list = []
         self.closed = False
+        if not _swept[0]:
+            _swept[0] = True
+            removed = cleanup_stale()
+            if removed:
+                log.info("removed %d stale agentdyn cgroup(s)", len(removed))
         with _lock:
             _counter[0] += 1
             tag = f"{PREFIX}{os.getpid()}-{_counter[0]}-{name}"

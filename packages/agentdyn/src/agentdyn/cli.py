@@ -176,11 +176,11 @@ def cmd_llm_emulator(args) -> int:
     return asyncio.run(go())
 
 
-def _workload(args):
+def _workload(args, default_per_type: int | None = None):
     from .bench import WorkloadConfig
     from .emulator import EmulatorConfig
 
-    per_type = args.per_type or (3 if args.quick else 6)
+    per_type = args.per_type or default_per_type or (3 if args.quick else 6)
     if args.ttft < 0:
         raise UsageError(f"--ttft must be >= 0 seconds, not {args.ttft!r}")
     _positive("tokens-per-s", args.tokens_per_s)
@@ -264,7 +264,7 @@ def cmd_demo(args) -> int:
     from .bench import bench
     from .report import bench_table, plot_bench, write_report
 
-    cfg = _workload(args)
+    cfg = _workload(args, default_per_type=2)
     out = asyncio.run(bench(cfg, progress=_progress(args)))
     os.makedirs(args.out, exist_ok=True)
     table = bench_table(out)
