@@ -59,3 +59,42 @@ def dies(rank, world):
     if rank == 1:
         os._exit(3)
     dl.step(tokens=1)
+
+
+def stalls(rank, world):
+    import time
+
+    if rank == 1:
+        time.sleep(600)
+
+
+def rebalanced(rank, world):
+    """Rank 2 is made slow (sleeps per step): every rank must compute the same new plan from the sync meta."""
+    import time
+
+    from geomesh import Rebalancer, WorkerProfile, plan
+
+    names = [f"w{r}" for r in range(world)]
+    profiles = [WorkerProfile(n, 1000.0, step_overhead_s=0.0) for n in names]
+    p0 = plan(profiles, seq_len=1, target_tokens=4 * 4 * world, max_batch=8, preferred_batch=4)
+    rb = Rebalancer(p0, threshold=0.3, ema=1.0, max_batch=8, preferred_batch=4)
+    model = tiny_model(rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mine = p0.worker(names[rank])
+    dl = DiLoCo(model, opt, mine.inner_steps, batch_size=mine.batch, rebalancer=rb, worker_name=names[rank])
+    step = 0
+    while dl.outer_step < 3:
+        x, y = batch(rank, step, size=dl.batch_size)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.05 if rank == world - 1 else 0.01)
+        step += 1
+        dl.step(tokens=x.shape[0])
+    return {
+        "plan": rb.plan.to_dict(),
+        "replans": rb.replans,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "steps": dl.inner_steps,
+        "batch": dl.batch_size,
+    }

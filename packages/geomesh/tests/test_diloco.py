@@ -1,6 +1,6 @@
 import pytest
 import torch
-from _workers import all_variants, dies, mismatched, tiny_model, train
+from _workers import all_variants, dies, mismatched, rebalanced, stalls, tiny_model, train
 
 import geomesh
 from geomesh import DiLoCo, GeoMeshError, spawn
@@ -64,3 +64,21 @@ def test_single_process_matches_manual_nesterov():
     with pytest.raises(ValueError, match="compression"):
         DiLoCo(model, opt, 1, compression="int3")
     assert geomesh.__version__
+
+
+def test_stalled_rank_times_out_with_its_rank_named():
+    with pytest.raises(GeoMeshError, match=r"rank\(s\) \[1\] did not finish within 5 s"):
+        spawn(stalls, 2, timeout_s=5, start_method="fork")
+
+
+def test_rebalancing_is_computed_identically_on_every_rank():
+    res = spawn(rebalanced, 3, timeout_s=240, start_method="fork")
+    assert res[0]["replans"] >= 1
+    assert all(r["plan"] == res[0]["plan"] for r in res)
+    assert all(all(torch.equal(a, b) for a, b in zip(res[0]["params"], r["params"])) for r in res)
+    # the slow rank (w2) now gets fewer tokens per outer step than the others
+    toks = {w["name"]: w["tokens"] for w in res[0]["plan"]["workers"]}
+    assert toks["w2"] < toks["w0"] and toks["w2"] < toks["w1"]
+    assert (res[2]["batch"], res[2]["steps"]) == next(
+        (w["batch"], w["inner_steps"]) for w in res[0]["plan"]["workers"] if w["name"] == "w2"
+    )
