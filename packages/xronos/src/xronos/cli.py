@@ -132,7 +132,8 @@ def _load_line(summary: dict) -> str:
     ach = summary.get("tp", {}).get("achieved_relative_speeds")
     parts = [
         f"Machine load (1-min load average) {ml.get('loadavg_1min_start', 0):.1f} -> "
-        f"{ml.get('loadavg_1min_end', 0):.1f} on {ml.get('cpus')} CPUs."
+        f"{ml.get('loadavg_1min_end', 0):.1f} on {ml.get('cpus')} CPUs; emulated ranks get speed x "
+        f"{ml.get('cpu_share', 1.0):g} CPU (hwtopo.throttle)."
     ]
     if ach:
         parts.append(
