@@ -239,6 +239,28 @@ def cmd_strategies(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    from .chain import goodput
+    from .simulate import PAPER_MODELS, simulate_step
+    from .space import enumerate_strategies, rank_memory_budget
+
+    if args.model not in PAPER_MODELS:
+        raise UsageError(f"--model {args.model!r} is not one of {sorted(PAPER_MODELS)}")
+    dims = PAPER_MODELS[args.model]
+    cluster = hwtopo.load(args.spec)
+    world = sum(len(m.accelerators) for m in cluster.machines) or len(cluster.machines)
+    found = enumerate_strategies(dims, world, list(args.global_batches), list(args.micro_batches), cluster=cluster)
+    budget = rank_memory_budget(cluster, world)
+    sims = [simulate_step(s, dims, cluster, mfu=args.mfu) for s in found]
+    sims.sort(key=lambda x: -goodput(x.throughput, x.strategy.global_batch, args.noise_scale, args.reference_batch))
+    print(f"# simulated (not measured): {args.model} on {cluster.name}, {world} ranks, "
+          f"{hwtopo.format_bytes(budget)}/rank, mfu {args.mfu:g}, noise scale {args.noise_scale:g}")  # fmt: skip
+    for x in sims[: args.top]:
+        g = goodput(x.throughput, x.strategy.global_batch, args.noise_scale, args.reference_batch)
+        print(f"{x.strategy.name}\tstep={x.step_s * 1e3:.1f}ms\tsamples/s={x.throughput:.1f}\tgoodput={g:.1f}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cona", description="Online parallelism-strategy chaining (CONA).")
     p.add_argument("--version", action="version", version=f"cona {__version__}")
@@ -278,6 +300,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true")
     s.add_argument("--debug", action="store_true")
     s.set_defaults(fn=cmd_strategies)
+    m = sub.add_parser(
+        "simulate", help="rank strategies of a paper-size model on an hwtopo cluster (analytic, not measured)"
+    )
+    m.add_argument("--spec", default="gpu-node-8", help="hwtopo spec (bundled name or file)")
+    m.add_argument("--model", default="gpt3-1.3b", help="gpt3-1.3b, bert-large or llama-3.2-1b")
+    m.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the peak")
+    m.add_argument("--noise-scale", type=float, default=1000.0, help="gradient noise scale for the goodput ranking")
+    m.add_argument("--reference-batch", type=int, default=32)
+    m.add_argument("--global-batches", type=_ints, default=(32, 64, 128, 256, 512))
+    m.add_argument("--micro-batches", type=_ints, default=(1, 2, 4, 8))
+    m.add_argument("--top", type=int, default=10)
+    m.add_argument("--quiet", action="store_true")
+    m.add_argument("--debug", action="store_true")
+    m.set_defaults(fn=cmd_simulate)
     return p
 
 
