@@ -43,6 +43,22 @@ def test_cgroup_throttle_sets_quota_and_cleans_up():
 
 
 @needs_cgroup
+@needs_cgroup
+def test_cgroup_period_option():
+    p = _sleeper()
+    try:
+        with hwtopo.throttle(p.pid, speed=0.5, period_s=0.01) as t:
+            if t.method == "cgroup-v1":
+                assert int((t.group / "cpu.cfs_period_us").read_text()) == 10_000
+                assert int((t.group / "cpu.cfs_quota_us").read_text()) == 5_000
+    finally:
+        p.kill()
+        p.wait()
+    with pytest.raises(ValueError, match="period_s"):
+        hwtopo.throttle(os.getpid(), speed=0.5, period_s=5)
+
+
+@needs_cgroup
 def test_cgroup_removed_after_killed_worker():
     before = _groups()
     p = _sleeper()

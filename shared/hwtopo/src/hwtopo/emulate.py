@@ -194,19 +194,27 @@ class CpuThrottle:
 
 
 def throttle(
-    pid: int | None = None, speed: float = 1.0, cpus: float = 1.0, method: str = "auto", period_s: float = 0.02
+    pid: int | None = None,
+    speed: float = 1.0,
+    cpus: float = 1.0,
+    method: str = "auto",
+    period_s: float | None = None,
 ) -> CpuThrottle:
     """Run process ``pid`` (default: this process) at ``speed`` of ``cpus`` CPUs.
 
     method: "auto" (cgroup when writable, else duty-cycle), "cgroup" or "duty-cycle". The
     duty-cycle watchdog cannot stop the process that started it, so for ``pid == os.getpid()`` it
-    runs as a separate process either way.
+    runs as a separate process either way. ``period_s`` is the enforcement period (cgroup default
+    0.1 s, duty-cycle default 0.02 s); shorter periods make sub-second phases of a slow process less
+    jittery at a little more overhead.
     """
     global _counter
     if not 0 < speed:
         raise ValueError(f"speed must be > 0, not {speed!r}")
     if cpus <= 0:
         raise ValueError(f"cpus must be > 0, not {cpus!r}")
+    if period_s is not None and not 0.001 <= period_s <= 1.0:
+        raise ValueError(f"period_s must be between 0.001 and 1.0 seconds, not {period_s!r}")
     if method not in ("auto", "cgroup", "duty-cycle"):
         raise ValueError(f"method must be 'auto', 'cgroup' or 'duty-cycle', not {method!r}")
     pid = os.getpid() if pid is None else pid
@@ -222,13 +230,14 @@ def throttle(
             _counter += 1
             group = root / f"{PREFIX}{os.getpid()}-{_counter}"
         group.mkdir()
-        quota = max(1000, int(speed * cpus * PERIOD_US))
+        period_us = PERIOD_US if period_s is None else int(period_s * 1e6)
+        quota = max(1000, int(speed * cpus * period_us))
         try:
             if version == 1:
-                (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (group / "cpu.cfs_period_us").write_text(str(period_us))
                 (group / "cpu.cfs_quota_us").write_text(str(quota))
             else:
-                (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+                (group / "cpu.max").write_text(f"{quota} {period_us}")
             (group / "cgroup.procs").write_text(str(pid))
         except OSError:
             _remove_group(group)
@@ -241,8 +250,9 @@ def throttle(
                 _live[str(group)] = t
             return t
     # duty cycle: run `speed` of each period, stopped for the rest. Only exact for a 1-CPU process.
-    on_s = speed * period_s
-    off_s = (1 - speed) * period_s
+    period = 0.02 if period_s is None else period_s
+    on_s = speed * period
+    off_s = (1 - speed) * period
     wd = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(pid), str(os.getpid()), repr(on_s), repr(off_s)],
         stdin=subprocess.DEVNULL,
