@@ -60,7 +60,7 @@ class BenchConfig:
     text_bytes: int = 1_500_000
     val_seqs: int = 48
     profile_steps: int = 6
-    cgroup_period_us: int = 10_000  # finer than hwtopo's 100 ms (0 keeps hwtopo's period)
+    cgroup_period_us: int = 10_000  # passed to hwtopo.throttle(period_s=...); 0 keeps its default
     rebalance_threshold: float = 0.15  # re-plan when a worker's measured throughput drifts by more than this
     ddp_time_cap: float = 2.5  # DDP stops after this many times DiLoCo-fp32's wall time (when measured first)
     methods: tuple[str, ...] = METHODS
@@ -305,32 +305,15 @@ def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncSer
             out["snapshots"].append((time.perf_counter() - t0, done, snap))
 
 
-def _fine_quota(thr, period_us: int) -> dict:
-    """Shorten the cgroup period of an hwtopo cgroup throttle (same share of CPU, finer grain).
-
-    hwtopo uses a 100 ms period: a 0.1-CPU worker then runs in 10 ms bursts, which makes sub-second
-    inner phases jitter by ~15%. A 10 ms period keeps the share and smooths the emulated speed.
-    """
-    desc = thr.describe()
-    if thr.group is None or thr.method != "cgroup-v1" or period_us <= 0:
-        return desc
-    quota = max(1000, int(thr.speed * thr.cpus * period_us))
-    try:
-        (thr.group / "cpu.cfs_period_us").write_text(str(period_us))
-        (thr.group / "cpu.cfs_quota_us").write_text(str(quota))
-    except OSError:
-        log.warning("could not shorten the cgroup period of %s; keeping hwtopo's", thr.group, exc_info=True)
-        return desc
-    return {**desc, "cfs_period_us": period_us, "cfs_quota_us": quota}
-
-
 def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server, cap_s=None) -> dict:
     torch.set_num_threads(1)
     cluster = hwtopo.load(cfg.cluster)
     machines = cluster.names[:world]
     speed = cluster.relative_speeds()[machines[rank]]
-    thr = hwtopo.throttle(os.getpid(), speed=speed * cfg.cpus, cpus=1.0)
-    thr_desc = _fine_quota(thr, cfg.cgroup_period_us)
+    # a short period keeps the share and smooths a slow worker's sub-second inner phases
+    period_s = cfg.cgroup_period_us / 1e6 if cfg.cgroup_period_us > 0 else None
+    thr = hwtopo.throttle(os.getpid(), speed=speed * cfg.cpus, cpus=1.0, period_s=period_s)
+    thr_desc = {**thr.describe(), "period_s": period_s}
     try:
         model = build_model(cfg)
         sampler = Sampler(train, cfg.seq_len, cfg.seed, rank)
