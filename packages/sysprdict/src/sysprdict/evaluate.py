@@ -104,7 +104,7 @@ def run_evaluation(
     """Everything `bench` reports; `rows` skips profiling (a dataset read from a file)."""
     t0 = time.perf_counter()
     if rows is None:
-        rows = profile_grid(points or default_grid(quick), steps=3, progress=progress)
+        rows = profile_grid(points or default_grid(quick), steps=5, progress=progress)
     t_profile = time.perf_counter() - t0
     mm = hwtopo.matmul_flops(256, threads=1, seconds=0.3)
     with warnings.catch_warnings():

@@ -38,7 +38,7 @@ def load_data(data: str = "", quick: bool = True, seed: int = 0) -> tuple[list[d
         rows = read_csv(p) if p.suffix == ".csv" else load_caliper(p)
         src = {r["source"] for r in rows}
         return rows, ("caliper" if src == {"caliper"} else "csv" if "simulated" not in src else "simulated")
-    n, rep, dur = (100, 3, 10.0) if quick else (180, 3, 15.0)
+    n, rep, dur = (None, 3, 10.0) if quick else (None, 5, 15.0)
     rows = simulate_dataset(n, rep, seed, SimParams(duration_s=dur))
     return rows, "simulated"
 

@@ -270,13 +270,20 @@ def campaign_configs(n: int | None = None, seed: int = 0) -> list[FabricConfig]:
 
 
 def simulate_dataset(
-    n_configs: int = 60, repeats: int = 3, seed: int = 0, params: SimParams | None = None, design: str = "campaign"
+    n_configs: int | None = 60,
+    repeats: int = 3,
+    seed: int = 0,
+    params: SimParams | None = None,
+    design: str = "campaign",
 ) -> list[dict]:
-    """Schema rows (source "simulated"): `repeats` runs of each of `n_configs` configurations drawn from
-    the factorial campaign (`design="campaign"`) or sampled over every dimension (`"random"`)."""
+    """Schema rows (source "simulated"): `repeats` runs of each of `n_configs` configurations (None: the
+    whole campaign) drawn from the factorial campaign (`design="campaign"`) or sampled over every dimension (`"random"`)."""
     if design not in ("campaign", "random"):
         raise ValueError(f"design: {design!r} is not valid; use 'campaign' or 'random'")
-    cfgs = campaign_configs(n_configs, seed) if design == "campaign" else sample_configs(n_configs, seed)
+    if design == "campaign":
+        cfgs = campaign_configs(n_configs, seed)
+    else:
+        cfgs = sample_configs(n_configs or 60, seed)
     rows = []
     for c, cfg in enumerate(cfgs):
         base = dataclasses.asdict(cfg)
