@@ -164,6 +164,7 @@ def _plot_drift(cal, bound: float, out_dir: Path) -> list[Path]:
     for f, row in zip(cal.fractions, cal.drift):
         ax.plot(range(1, len(row) + 1), row, marker="o", label=f"shared {f:.2f}")
     ax.axhline(bound, color="k", ls="--", lw=1, label="bound")
+    ax.set_xticks(range(1, cal.num_layers + 1))
     ax.set_xlabel("reuse depth L (layers < L reuse the shared prefix)")
     ax.set_ylabel("drift exposed (relative L2)")
     ax.set_yscale("symlog", linthresh=1e-3)
