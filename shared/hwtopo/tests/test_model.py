@@ -54,3 +54,9 @@ def test_frozen():
     with pytest.raises(AttributeError):
         m.cores = 3
     assert m.with_(cores=3).cores == 3
+
+
+def test_accelerator_interconnect():
+    m = hwtopo.load("gpu-node-8").machines[0]
+    assert m.accelerator_interconnect_bytes_per_s == pytest.approx(450e9)
+    assert hwtopo.load("geo-3region").machines[0].accelerator_interconnect_bytes_per_s is None

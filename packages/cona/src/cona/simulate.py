@@ -74,9 +74,17 @@ def _ring_allreduce_s(nbytes: float, n: int, bw: float, latency: float = 5e-6) -
 
 
 def simulate_step(s: Strategy, dims: ModelDims, cluster: hwtopo.Cluster, mfu: float = 0.4,
-                  bytes_per_value: int = 2, intra_bandwidth_bytes_per_s: float = 450e9) -> SimulatedStep:  # fmt: skip
-    """Predicted step time of ``s`` for a model of ``dims`` on ``cluster``."""
+                  bytes_per_value: int = 2, intra_bandwidth_bytes_per_s: float | None = None) -> SimulatedStep:  # fmt: skip
+    """Predicted step time of ``s`` for a model of ``dims`` on ``cluster``.
+
+    Bandwidth between accelerators of one machine comes from the spec (``accelerators[].interconnect``)
+    unless given; 450 GB/s (NVLink 4) when the spec declares none.
+    """
     ranks = _ranks(cluster)
+    if intra_bandwidth_bytes_per_s is None:
+        declared = [m.accelerator_interconnect_bytes_per_s for m in cluster.machines]
+        known = [bw for bw in declared if bw is not None]
+        intra_bandwidth_bytes_per_s = min(known) if known else 450e9
     check_strategy(s, dims, len(ranks))
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")

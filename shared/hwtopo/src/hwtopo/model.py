@@ -37,10 +37,14 @@ class Disk:
 
 @dataclass(frozen=True)
 class Accelerator:
+    """A GPU or other accelerator; ``interconnect_bandwidth_bytes_per_s`` is its per-device
+    bandwidth to its peers inside the machine (e.g. NVLink), per direction."""
+
     kind: str  # "cuda", "rocm", "npu", ...
     name: str
     memory_bytes: float = 0.0
     peak_flops: float | None = None
+    interconnect_bandwidth_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,12 @@ class Machine:
     @property
     def accelerator_memory_bytes(self) -> float:
         return sum(a.memory_bytes for a in self.accelerators)
+
+    @property
+    def accelerator_interconnect_bytes_per_s(self) -> float | None:
+        """Slowest declared peer bandwidth among this machine's accelerators (None if undeclared)."""
+        bws = [a.interconnect_bandwidth_bytes_per_s for a in self.accelerators]
+        return min(bws) if bws and all(b is not None for b in bws) else None
 
     def with_(self, **changes) -> Machine:
         """A copy with fields replaced (e.g. measured flops attached)."""

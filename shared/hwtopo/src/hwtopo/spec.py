@@ -114,7 +114,11 @@ _DISK = _table(
 )
 _ACCEL = _table(
     Accelerator,
-    {"memory": ("memory_bytes", parse_bytes), "peak": ("peak_flops", _nonzero(parse_flops, "989TFLOPS"))},
+    {
+        "memory": ("memory_bytes", parse_bytes),
+        "peak": ("peak_flops", _nonzero(parse_flops, "989TFLOPS")),
+        "interconnect": ("interconnect_bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "450GB/s")),
+    },
     {"kind": _str, "name": _str},
 )
 _MACHINE = _table(
