@@ -175,6 +175,15 @@ def cmd_fit(a) -> int:
     return 0 if res.fits else 1
 
 
+def _log_axes(ax) -> None:
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.set(xscale="log", yscale="log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+
+
 def _plots(out: Path, ev: dict) -> list[str]:
     try:
         import matplotlib
@@ -191,9 +200,8 @@ def _plots(out: Path, ev: dict) -> list[str]:
         ax.scatter([1e3 * p["true"] for p in sel], [1e3 * p["pred"] for p in sel], label=prec, s=18)
     lim = [min(1e3 * p["true"] for p in pts) * 0.8, max(1e3 * p["true"] for p in pts) * 1.2]
     ax.plot(lim, lim, "k--", lw=1)
+    _log_axes(ax)
     ax.set(
-        xscale="log",
-        yscale="log",
         xlabel="measured step CPU time (ms)",
         ylabel="predicted (ms)",
         title="time: held-out families (measured)",
@@ -220,9 +228,8 @@ def _plots(out: Path, ev: dict) -> list[str]:
     )
     lim = [min(p["true"] for p in mp) / 2**20 * 0.5, max(p["true"] for p in mp) / 2**20 * 1.2]
     ax.plot(lim, lim, "k--", lw=1)
+    _log_axes(ax)
     ax.set(
-        xscale="log",
-        yscale="log",
         xlabel="MemTracker peak (MiB)",
         ylabel="predicted (MiB)",
         title="memory: predicted vs measured peak",
