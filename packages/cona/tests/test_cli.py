@@ -73,3 +73,18 @@ def test_strategies_lists_feasible_ones(capsys):
 def test_bad_spec_is_a_usage_error(capsys):
     assert main(["strategies", "--spec", "/nonexistent.toml"]) == 2
     assert "nonexistent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["simulate", "--spec", "no-such-spec"], "--spec"),
+        (["simulate", "--mfu", "-1"], "--mfu"),
+        (["simulate", "--top", "0"], "--top"),
+        (["simulate", "--noise-scale", "0"], "--noise-scale"),
+    ],
+)
+def test_simulate_usage_errors_exit_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1

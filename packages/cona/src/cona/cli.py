@@ -35,6 +35,14 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _load_spec(text: str) -> hwtopo.Cluster:
+    """The hwtopo spec named by --spec; a missing name or file is a usage error (exit 2)."""
+    try:
+        return hwtopo.load(text)
+    except (OSError, hwtopo.SpecError) as e:
+        raise UsageError(f"--spec: {e}") from None
+
+
 def _run_config(args, quick: bool):
     from .train import BenchConfig
 
@@ -217,7 +225,7 @@ def cmd_strategies(args) -> int:
     from .model import tiny_llama_config
     from .space import ModelDims, enumerate_strategies, memory_per_rank_bytes
 
-    cluster = hwtopo.load(args.spec) if args.spec else None
+    cluster = _load_spec(args.spec) if args.spec else None
     try:
         cfg = tiny_llama_config(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                                 intermediate=args.intermediate or 3 * args.hidden)  # fmt: skip
@@ -246,8 +254,16 @@ def cmd_simulate(args) -> int:
 
     if args.model not in PAPER_MODELS:
         raise UsageError(f"--model {args.model!r} is not one of {sorted(PAPER_MODELS)}")
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], not {args.mfu:g}")
+    if args.noise_scale <= 0:
+        raise UsageError(f"--noise-scale must be > 0, not {args.noise_scale:g}")
+    if args.reference_batch < 1:
+        raise UsageError(f"--reference-batch must be >= 1, not {args.reference_batch}")
+    if args.top < 1:
+        raise UsageError(f"--top must be >= 1, not {args.top}")
     dims = PAPER_MODELS[args.model]
-    cluster = hwtopo.load(args.spec)
+    cluster = _load_spec(args.spec)
     world = sum(len(m.accelerators) for m in cluster.machines) or len(cluster.machines)
     found = enumerate_strategies(dims, world, list(args.global_batches), list(args.micro_batches), cluster=cluster)
     budget = rank_memory_budget(cluster, world)
