@@ -54,6 +54,19 @@ def test_profile_cli_writes_dataset(tmp_path, capsys):
     assert len(rows) == 1 and rows[0]["peak_bytes"] > 0
 
 
+def test_grid_options_without_models_are_a_usage_error(tmp_path, capsys):
+    # --batches only applies with --models; silently profiling the built-in grid instead would mislead
+    assert main(["profile", "--batches", "1", "--out", str(tmp_path / "p.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "--batches" in err and "--models" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_bad_bandwidth_is_a_usage_error_even_without_dataset(capsys):
+    assert main(["predict", "gpt2-xs", "--bandwidth", "fast"]) == 2
+    assert "bandwidth" in capsys.readouterr().err
+
+
 def test_blockchain_bench_cli(tmp_path, capsys, monkeypatch):
     import sysprdict.blockchain.evaluate as ev
     from sysprdict.blockchain.fabricsim import SimParams, simulate_dataset

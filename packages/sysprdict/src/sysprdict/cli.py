@@ -79,16 +79,29 @@ def cmd_profile(a) -> int:
     from .dataset import save_rows
     from .profile import GridPoint, default_grid, profile_grid
 
+    grid_opts = {
+        "--batches": (a.batches, "2"),
+        "--precisions": (a.precisions, "fp32,bf16,fp16"),
+        "--optimizers": (a.optimizers, "adamw"),
+        "--world-sizes": (a.world_sizes, "1"),
+        "--seq-len": (a.seq_len, 32),
+        "--image-size": (a.image_size, 32),
+        "--checkpointing": (a.checkpointing or None, False),
+    }
     if a.models:
+        v = {k: default if given is None else given for k, (given, default) in grid_opts.items()}
         pts = [
-            GridPoint(m, b, a.seq_len, a.image_size, p, o, a.checkpointing, w)
+            GridPoint(m, b, v["--seq-len"], v["--image-size"], p, o, v["--checkpointing"], w)
             for m in _csv(a.models)
-            for b in _ints(a.batches, "batches")
-            for p in _csv(a.precisions)
-            for o in _csv(a.optimizers)
-            for w in _ints(a.world_sizes, "world-sizes")
+            for b in _ints(v["--batches"], "batches")
+            for p in _csv(v["--precisions"])
+            for o in _csv(v["--optimizers"])
+            for w in _ints(v["--world-sizes"], "world-sizes")
         ]
     else:
+        ignored = [k for k, (given, _) in grid_opts.items() if given is not None]
+        if ignored:
+            raise UsageError(f"{', '.join(ignored)}: only apply with --models; the built-in --grid fixes them")
         pts = default_grid(quick=a.grid == "quick")
     rows = profile_grid(pts, steps=a.steps, progress=not a.quiet)
     save_rows(a.out, rows, {"machine": hwtopo.to_dict(hwtopo.probe_cluster()), "sysprdict": __version__})
@@ -119,6 +132,7 @@ def cmd_predict(a) -> int:
     from .memory import TrainSetup, accelerate_style, predict_memory
     from .zoo import Shape, build
 
+    bw = hwtopo.parse_bandwidth(a.bandwidth, "bandwidth")  # validated even when unused (no --dataset)
     zm = build(a.model, image_size=a.image_size)
     d = decompose(zm, Shape(a.batch, a.seq_len, a.image_size), a.precision)
     setup = TrainSetup(a.optimizer, a.checkpointing, a.zero_stage, a.world_size)
@@ -138,7 +152,6 @@ def cmd_predict(a) -> int:
         tp = TimePredictor().fit(
             [decomposition_for(r) for r in rows], [r["step_cpu_s"] for r in rows], [r["optimizer"] for r in rows]
         )
-        bw = hwtopo.parse_bandwidth(a.bandwidth, "bandwidth")
         out["step_time_s"] = tp.predict_step(d, a.world_size, bandwidth_bytes_per_s=bw, optimizer=a.optimizer)
     if a.json:
         print(json.dumps(out, indent=2, default=str))
@@ -410,13 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="sysprdict-profile.jsonl", help="dataset file (JSON lines, written atomically)")
     p.add_argument("--grid", choices=["quick", "full"], default="quick", help="the built-in grid (when no --models)")
     p.add_argument("--models", default="", help="comma-separated zoo models (overrides --grid)")
-    p.add_argument("--batches", default="2", help="comma-separated batch sizes")
-    p.add_argument("--precisions", default="fp32,bf16,fp16", help="comma-separated: fp32,bf16,fp16,mixed")
-    p.add_argument("--optimizers", default="adamw", help="comma-separated: adamw,sgd")
-    p.add_argument("--world-sizes", default="1", help="comma-separated gloo data-parallel world sizes")
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--batches", help="with --models: comma-separated batch sizes (default 2)")
+    p.add_argument("--precisions", help="with --models: comma-separated fp32,bf16,fp16,mixed (default fp32,bf16,fp16)")
+    p.add_argument("--optimizers", help="with --models: comma-separated adamw,sgd (default adamw)")
+    p.add_argument("--world-sizes", help="with --models: comma-separated gloo data-parallel world sizes (default 1)")
+    p.add_argument("--seq-len", type=int, help="with --models: text tokens per sample (default 32)")
+    p.add_argument("--image-size", type=int, help="with --models: image side in pixels (default 32)")
+    p.add_argument("--checkpointing", action="store_true", help="with --models: gradient checkpointing")
     p.add_argument("--steps", type=int, default=3, help="timed steps per point (default 3)")
     p.set_defaults(fn=cmd_profile)
 
