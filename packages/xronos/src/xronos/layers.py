@@ -129,9 +129,6 @@ class _ParallelLinear(nn.Module):
     def shard_offset(self) -> int:
         return sum(self.sizes[: self.rank])
 
-    def _lora_shapes(self, r: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        raise NotImplementedError
-
     def enable_lora(self, r: int, alpha: float, generator: torch.Generator | None = None) -> None:
         """Add a LoRA adapter initialised from the *full* adapter (same seed on every rank), then sharded."""
         if r <= 0:
