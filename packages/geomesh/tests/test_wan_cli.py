@@ -43,6 +43,8 @@ def test_cli_usage_errors_exit_2(capsys, tmp_path):
     assert main(["bench", "--quick", "--cluster", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "speed" in err and "Traceback" not in err
+    assert main(["bench", "--quick", "--cluster", "no-such-spec"]) == 2
+    assert "--cluster" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["bench", "--nope"])
     assert e.value.code == 2

@@ -47,8 +47,8 @@ def _config(args, quick: bool):
     cfg = BenchConfig(**kw)
     try:
         cfg.validate()
-    except (ValueError, hwtopo.SpecError) as e:
-        raise UsageError(str(e)) from None
+    except (ValueError, hwtopo.SpecError, OSError) as e:  # OSError: no spec file or bundled name
+        raise UsageError(f"--cluster: {e}" if isinstance(e, OSError) else str(e)) from None
     return cfg
 
 
