@@ -59,3 +59,15 @@ def test_demo_writes_report_and_plot(tmp_path):
     report = (tmp_path / "d" / "report.md").read_text()
     assert "emulated" in report and "ttft_ratio_vs_serial" in report
     assert (tmp_path / "d" / "bandwidth.png").stat().st_size > 0
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
+    # a missing optional extra is reported with the install hint instead of silently skipping the plot
+    import sys
+
+    from kvpool.cli import _plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert _plot({}, tmp_path / "p.png") is False
+    assert "pip install 'kvpool[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()

@@ -147,6 +147,7 @@ def _plot(res: dict, path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("kvpool: matplotlib is not installed (pip install 'kvpool[plot]'); no plot written", file=sys.stderr)
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, mode in zip(axes, ("emulated", "raw")):
