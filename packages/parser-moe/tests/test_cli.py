@@ -77,3 +77,15 @@ def test_compress_writes_a_loadable_model(moe_dir, tmp_path, capsys):
     assert "reduction" in capsys.readouterr().out
     mods = compressed_modules(load_compressed(out))
     assert len(mods) == 2 and all(isinstance(m, CompressedExperts) and m.mode == "units" for m in mods.values())
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
+    # a missing optional extra is reported with the install hint instead of silently skipping the plot
+    import sys
+
+    from parser_moe.cli import _plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert _plot({}, tmp_path / "p.png") is False
+    assert "pip install 'parser-moe[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()

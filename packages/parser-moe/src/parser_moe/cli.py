@@ -96,6 +96,9 @@ def _plot(results: dict, path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(
+            "parser-moe: matplotlib is not installed (pip install 'parser-moe[plot]'); no plot written", file=sys.stderr
+        )
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict = {}
