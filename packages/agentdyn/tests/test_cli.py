@@ -18,6 +18,9 @@ from agentdyn.cli import main
         (["run", "coding", "--input", "{bad"], "--input"),
         (["run", "coding", "--llm-base-url", "localhost:1"], "--llm-base-url"),
         (["characterize", "--cores", "x"], "--cores"),
+        (["characterize", "--concurrency", "a"], "--concurrency: 'a'"),
+        (["characterize", "--cores", "0"], "--cores: '0'"),
+        (["characterize", "--llm-ttft", "-1"], "--llm-ttft: '-1'"),
     ],
 )
 def test_usage_errors_exit_2(argv, needle, capsys):

@@ -238,13 +238,22 @@ def cmd_characterize(args) -> int:
     from .characterize import CharacterizeConfig, characterize
     from .report import characterize_markdown, plot_characterize, write_report
 
+    def _list(text: str, flag: str, kind, minimum, what: str) -> tuple:
+        try:
+            vals = tuple(kind(x) for x in text.split(","))
+        except ValueError:
+            raise UsageError(f"{flag}: {text!r} is not a comma-separated list of {what}") from None
+        if min(vals) < minimum:
+            raise UsageError(f"{flag}: {text!r} must list {what}")
+        return vals
+
+    conc = _list(args.concurrency, "--concurrency", int, 1, "integers >= 1, e.g. 1,2,4")
+    ttft = _list(args.llm_ttft, "--llm-ttft", float, 0.0, "seconds >= 0, e.g. 0.3,0.05")
+    cores = _list(args.cores, "--cores", int, 1, "integers >= 1, e.g. 1,2")
     try:
-        conc = tuple(int(x) for x in args.concurrency.split(","))
-        ttft = tuple(float(x) for x in args.llm_ttft.split(","))
-        cores = tuple(int(x) for x in args.cores.split(","))
         cfg = CharacterizeConfig(concurrency=conc, llm_ttft_s=ttft, cores=cores, coding_work=args.coding_work)
     except ValueError as e:
-        raise UsageError(f"--concurrency/--llm-ttft/--cores: {e}") from None
+        raise UsageError(str(e)) from None
     out = asyncio.run(characterize(cfg, progress=_progress(args)))
     os.makedirs(args.out, exist_ok=True)
     plots = plot_characterize(out, args.out)
