@@ -11,6 +11,9 @@ def test_usage_errors_exit_2(capsys):
     assert main(["bench", "--quick", "--tokens", "100"]) == 2
     assert "tokens must exceed chunk_tokens" in capsys.readouterr().err
     assert main(["serve", "--layout", "bad"]) == 2
+    capsys.readouterr()
+    assert main(["bench", "--quick", "--workdir", "/proc/no-such-dir"]) == 2
+    assert "--workdir" in capsys.readouterr().err
     assert main(["frobnicate"]) == 2
 
 

@@ -175,6 +175,13 @@ def _run_bench(args) -> dict:
     from .bench import run_bench
 
     cfg = _config(args)
+    if args.workdir:  # checked before the model is built, and named, instead of a bare errno later
+        try:
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--workdir: cannot create {args.workdir} ({e.strerror or e})") from None
+        if not os.access(args.workdir, os.W_OK | os.X_OK):
+            raise UsageError(f"--workdir: {args.workdir} is not a writable directory")
     return run_bench(cfg, workdir=args.workdir, progress=_progress(args.quiet))
 
 
