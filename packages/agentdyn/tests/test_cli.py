@@ -35,6 +35,14 @@ def test_unknown_command_is_argparse_usage_error():
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("cmd", ["serve", "llm-emulator"])
+def test_bad_port_is_a_usage_error_before_any_work(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--port", "99999"])
+    assert e.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
 def test_run_one_request_in_process():
     p = subprocess.run(
         [

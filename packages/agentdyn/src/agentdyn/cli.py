@@ -33,6 +33,17 @@ def _write_json(path: str, obj: dict) -> None:
     hwtopo.atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port (0 = any free port), so a bad one fails before any work starts."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
+    return port
+
+
 def _positive(name: str, value: float) -> None:
     if value is not None and not value > 0:
         raise UsageError(f"--{name} must be > 0, not {value!r}")
@@ -305,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="the agent runtime as an HTTP service")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--port", type=_port, default=8080)
     s.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to finish in-flight requests on SIGTERM")
     _llm_options(s)
     s.set_defaults(fn=cmd_serve)
@@ -318,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("llm-emulator", help="the OpenAI-compatible LLM emulator")
     e.add_argument("--host", default="127.0.0.1")
-    e.add_argument("--port", type=int, default=8000)
+    e.add_argument("--port", type=_port, default=8000)
     e.add_argument("--ttft", type=float, default=0.4, help="median time to first token, s")
     e.add_argument("--tokens-per-s", type=float, default=60.0)
     e.add_argument("--seed", type=int, default=0)
