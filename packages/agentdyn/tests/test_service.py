@@ -212,3 +212,29 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
     assert rc == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/healthz", timeout=2)
+
+
+def test_port_in_use_still_stops_the_harness():
+    # serve() must release the emulator, site and LLM session when it cannot bind, not leak them
+    import socket
+
+    from agentdyn.service import serve
+
+    async def go():
+        h = Harness(emulator=_fast(), site_pages=30)
+        calls = []
+        real_stop = h.stop
+
+        async def stop():
+            calls.append("stop")
+            await real_stop()
+
+        h.stop = stop
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+            with pytest.raises(OSError):
+                await serve(h, "127.0.0.1", s.getsockname()[1])
+        return calls
+
+    assert asyncio.run(go()) == ["stop"]

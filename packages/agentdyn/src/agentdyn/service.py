@@ -98,30 +98,34 @@ async def serve(
     """Run until SIGTERM/SIGINT, then drain. ``await setup(harness)`` runs after start (e.g. to
     calibrate and install a policy); ``ready(url)`` is called once listening."""
     await harness.start()
-    if setup is not None:
-        await setup(harness)
-    app = make_app(harness)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    url = f"http://{host}:{bound}"
-    if ready is not None:
-        ready(url)
-    await stop.wait()
-    app[STATE]["draining"] = True
-    log.info("draining: %d request(s) in flight", harness.runtime.inflight)
-    t0 = time.monotonic()
-    while harness.runtime.inflight and time.monotonic() - t0 < drain_timeout_s:
-        await asyncio.sleep(0.05)
-    left = harness.runtime.inflight
-    await runner.cleanup()
-    await harness.stop()
+    runner = None
+    try:  # a failed setup or bind (port in use) still stops the harness: no leaked sessions or tools
+        if setup is not None:
+            await setup(harness)
+        app = make_app(harness)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        url = f"http://{host}:{bound}"
+        if ready is not None:
+            ready(url)
+        await stop.wait()
+        app[STATE]["draining"] = True
+        log.info("draining: %d request(s) in flight", harness.runtime.inflight)
+        t0 = time.monotonic()
+        while harness.runtime.inflight and time.monotonic() - t0 < drain_timeout_s:
+            await asyncio.sleep(0.05)
+        left = harness.runtime.inflight
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await harness.stop()
     if left:
         log.warning("drain timed out with %d request(s) in flight; their tools were killed", left)
         return 1
