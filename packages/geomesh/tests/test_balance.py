@@ -61,6 +61,10 @@ def test_bad_input_names_the_field():
         plan(_profiles((1,)), seq_len=0, target_tokens=100)
     with pytest.raises(BalanceError, match="target_tokens"):
         plan(_profiles((1, 1)), seq_len=64, target_tokens=100)
+    with pytest.raises(BalanceError, match="preferred_batch"):
+        plan(_profiles((1, 1)), seq_len=4, target_tokens=100, preferred_batch=0)
+    with pytest.raises(BalanceError, match="preferred_steps"):
+        plan(_profiles((1, 1)), seq_len=4, target_tokens=100, preferred_steps=0)
 
 
 def test_profiles_from_hwtopo_cluster():

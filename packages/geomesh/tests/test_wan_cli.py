@@ -57,6 +57,8 @@ def test_cli_plan_table(capsys):
         assert name in out
     assert main(["plan", "--cluster", "geo-3region", "--memory-per-sample", "20GiB"]) == 2
     assert "batch 1" in capsys.readouterr().err
+    assert main(["plan", "--batch", "0"]) == 2
+    assert "--batch" in capsys.readouterr().err
 
 
 def test_init_from_env_without_torchrun_is_a_clear_error(monkeypatch):

@@ -167,6 +167,10 @@ def plan(
         raise BalanceError(f"max_batch: {max_batch!r} must be >= 1")
     if min_steps < 1:
         raise BalanceError(f"min_steps: {min_steps!r} must be >= 1")
+    if preferred_batch is not None and preferred_batch < 1:
+        raise BalanceError(f"preferred_batch: {preferred_batch!r} must be >= 1 (or None: the largest that fits)")
+    if preferred_steps is not None and preferred_steps < 1:
+        raise BalanceError(f"preferred_steps: {preferred_steps!r} must be >= 1 (or None)")
     caps = [_batch_cap(p, memory, max_batch) for p in profiles]
     ref = [min(c, preferred_batch) if preferred_batch else min(c, 8) for c in caps]
     # the phase T at which the workers, running near their reference batch, make the target together

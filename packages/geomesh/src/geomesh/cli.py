@@ -160,6 +160,8 @@ def cmd_plan(args) -> int:
         cluster = hwtopo.load(args.cluster)
     except (hwtopo.SpecError, OSError, ValueError) as e:
         raise UsageError(f"--cluster: {e}") from None
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch must be >= 1 (or omitted: the largest that fits), not {args.batch}")
     profiles = profiles_from_cluster(cluster, args.tokens_per_s)
     mem = MemoryModel(hwtopo.parse_bytes(args.fixed_memory), hwtopo.parse_bytes(args.memory_per_sample))
     p = plan(profiles, args.seq_len, args.target_tokens, memory=mem, preferred_batch=args.batch)
