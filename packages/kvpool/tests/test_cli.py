@@ -11,6 +11,8 @@ def test_usage_errors_exit_2(capsys):
     assert main(["bench", "--quick", "--tokens", "100"]) == 2
     assert "tokens must exceed chunk_tokens" in capsys.readouterr().err
     assert main(["serve", "--layout", "bad"]) == 2
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "--port must be a port number" in capsys.readouterr().err
     capsys.readouterr()
     assert main(["bench", "--quick", "--workdir", "/proc/no-such-dir"]) == 2
     assert "--workdir" in capsys.readouterr().err

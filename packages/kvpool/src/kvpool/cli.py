@@ -16,6 +16,17 @@ class UsageError(Exception):
     """Bad command-line input: exit 2 with one line."""
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port (0 = any free port), checked before devices are built and measured."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be a port number 0-65535, not {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be a port number 0-65535, not {text!r}")
+    return v
+
+
 def _positive_int(name: str):
     def parse(text: str) -> int:
         try:
@@ -71,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     common(b)
     s = sub.add_parser("serve", help="serve one pool over HTTP (put/get/lookup/stats) to several processes")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8470)
+    s.add_argument("--port", type=_port, default=8470)
     s.add_argument("--ssd", action="append", default=[], help="an SSD directory (repeat for several)")
     s.add_argument("--memory-modules", type=int, default=2)
     s.add_argument("--memory-bytes", type=_bytes, default=_bytes("256MiB"), help="per memory module")
