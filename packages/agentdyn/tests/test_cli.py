@@ -18,6 +18,7 @@ from agentdyn.cli import main
         (["run", "coding", "--input", "{bad"], "--input"),
         (["run", "coding", "--llm-base-url", "localhost:1"], "--llm-base-url"),
         (["characterize", "--cores", "x"], "--cores"),
+        (["run", "web_search", "--site-pages", "0"], "--site-pages"),
         (["characterize", "--concurrency", "a"], "--concurrency: 'a'"),
         (["characterize", "--cores", "0"], "--cores: '0'"),
         (["characterize", "--llm-ttft", "-1"], "--llm-ttft: '-1'"),

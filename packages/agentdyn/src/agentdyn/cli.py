@@ -80,6 +80,7 @@ def _harness(args):
     from .runtime import Harness
 
     _positive("tool-timeout", args.tool_timeout)
+    _positive("site-pages", args.site_pages)  # 0 pages would leave web_search nothing to crawl
     return Harness(
         emulator=_emulator(args),
         llm=_llm(args),
