@@ -60,6 +60,8 @@ def test_grid_options_without_models_are_a_usage_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--batches" in err and "--models" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "p.jsonl").exists()
+    assert main(["profile", "--models", "gpt2-xs", "--steps", "0", "--out", str(tmp_path / "p.jsonl")]) == 2
+    assert "--steps" in capsys.readouterr().err
 
 
 def test_bad_bandwidth_is_a_usage_error_even_without_dataset(capsys):

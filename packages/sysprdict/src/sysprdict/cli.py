@@ -79,6 +79,8 @@ def cmd_profile(a) -> int:
     from .dataset import save_rows
     from .profile import GridPoint, default_grid, profile_grid
 
+    if a.steps < 1:
+        raise UsageError(f"--steps: {a.steps} must be >= 1 timed step per point")
     grid_opts = {
         "--batches": (a.batches, "2"),
         "--precisions": (a.precisions, "fp32,bf16,fp16"),
