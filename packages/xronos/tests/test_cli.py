@@ -31,3 +31,7 @@ def test_usage_errors_exit_2_with_one_line(capsys):
     assert "--cpu-share" in capsys.readouterr().err
     assert main(["train", "--data", "/nonexistent/file.txt", "--steps", "1"]) == 2
     assert "--data" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--steps", "0", "--quiet"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert main(["demo", "--steps", "0", "--quiet"]) == 2
+    assert "--steps" in capsys.readouterr().err

@@ -204,6 +204,8 @@ def _run_compare(args, cfg, speeds, variants):
 def cmd_demo(args) -> int:
     speeds = _speeds(args.speeds)
     cfg = _cfg(args, lora_r=8)
+    if cfg.steps < 1:
+        raise UsageError(f"--steps must be >= 1 to compare step times, not {cfg.steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.quiet:
@@ -249,6 +251,8 @@ def cmd_bench(args) -> int:
 
     speeds = _speeds(args.speeds) if args.speeds else ([1.0, 0.5] if args.quick else [1.0, 0.7, 0.4])
     cfg = _cfg(args)
+    if cfg.steps < 1:
+        raise UsageError(f"--steps must be >= 1 to compare step times, not {cfg.steps}")
     if not args.quiet:
         print(f"xronos bench: {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps", file=sys.stderr)
     results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp", "pp"])
