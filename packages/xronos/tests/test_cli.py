@@ -35,3 +35,15 @@ def test_usage_errors_exit_2_with_one_line(capsys):
     assert "--steps" in capsys.readouterr().err
     assert main(["demo", "--steps", "0", "--quiet"]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
+    import xronos.cli as cli
+
+    def boom(args):
+        raise KeyError("rank3")
+
+    monkeypatch.setattr(cli, "cmd_partition", boom)
+    assert cli.main(["partition"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "xronos: error: KeyError: 'rank3'"

@@ -459,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"xronos: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - anything else is a runtime failure too: one line unless --debug
+        if args.debug:
+            raise
+        print(f"xronos: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
