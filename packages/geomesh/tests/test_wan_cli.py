@@ -69,3 +69,15 @@ def test_init_from_env_without_torchrun_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(GeoMeshError, match="MASTER_ADDR"):
         init_from_env()
+
+
+def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
+    import geomesh.cli as cli
+
+    def boom(args):
+        raise KeyError("use-a100")
+
+    monkeypatch.setattr(cli, "cmd_plan", boom)
+    assert cli.main(["plan"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "geomesh: error: KeyError: 'use-a100'"

@@ -233,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"geomesh: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - anything else is a runtime failure too: one line unless --debug
+        if args.debug:
+            raise
+        print(f"geomesh: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
