@@ -165,5 +165,7 @@ def test_bad_file_errors(tmp_path):
         hwtopo.load(p)
     with pytest.raises(SpecError, match=r"\.json or \.toml"):
         hwtopo.load(tmp_path / "x.yaml")
-    with pytest.raises(FileNotFoundError, match="examples are"):
+    with pytest.raises(SpecError, match="examples are"):
         hwtopo.load("no-such-example")
+    with pytest.raises(SpecError, match="cannot read"):
+        hwtopo.load(tmp_path / "missing.json")

@@ -47,8 +47,9 @@ def _config(args, quick: bool):
     cfg = BenchConfig(**kw)
     try:
         cfg.validate()
-    except (ValueError, hwtopo.SpecError, OSError) as e:  # OSError: no spec file or bundled name
-        raise UsageError(f"--cluster: {e}" if isinstance(e, OSError) else str(e)) from None
+    except (ValueError, OSError) as e:  # SpecError (a ValueError) or OSError: the --cluster spec
+        spec_problem = isinstance(e, (hwtopo.SpecError, OSError))
+        raise UsageError(f"--cluster: {e}" if spec_problem else str(e)) from None
     return cfg
 
 

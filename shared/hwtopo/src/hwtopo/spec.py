@@ -292,7 +292,10 @@ def load(path: str | os.PathLike) -> Cluster:
     if not p.exists() and p.suffix == "" and os.sep not in str(path):
         from .examples import example_path
 
-        p = example_path(str(path))
+        try:
+            p = example_path(str(path))
+        except FileNotFoundError as e:
+            raise SpecError("", str(e)) from None
     if p.suffix not in (".json", ".toml"):
         raise SpecError("", f"{str(p)!r}: spec files must end in .json or .toml")
     try:
