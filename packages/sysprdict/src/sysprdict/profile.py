@@ -107,12 +107,9 @@ def profile_grid(points: Iterable[GridPoint], steps: int = 3, progress: bool = T
     """Measure every point; a failing point is logged and skipped, never silently replaced."""
     points = list(points)
     rows = []
-    try:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        it = tqdm(points, desc="profile", disable=not progress, leave=False)
-    except ImportError:  # pragma: no cover
-        it = points
+    it = tqdm(points, desc="profile", disable=not progress, leave=False)
     for p in it:
         rows.append(run_point(p, steps))
     return rows
