@@ -118,9 +118,10 @@ def run_bench(
     h = HEADLINE_RATIO if HEADLINE_RATIO in ratios else ratios[len(ratios) // 2]
     par = results[f"parser@{h}"]
 
-    def gap_ratio(method: str) -> float:
+    def gap_ratio(method: str) -> float | None:
+        """other gap / PARSER gap; None (JSON null) when PARSER has no gap left to divide by."""
         other = results[f"{method}@{h}"]
-        return other["gap"] / par["gap"] if par["gap"] > 0 else float("inf")
+        return other["gap"] / par["gap"] if par["gap"] > 0 else None
 
     mem = {results[f"{m}@{h}"]["expert_bytes"] for m in METHODS}
     headline = {

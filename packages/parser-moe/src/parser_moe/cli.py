@@ -145,7 +145,7 @@ def cmd_bench(args) -> int:
     print()
     print("\n".join(_headline_rows(res["headline"])))
     if args.json:
-        hwtopo.atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n")
+        hwtopo.atomic_write_text(args.json, json.dumps(doc, indent=2, allow_nan=False) + "\n")
         print(f"wrote {args.json}")
     return 0
 
