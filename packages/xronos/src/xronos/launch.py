@@ -110,6 +110,19 @@ def _worker(rank, world_size, port, fn, args, out_dir, speed, pg_timeout_s):
         pass
 
 
+_PEER_FAILURES = ("Timeout", "timed out", "Connection reset", "Connection closed", "Broken pipe", "gloo/transport")
+
+
+def _first_line(path: Path) -> str:
+    """The one-line error a rank wrote before exiting ('' if it wrote none)."""
+    return path.read_text().split("\n\n")[0] if path.exists() else ""
+
+
+def _is_peer_failure(msg: str) -> bool:
+    """True for errors a rank gets because another rank died (not its own root cause)."""
+    return any(s in msg for s in _PEER_FAILURES)
+
+
 def spawn(
     fn,
     world_size: int,
@@ -140,12 +153,16 @@ def spawn(
                 codes = [p.exitcode for p in procs]
                 bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 if bad:
-                    # prefer the rank that reported an error of its own over ranks that timed out after it
-                    errs = {r: (Path(tmp) / f"rank{r}.err") for r, _ in bad}
-                    first = next((r for r, _ in bad if errs[r].exists() and "Timeout" not in errs[r].read_text()), None)
-                    if first is None:
-                        first = bad[0][0]
-                    msg = errs[first].read_text().split("\n\n")[0] if errs[first].exists() else ""
+                    # peers of a failed rank fail too (connection reset, timeout): give them a moment to
+                    # exit, then name the rank whose error is its own rather than a consequence
+                    grace = time.monotonic() + 3.0
+                    while time.monotonic() < grace and any(p.exitcode is None for p in procs):
+                        time.sleep(0.05)
+                    codes = [p.exitcode for p in procs]
+                    bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                    errs = {r: _first_line(Path(tmp) / f"rank{r}.err") for r, _ in bad}
+                    first = next((r for r, _ in bad if errs[r] and not _is_peer_failure(errs[r])), bad[0][0])
+                    msg = errs[first]
                     code = codes[first]
                     detail = msg or f"exited with code {code}" + (" (killed by a signal)" if code < 0 else "")
                     raise WorkerError(f"rank {first} failed: {detail}")
