@@ -78,6 +78,14 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, th
         raise SystemExit(1) from None
 
 
+_PEER_FAILURES = ("Timeout", "timed out", "Connection reset", "Connection closed", "Broken pipe", "gloo/transport")
+
+
+def _is_peer_failure(msg: str) -> bool:
+    """True for errors a rank gets because another rank died, not its own root cause."""
+    return any(s in msg for s in _PEER_FAILURES)
+
+
 def spawn(
     fn: Callable[..., Any],
     world: int,
@@ -145,7 +153,8 @@ def spawn(
                 while time.monotonic() < end:
                     take(0.1)
                 silent = dead_silent()
-                error = silent or f"rank {errors[0][0]} failed: {errors[0][1]}"
+                own = [e for e in errors if not _is_peer_failure(e[1])] or errors
+                error = silent or f"rank {own[0][0]} failed: {own[0][1]}"
                 break
             if time.monotonic() > deadline:
                 missing = [r for r in range(world) if r not in got]
