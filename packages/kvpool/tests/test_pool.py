@@ -224,13 +224,17 @@ def test_chunks_being_read_are_never_evicted(tmp_path):
     d.mkdir()
     gate = threading.Event()
     ssd = PassthroughStore("ssd0", d, 6 * 3 * 4096)  # six chunks: 3 units of 2 KiB + header, 4 KiB each
-    real_read = ssd.read
+    real_read, real_read_many = ssd.read, ssd.read_many
 
     def slow_read(name, staging=None):
         gate.wait(60)  # hold the retrieval in flight until the test lets it go
         return real_read(name, staging)
 
-    ssd.read = slow_read
+    def slow_read_many(names, stagings, *args, **kwargs):
+        gate.wait(60)  # retrieval reads coalesced runs through read_many
+        return real_read_many(names, stagings, *args, **kwargs)
+
+    ssd.read, ssd.read_many = slow_read, slow_read_many
     with KVPool([ssd], LAY, "m", {"ssd0": 1e9}) as pool:
         a, ka = list(range(96)), make_kv(96, 1)
         pool.put(a, ka)
