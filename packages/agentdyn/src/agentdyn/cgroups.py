@@ -13,7 +13,6 @@ import atexit
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import hwtopo
@@ -46,39 +45,6 @@ def cpu_writable() -> bool:
     return _cpu_root() is not None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove(group: Path) -> bool:
-    parent = group.parent / "cgroup.procs"
-    for _ in range(50):
-        try:
-            pids = (group / "cgroup.procs").read_text().split()
-        except OSError:
-            pids = []
-        for p in pids:
-            try:
-                parent.write_text(p)
-            except OSError:
-                pass
-        try:
-            group.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError:
-            time.sleep(0.02)
-    log.warning("could not remove cgroup %s", group)
-    return False
-
-
 def cleanup_stale() -> list[str]:
     """Remove agentdyn groups whose creating process has died."""
     removed = []
@@ -91,7 +57,7 @@ def cleanup_stale() -> list[str]:
                 owner = int(g.name[len(PREFIX) :].split("-")[0])
             except ValueError:
                 continue
-            if owner != os.getpid() and not _alive(owner) and _remove(g):
+            if owner != os.getpid() and not hwtopo.pid_alive(owner) and hwtopo.remove_cgroup(g):
                 removed.append(str(g))
     return removed
 
@@ -132,7 +98,7 @@ class CpuGroup:
                     self.methods.append("cgroup-v1-cpuset")
                 except OSError:
                     log.warning("cpuset group %s failed; using sched_setaffinity", tag, exc_info=True)
-                    _remove(p)
+                    hwtopo.remove_cgroup(p)
                     self.methods.append("affinity")
             else:
                 self.methods.append("affinity")
@@ -151,7 +117,7 @@ class CpuGroup:
                     self.methods.append("cgroup-v1-cpu")
                 except OSError:
                     log.warning("cpu group %s failed; using hwtopo.throttle", tag, exc_info=True)
-                    _remove(p)
+                    hwtopo.remove_cgroup(p)
                     self.methods.append("hwtopo-throttle" if quota_cores is not None else "none")
             elif quota_cores is not None:
                 self.methods.append("hwtopo-throttle")
@@ -190,7 +156,7 @@ class CpuGroup:
         for t in self._throttles:
             t.close()
         for p in self._paths:
-            _remove(p)
+            hwtopo.remove_cgroup(p)
         with _lock:
             _live.pop(self._tag, None)
 

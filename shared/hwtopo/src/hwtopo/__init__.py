@@ -4,7 +4,17 @@ Model (frozen dataclasses, SI units in field names), declarative specs (JSON/TOM
 machine, light measurements, and emulation of slower CPUs and links on one machine.
 """
 
-from .emulate import CpuThrottle, LinkShaper, ShapedWriter, TokenBucket, cgroup_available, cleanup_stale, throttle
+from .emulate import (
+    CpuThrottle,
+    LinkShaper,
+    ShapedWriter,
+    TokenBucket,
+    cgroup_available,
+    cleanup_stale,
+    pid_alive,
+    remove_cgroup,
+    throttle,
+)
 from .measure import DiskResult, MatmulResult, attach, disk_bandwidth, matmul_flops, memcpy_bandwidth
 from .model import Accelerator, Cluster, Disk, Link, Machine, NumaNode
 from .probe import parse_cpulist, probe, probe_cluster, usable_cpus
@@ -57,8 +67,10 @@ __all__ = [
     "parse_cpulist",
     "parse_duration",
     "parse_flops",
+    "pid_alive",
     "probe",
     "probe_cluster",
+    "remove_cgroup",
     "save",
     "throttle",
     "to_dict",

@@ -30,6 +30,8 @@ __all__ = [
     "throttle",
     "cgroup_available",
     "cleanup_stale",
+    "pid_alive",
+    "remove_cgroup",
     "TokenBucket",
     "LinkShaper",
     "ShapedWriter",
@@ -65,7 +67,8 @@ def cgroup_available() -> bool:
     return _cgroup_root() is not None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists (also when it belongs to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -82,8 +85,8 @@ def _procs(group: Path) -> list[int]:
         return []
 
 
-def _remove_group(group: Path) -> bool:
-    """Move any remaining processes to the parent group, then rmdir. True when removed."""
+def remove_cgroup(group: Path) -> bool:
+    """Move a cgroup's remaining processes to its parent, then rmdir it. True when removed."""
     parent = group.parent / "cgroup.procs"
     for _ in range(50):
         for pid in _procs(group):
@@ -114,8 +117,8 @@ def cleanup_stale() -> list[str]:
             owner = int(group.name[len(PREFIX) :].split("-")[0])
         except ValueError:
             continue
-        if owner != os.getpid() and not _pid_alive(owner):
-            if _remove_group(group):
+        if owner != os.getpid() and not pid_alive(owner):
+            if remove_cgroup(group):
                 removed.append(group.name)
     if removed:
         log.info("removed %d stale hwtopo cgroup(s): %s", len(removed), removed)
@@ -176,13 +179,13 @@ class CpuThrottle:
                 self._watchdog.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._watchdog.kill()
-            if _pid_alive(self.pid):
+            if pid_alive(self.pid):
                 try:
                     os.kill(self.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
         if self.group is not None:
-            _remove_group(self.group)
+            remove_cgroup(self.group)
             with _lock:
                 _live.pop(str(self.group), None)
 
@@ -240,7 +243,7 @@ def throttle(
                 (group / "cpu.max").write_text(f"{quota} {period_us}")
             (group / "cgroup.procs").write_text(str(pid))
         except OSError:
-            _remove_group(group)
+            remove_cgroup(group)
             if method == "cgroup":
                 raise
             log.warning("cgroup set-up failed; falling back to a duty-cycle throttle", exc_info=True)
