@@ -97,18 +97,9 @@ def _text_config(family: str, size: str, max_pos: int = 2048):
     import transformers as T
 
     h, i, n, a = SIZES[size]
-    if family == "llama":
-        return T.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=h,
-            intermediate_size=i,
-            num_hidden_layers=n,
-            num_attention_heads=a,
-            num_key_value_heads=max(1, a // 2),
-            max_position_embeddings=max_pos,
-        )
-    if family == "qwen2":
-        return T.Qwen2Config(
+    if family in ("llama", "qwen2"):
+        cls = T.LlamaConfig if family == "llama" else T.Qwen2Config
+        return cls(
             vocab_size=VOCAB,
             hidden_size=h,
             intermediate_size=i,
