@@ -172,18 +172,24 @@ def bench(session: nox.Session) -> None:
     out.mkdir(exist_ok=True)
     wanted = session.posargs or PACKAGES
     _install(session, str(HWTOPO), *(f"{ROOT / 'packages' / p}" for p in wanted))
-    collected: dict = {}
+    # A run for some packages keeps the others' last results; each entry says when it was measured.
+    previous = out / "bench.json"
+    collected: dict = json.loads(previous.read_text()) if session.posargs and previous.exists() else {}
     for name in wanted:
         script = _script(name)
         if not _has_command(session, script, "bench"):
             session.log(f"{name}: no bench yet, skipped")
             continue
         path = out / f"{name}.json"
+        started = _dt.datetime.now()
         session.run(script, "bench", "--quick", "--json", str(path), external=True)
         collected[name] = json.loads(path.read_text())
+        collected[name]["measured_at"] = started.strftime("%Y-%m-%d %H:%M")
+        collected[name]["bench_wall_s"] = round((_dt.datetime.now() - started).total_seconds(), 1)
+    collected = {p: collected[p] for p in PACKAGES if p in collected}
     _write(out / "bench.json", json.dumps(collected, indent=2) + "\n")
     rows = ["| package | headline key | value |", "|---|---|---|"]
-    for name, res in collected.items():
+    for name, res in sorted(collected.items()):
         for key, value in res.get("headline", {}).items():
             v = f"{value:.4g}" if isinstance(value, float) else str(value)
             rows.append(f"| {name} | `{key}` | {v} |")
