@@ -12,6 +12,7 @@ from cona.space import Strategy, StrategyError
 
 SEQ = 32
 LR = 3e-3
+CLIP = 0.5  # below the first step's gradient norm (checked), so clipping is active
 EPS = 1e-4  # Adam divides by sqrt(v)+eps: a tiny eps turns fp-order noise in ~0 gradients into +-lr steps
 STRATEGIES = [
     Strategy(2, 1, 1, 2, 8),  # dp with accumulation
@@ -38,6 +39,10 @@ def _worker(rank, world, ckpt_dir):
         r2 = ex.train_step(b1)
         out["per"][s.name] = {"loss": [r1.loss, r2.loss], "grads": g1, "state": ex.full_state(),
                               "gns": (r1.sq_small, r1.b_small, r1.sq_big, r1.b_big)}  # fmt: skip
+        clipped = Executor(s, cfg, st0, lr=LR, eps=EPS, clip_norm=CLIP)
+        rc = clipped.train_step(b0)
+        out["per"][s.name]["clip"] = {"norm": rc.grad_norm, "coef": rc.clip_coef, "grads": clipped.full_grads(),
+                                      "state": clipped.full_state()}  # fmt: skip
     # resharding: every ordered pair, in memory and through a checkpoint, then keep training
     for a in STRATEGIES:
         ex_a = Executor(a, cfg, st0, lr=LR, eps=EPS)
@@ -88,7 +93,19 @@ def reference():
         opt.step()
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"loss": losses, "grads": grads, "params": params}
+    return {"loss": losses, "grads": grads, "params": params, "clip": _clipped_reference()}
+
+
+def _clipped_reference():
+    """One AdamW step after torch's own global-norm clipping, on the unsharded model."""
+    model = build_model(tiny_llama_config(), 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0)
+    ids = _data().samples(0, 8)
+    model(input_ids=ids, labels=ids).loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    return {"norm": norm, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 @pytest.mark.slow
@@ -110,6 +127,19 @@ def test_executor_matches_single_process_reference(results, reference, name):
     want = sum(_sq_grad(range(d * per + first, d * per + first + s.micro_batch)) for d in range(s.dp)) / s.dp
     assert sq_small == pytest.approx(want, rel=1e-4)
     assert sq_big == pytest.approx(_sq_grad(range(8)), rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in STRATEGIES])
+def test_gradient_clipping_uses_the_global_norm_across_shards_and_replicas(results, reference, name):
+    got, ref = results["per"][name]["clip"], reference["clip"]
+    assert ref["norm"] > 2 * CLIP  # clipping really acts: a per-shard norm would scale differently
+    assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+    assert got["coef"] == pytest.approx(CLIP / (ref["norm"] + 1e-6), rel=1e-5)
+    for n, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-7, msg=f"{name}: clipped grad {n}")
+    for n, p in ref["params"].items():
+        torch.testing.assert_close(got["state"].tensors["param"][n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
 
 
 def _sq_grad(rows):

@@ -9,6 +9,7 @@ from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
 from cona.space import Strategy
 
 FIRST = Strategy(2, 2, 1, 2, 8)
+CLIP = 0.5
 THEN = [Strategy(2, 1, 2, 2, 8), Strategy(1, 2, 2, 2, 8), Strategy(4, 1, 1, 1, 8)]
 
 
@@ -28,6 +29,10 @@ def _worker(rank, world):
         exact = ex.full_state().equal(state)
         r = ex.compute_grads(ids)
         out[s.name] = (exact, r.loss, ex.full_grads())
+    for s in [FIRST, *THEN]:  # one clipped step from the initial state in every layout
+        ex = Executor(s, cfg, initial_state(cfg, 0), lr=1e-3, eps=1e-4, clip_norm=CLIP)
+        r = ex.train_step(ids)
+        out["clip", s.name] = (r.grad_norm, ex.full_state().tensors["param"])
     return out if rank == 0 else None
 
 
@@ -36,6 +41,7 @@ def test_four_rank_combinations_match_reference_and_reshard_exactly():
     got = launch(_worker, 4, timeout_s=500)[0]
     model = build_model(tiny_llama_config(), 0)
     ids = _ids()
+    _check_clipped(got, ids)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert got["first"][0] == pytest.approx(float(loss.detach()), rel=1e-5)
@@ -52,3 +58,18 @@ def test_four_rank_combinations_match_reference_and_reshard_exactly():
         assert l2 == pytest.approx(float(loss.detach()), rel=1e-5), s.name
         for n, p in model.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-3, atol=2e-5, msg=f"{s.name}: {n}")
+
+
+def _check_clipped(got, ids):
+    """Global-norm clipping across dp replicas, tp shards and pp stages equals torch's on one process."""
+    model = build_model(tiny_llama_config(), 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    assert norm > 2 * CLIP
+    opt.step()
+    for s in [FIRST, *THEN]:
+        got_norm, params = got["clip", s.name]
+        assert got_norm == pytest.approx(norm, rel=1e-5), s.name
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-4, atol=1e-5, msg=f"{s.name} clipped: {n}")

@@ -128,14 +128,21 @@ class StepResult:
     compute_s: float
     gns_s: float
     timings: dict = field(default_factory=dict)
+    grad_norm: float | None = None  # global L2 norm of the whole (unsharded) gradient, before clipping
+    clip_coef: float = 1.0  # the factor the gradients were scaled by (1.0: not clipped)
 
 
 class Executor:
     """Holds this rank's shard of model + AdamW state for one strategy and runs training steps."""
 
     def __init__(self, strategy: Strategy, config, state: FullState, lr: float = 1e-3, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:  # fmt: skip
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 clip_norm: float | None = None) -> None:  # fmt: skip
         from .model import build_model
+
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {clip_norm}")
+        self.clip_norm = clip_norm
 
         world, rank = dist.get_world_size(), dist.get_rank()
         check_strategy(strategy, ModelDims.from_config(config, 1), world)
@@ -331,17 +338,41 @@ class Executor:
         loss_sum, sq_small, gns_s = self._forward_backward(mbs, want)
         self._dp_allreduce()
         t1 = time.perf_counter()
-        sq_big = self._sq_norm() if want else 0.0
-        gns_s += time.perf_counter() - t1
+        # |G_B|^2 of the whole model: each rank sums the squares of the gradient elements it owns (its
+        # tensor-parallel shards; replicated tensors on tp rank 0 only; its pipeline stage), the world
+        # all-reduce adds them up, and dividing by dp removes the dp identical replicas
+        need_norm = want or self.clip_norm is not None
+        sq_big = self._sq_norm() if need_norm else 0.0
+        if want:
+            gns_s += time.perf_counter() - t1
         loss_part = loss_sum if (self.last and self.t == 0) else 0.0
         red = torch.tensor([loss_part, sq_small, sq_big], dtype=torch.float64)
         dist.all_reduce(red)
         loss, sq_small, sq_big = (red / s.dp).tolist()
+        norm = sq_big**0.5 if need_norm else None
+        coef = self._clip(norm)
         compute_s = time.perf_counter() - t0 - gns_s
         b_small = mbs[0].shape[0] if want else s.micro_batch
         return StepResult(
-            loss, sq_small, b_small, sq_big, s.global_batch, compute_s, gns_s, {"split": len(mbs) != s.accum}
-        )
+            loss, sq_small, b_small, sq_big if want else 0.0, s.global_batch, compute_s, gns_s,
+            {"split": len(mbs) != s.accum}, norm, coef,
+        )  # fmt: skip
+
+    def _clip(self, norm: float | None) -> float:
+        """Scale every gradient (shards and replicas alike) so the global norm is at most ``clip_norm``.
+
+        The same rule as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: factor
+        ``clip_norm / (norm + 1e-6)`` when that is below 1. Every rank applies the same factor, computed
+        from the all-reduced norm, so replicas stay identical.
+        """
+        if self.clip_norm is None or norm is None:
+            return 1.0
+        coef = self.clip_norm / (norm + 1e-6)
+        if coef >= 1.0:
+            return 1.0
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        torch._foreach_mul_(grads, coef)
+        return coef
 
     def train_step(self, batch: torch.Tensor, lr: float | None = None, gns: bool = True) -> StepResult:
         """One optimizer step on ``batch`` (the whole global batch; each rank takes its part)."""
