@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--tokens", type=_positive_int("--tokens"), help="request length in tokens")
         sp.add_argument("--layers", type=_positive_int("--layers"), help="decoder layers of the tiny Llama")
         sp.add_argument("--reps", type=_positive_int("--reps"), help="warm repetitions (median reported)")
+        sp.add_argument("--ssds", type=_positive_int("--ssds"), help="emulated SSDs kvpool stripes over (default 4)")
         sp.add_argument("--ssd-cap", type=_bandwidth, help="emulated per-SSD read bandwidth, e.g. 200MB/s")
         sp.add_argument("--workdir", help="where the SSD slabs and chunk files go (default: a temp dir)")
         sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -112,6 +113,8 @@ def _config(args):
         cfg.reps = args.reps
     if args.ssd_cap:
         cfg.ssd_read_cap = args.ssd_cap
+    if args.ssds:
+        cfg.ssds = args.ssds
     try:
         cfg.validate()
     except ValueError as e:
@@ -125,6 +128,17 @@ def _progress(quiet: bool):
     return lambda msg: print(f"[kvpool] {msg}", file=sys.stderr, flush=True)
 
 
+def _modes(res: dict) -> list[str]:
+    """The kvpool-vs-serial runs of a bench result, in order (emulated, emulated_<n>ssd, raw)."""
+    return [k for k, v in res["results"].items() if isinstance(v, dict) and "kvpool" in v]
+
+
+def _label(r: dict) -> str:
+    n = r.get("ssds")
+    ssd = f"{n} SSDs" if n else "SSDs"
+    return f"emulated ({ssd}, per-SSD caps)" if r["emulated"] else f"raw ({ssd} on one disk, no caps)"
+
+
 def _table(res: dict) -> str:
     rows = [
         "| method | run | TTFT s | retrieval s | retrieval GB/s | blocked on I/O s | page-cache bytes |",
@@ -132,9 +146,9 @@ def _table(res: dict) -> str:
     ]
     rec = res["results"]["recompute"]["ttft_s"]
     rows.append(f"| recompute | - | {rec:.3f} | - | - | - | - |")
-    for mode in ("emulated", "raw"):
+    for mode in _modes(res):
         r = res["results"][mode]
-        label = "emulated (per-SSD caps)" if mode == "emulated" else "raw (one disk)"
+        label = _label(r)
         for name, key in (("serialized tiers (LMCache-style)", "serial"), ("kvpool", "kvpool")):
             x = r[key]
             rows.append(
@@ -160,8 +174,9 @@ def _plot(res: dict, path: Path) -> bool:
     except ImportError:
         print("kvpool: matplotlib is not installed (pip install 'kvpool[plot]'); no plot written", file=sys.stderr)
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, mode in zip(axes, ("emulated", "raw")):
+    modes = _modes(res)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
         r = res["results"][mode]
         per = r["kvpool"]["retrieval"]["per_device"]
         names = list(per)
@@ -173,8 +188,7 @@ def _plot(res: dict, path: Path) -> bool:
         colors = ["tab:blue"] * (len(names) - 2) + ["tab:gray", "tab:green"]
         ax.bar(names, vals, color=colors)
         ax.set_ylabel("MB/s")
-        label = "emulated per-SSD caps" if mode == "emulated" else "raw, one disk"
-        ax.set_title(f"retrieval bandwidth per device ({label})")
+        ax.set_title(f"retrieval bandwidth per device\n{_label(r)}", fontsize=9)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -226,9 +240,10 @@ def cmd_demo(args) -> int:
         f"One {cfg['tokens']}-token request (Python stdlib source text, byte tokens) through a tiny Llama "
         f"({cfg['layers']} layers, {cfg['kv_heads']} KV heads), cold then warm; "
         f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC on this machine.",
-        f"Pool: {cfg['memory_modules']} memory modules (separate arenas) holding {cfg['memory_share']:.0%} of the "
-        f"prefix KV, {cfg['ssds']} SSD slabs on one physical disk. Emulated run: each SSD capped at "
-        f"{cfg['ssd_read_cap'] / 1e6:.0f} MB/s read (token bucket); raw run: no caps.",
+        f"Pool: {cfg['memory_modules']} memory modules holding {cfg['memory_share']:.0%} of the "
+        f"prefix KV, {cfg['ssds']} SSD slabs on one physical disk (and a {cfg['compare_ssds']}-SSD run). "
+        f"Emulated runs: each SSD capped at {cfg['ssd_read_cap'] / 1e6:.0f} MB/s read (token bucket); "
+        "raw run: no caps. The serialized tiers have the same memory and one disk tier (same cap).",
         "",
         table,
         "",
