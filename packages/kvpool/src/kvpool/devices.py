@@ -1,7 +1,7 @@
 """Build a pool's device stores from paths, an hwtopo spec or a probe, and measure their bandwidth.
 
-Memory modules: one ``MemoryStore`` arena per NUMA node (or ``memory_modules`` arenas on a
-single-node host). SSDs: one ``PassthroughStore`` slab per path; a path that is missing, full or
+Memory modules: one ``MemoryStore`` arena per NUMA node, its pages bound to the node (or
+``memory_modules`` arenas spread over the host's nodes; all on node 0 on a single-node host). SSDs: one ``PassthroughStore`` slab per path; a path that is missing, full or
 locked is skipped with a warning. Optional per-device bandwidth caps (``Throttle``) emulate
 several SSDs on one physical disk; they are labelled emulated in ``describe``.
 """
@@ -18,6 +18,7 @@ import torch
 
 import hwtopo
 
+from .numa import online_nodes
 from .passthrough import DeviceUnavailable, PassthroughStore
 from .stores import MemoryStore, Throttle
 
@@ -77,14 +78,25 @@ def build_devices(
     memory_read_cap: float | None = None,
     measure: bool = True,
     bandwidths: dict[str, float] | None = None,
+    numa_nodes: Sequence[int] | None = None,
+    numa: bool = True,
 ) -> DeviceSet:
-    """Memory arenas plus one slab per SSD path; bandwidths measured unless given."""
+    """Memory arenas plus one slab per SSD path; bandwidths measured unless given.
+
+    Memory module ``i`` is bound to NUMA node ``numa_nodes[i % len(numa_nodes)]`` (default: this
+    host's online nodes, so modules spread over the nodes); ``numa=False`` binds nothing. A node
+    that cannot be bound leaves an unbound arena with a warning, never an error.
+    """
     if memory_modules < 0:
         raise ValueError(f"memory_modules must be >= 0, not {memory_modules!r}")
+    nodes = list(numa_nodes) if numa_nodes is not None else online_nodes()
+    if numa and memory_modules and not nodes:
+        raise ValueError("numa_nodes must name at least one node (or pass numa=False)")
     out = DeviceSet()
     for i in range(memory_modules):
         thr = Throttle(memory_read_cap) if memory_read_cap else None
-        out.stores.append(MemoryStore(f"mem{i}", memory_bytes, throttle=thr))
+        node = nodes[i % len(nodes)] if numa else None
+        out.stores.append(MemoryStore(f"mem{i}", memory_bytes, throttle=thr, numa_node=node))
     for i, p in enumerate(ssd_paths):
         name = f"ssd{i}"
         thr = Throttle(ssd_read_cap, ssd_write_cap) if (ssd_read_cap or ssd_write_cap) else None
@@ -126,4 +138,11 @@ def from_machine(machine: hwtopo.Machine, memory_fraction: float = 0.01, ssd_byt
     for i, d in enumerate(x for x in machine.disks if x.path):
         if d.read_bandwidth_bytes_per_s:
             given[f"ssd{i}"] = d.read_bandwidth_bytes_per_s
-    return build_devices(paths, memory_modules=modules, memory_bytes=per, ssd_bytes=ssd_bytes, bandwidths=given)
+    return build_devices(
+        paths,
+        memory_modules=modules,
+        memory_bytes=per,
+        ssd_bytes=ssd_bytes,
+        bandwidths=given,
+        numa_nodes=[n.id for n in nodes] or None,
+    )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from .keys import ChunkKey, KVLayout, unit_name
+from .numa import pin_thread_to_node
 
 __all__ = ["LayerwiseLoad", "KVBuffers", "TORCH_DTYPES"]
 
@@ -132,6 +133,7 @@ class LayerwiseLoad:
         dtype = TORCH_DTYPES[self.layout.dtype]
         stagings = [staging if j == 0 else None for j in range(len(group))]
         stagings = [s if s is not None else store.staging(self.layout.unit_bytes) for s in stagings]
+        pin_thread_to_node(getattr(store, "numa_node", None))  # a memory module's reader on its node
         t0 = time.perf_counter()
         try:
             for layer in range(self.layout.num_layers):

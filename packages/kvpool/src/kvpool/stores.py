@@ -18,6 +18,8 @@ import torch
 
 from hwtopo import TokenBucket
 
+from .numa import NumaArena
+
 __all__ = ["ExtentAllocator", "StoreStats", "MemoryStore", "Throttle", "as_bytes_tensor", "StoreFull"]
 
 log = logging.getLogger(__name__)
@@ -170,22 +172,35 @@ class Throttle:
 class MemoryStore:
     """One host-memory module: a preallocated arena with its own allocator and index.
 
-    On a multi-NUMA host each module stands for one node; binding the arena's pages to the node
-    is not done here (the arena is first-touched by the thread that creates it), so on this
-    single-node machine the modules are separate arenas of the same memory.
+    ``numa_node``: the node whose memory the arena is bound to (``mbind``, see ``numa.py``) and
+    whose CPUs the module's reader thread runs on; where binding is not possible (node not online,
+    no support) the arena is an unbound one and ``describe()["numa"]`` says why. On a single-node
+    host every module binds to node 0 and the modules are separate arenas of the same memory.
     """
 
     kind = "memory"
     unit_overhead_bytes = 0
 
-    def __init__(self, name: str, capacity_bytes: int, align: int = 64, throttle: Throttle | None = None):
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int,
+        align: int = 64,
+        throttle: Throttle | None = None,
+        numa_node: int | None = None,
+    ):
         if capacity_bytes <= 0:
             raise ValueError(f"memory module {name!r}: capacity_bytes must be > 0, not {capacity_bytes!r}")
         self.name = name
         self.align_bytes = align
         self.alloc = ExtentAllocator(int(capacity_bytes), align)
         self.capacity_bytes = self.alloc.capacity
-        self.arena = torch.zeros(self.capacity_bytes, dtype=torch.uint8)  # touch pages now, not mid-request
+        # pre-touched (pages allocated now, not mid-request), on ``numa_node`` where it can be bound
+        self._numa = NumaArena(self.capacity_bytes, numa_node)
+        if numa_node is not None and not self._numa.bound:
+            log.warning("memory module %s: not bound to a NUMA node (%s); using an unbound arena", name, self._numa.why)
+        self.arena = self._numa.tensor
+        self.numa_node = numa_node if self._numa.bound else None
         self.index: dict[str, tuple[int, int]] = {}
         self.throttle = throttle
         self.stats = StoreStats()
@@ -257,4 +272,5 @@ class MemoryStore:
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.alloc.used,
             "emulated_cap": self.throttle.describe() if self.throttle else None,
+            "numa": self._numa.describe(),
         }
