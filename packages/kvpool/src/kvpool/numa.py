@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from hwtopo.probe import parse_cpulist  # the kernel's list format, "0-3,8,10-11"
+
 __all__ = [
     "online_nodes",
     "node_cpus",
@@ -39,18 +41,6 @@ MPOL_F_ADDR = 2
 # (mbind, move_pages, get_mempolicy) system call numbers
 _SYSCALLS = {"x86_64": (237, 279, 239), "aarch64": (235, 239, 236), "arm64": (235, 239, 236)}
 _PAGE = mmap.PAGESIZE
-
-
-def parse_cpulist(text: str) -> list[int]:
-    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (the kernel's list format)."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def online_nodes(root: Path | None = None) -> list[int]:
