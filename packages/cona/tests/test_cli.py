@@ -7,18 +7,31 @@ from cona.cli import HEADLINE_KEYS, main
 
 
 @pytest.mark.slow
-def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys):
+def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--quick", "--quiet", "--json", str(out), "--budget-s", "3", "--target-ppl", "80",
-               "--global-batches", "8,16", "--micro-batches", "4,8", "--oracle-branches", "2"])  # fmt: skip
+    rc = main(["bench", "--quick", "--quiet", "--json", str(out), "--budget-s", "2", "--target-ppl", "80",
+               "--global-batches", "8,16", "--micro-batches", "4,8", "--oracle-branches", "2",
+               "--seeds", "2"])  # fmt: skip
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res) >= {"package", "version", "config", "machine", "results", "headline", "emulated"}
     assert res["package"] == "cona" and res["emulated"] is False
     assert set(res["headline"]) == set(HEADLINE_KEYS)
+    assert res["config"]["seed_list"] == [0, 1]
+    for k in HEADLINE_KEYS:  # the headline is the median over seeds, with the spread beside it
+        sp = res["headline_spread"][k]
+        assert len(sp["per_seed"]) == 2 and sp["median"] == res["headline"][k]
+        if sp["min"] is not None:
+            assert sp["min"] <= sp["median"] <= sp["max"]
+    assert set(res["step0"]) == {"0", "1"}
+    assert all(s["best_static"] == res["step0"]["0"]["best_static"] for s in res["step0"].values())
+    # probing is paid once and reported; every seed uses the same measurements
+    assert res["probe"]["measured_now"] and res["probe"]["total_probe_cost_s"] > 0
     assert set(res["results"]) == {"best_static", "surrogate_static", "cona", "oracle"}
     for name, r in res["results"].items():
         assert r["steps"] > 0, name
+        assert set(r["per_seed"]) == {"0", "1"}, name
         assert r["trace"][0][1] == pytest.approx(math.log(256), abs=0.3)  # an untrained byte-level LM
         assert r["trace"][-1][1] < r["trace"][0][1], f"{name} did not learn"
     cona = res["results"]["cona"]
@@ -37,6 +50,7 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys):
         (["bench", "--world", "5"], "no feasible strategy for world=5"),
         (["bench", "--budget-s", "0"], "--budget-s must be > 0"),
         (["bench", "--target-ppl", "1"], "--target-ppl must be > 1"),
+        (["bench", "--seeds", "0"], "--seeds must be >= 1"),
         (
             [
                 "strategies",
@@ -88,3 +102,21 @@ def test_simulate_usage_errors_exit_2_with_one_line(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_headline_is_the_median_over_seeds_with_spread():
+    from cona.cli import _aggregate
+
+    per = {
+        0: {"ttp_ratio_vs_best_static": 0.5, "gap_to_oracle": None, "switches": 2, "switch_overhead_frac": 0.01,
+            "gns_overhead_frac": 0.02},
+        1: {"ttp_ratio_vs_best_static": 0.9, "gap_to_oracle": 0.1, "switches": 1, "switch_overhead_frac": 0.0,
+            "gns_overhead_frac": 0.03},
+        2: {"ttp_ratio_vs_best_static": 0.6, "gap_to_oracle": 0.3, "switches": 3, "switch_overhead_frac": 0.02,
+            "gns_overhead_frac": 0.01},
+    }  # fmt: skip
+    head, spread = _aggregate(per)
+    assert head["ttp_ratio_vs_best_static"] == 0.6 and head["switches"] == 2
+    assert head["gap_to_oracle"] == pytest.approx(0.2)  # a seed without a value is left out, and counted
+    assert spread["gap_to_oracle"]["seeds_without_value"] == 1
+    assert (spread["ttp_ratio_vs_best_static"]["min"], spread["ttp_ratio_vs_best_static"]["max"]) == (0.5, 0.9)

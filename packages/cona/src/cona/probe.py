@@ -25,7 +25,7 @@ import hwtopo
 
 from .space import Strategy
 
-__all__ = ["cache_dir", "CostModel", "ProbeCache", "probe_plan", "time_steps"]
+__all__ = ["cache_dir", "CostModel", "ProbeCache", "probe_key", "probe_plan", "time_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,27 @@ def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def probe_key(**parts) -> str:
+    """The cache key of a probe setting: this machine (host, cores), the software and the workload.
+
+    Step times only transfer between runs that share all of these; anything else is probed afresh.
+    """
+    import platform
+
+    import torch
+
+    m = hwtopo.probe()
+    base = {"host": platform.node(), "cores": m.cores, "threads": m.threads, "torch": torch.__version__}
+    return json.dumps(base | parts, sort_keys=True, default=str)
+
+
 @dataclass
 class ProbeCache:
-    """Measured step times by (machine, model, world, strategy), in a JSON file written atomically."""
+    """Measured step times by (machine, model, world, strategy), in a JSON file written atomically.
+
+    Each entry keeps the median step time, what the probe cost (seconds of measuring) and when it was
+    measured, so a run that reuses the cache can report the probing cost it did not pay again.
+    """
 
     path: Path
     key: str
@@ -146,18 +164,38 @@ class ProbeCache:
 
     @classmethod
     def open(cls, key: str, path: Path | None = None) -> ProbeCache:
-        path = path or cache_dir() / "probes.json"
+        path = Path(path) if path is not None else cache_dir() / "probes.json"
         try:
             data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                data = {}
         except (OSError, ValueError):
             data = {}
         return cls(path, key, data)
 
-    def get(self, s: Strategy) -> float | None:
-        return self.data.get(self.key, {}).get(s.name)
+    def entry(self, s: Strategy) -> dict | None:
+        e = self.data.get(self.key, {}).get(s.name)
+        if isinstance(e, (int, float)):  # older format: the step time alone
+            return {"step_s": float(e), "cost_s": None, "measured_at": None}
+        if isinstance(e, dict) and isinstance(e.get("step_s"), (int, float)) and e["step_s"] > 0:
+            return e
+        return None
 
-    def put(self, s: Strategy, step_s: float) -> None:
-        self.data.setdefault(self.key, {})[s.name] = step_s
+    def get(self, s: Strategy) -> float | None:
+        e = self.entry(s)
+        return float(e["step_s"]) if e else None
+
+    def put(self, s: Strategy, step_s: float, cost_s: float | None = None) -> None:
+        if not step_s > 0:
+            raise ValueError(f"step time of {s.name} must be > 0, got {step_s}")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        # the load it was measured under: a cache filled on a busy machine is visible (re-probe with
+        # `cona bench --no-probe-cache`)
+        self.data.setdefault(self.key, {})[s.name] = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp,
+                                                      "loadavg_1m": os.getloadavg()[0]}  # fmt: skip
+
+    def clear(self) -> None:
+        self.data.pop(self.key, None)
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ validation. Variants:
 - ``surrogate_static``: the surrogate's choice at step 0 (noise scale measured on the first
   batches), kept all run;
 - ``cona``: the chainer re-ranks every ``decide_every_s`` and switches with hysteresis;
-- ``oracle``: quick oracle sequence: every phase, branch each shortlisted strategy from the same
-  checkpoint (written layout-independently), keep the branch with the lowest validation loss.
+- ``oracle``: quick oracle sequence: every phase, branch each shortlisted strategy (the fastest one
+  of global batches spread evenly over the candidates) from the same checkpoint (written
+  layout-independently), keep the branch that reached the target first, else the lowest loss.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import dist as cdist
 from .chain import Chainer
 from .executor import Executor, FullState, initial_state, load_state, save_state
 from .gns import GradientNoiseScale
 from .model import TextData, stdlib_tokens, tiny_llama_config
-from .probe import CostModel, probe_plan, time_steps
+from .probe import CostModel, ProbeCache, probe_key, probe_plan, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
 
 __all__ = ["BenchConfig", "bench_worker", "TargetNotReached", "time_to_target"]
@@ -52,24 +54,28 @@ class BenchConfig:
     kv_heads: int = 2
     intermediate: int = 96
     seq_len: int = 32
-    global_batches: tuple[int, ...] = (8, 16, 32, 64, 128)
+    global_batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
     micro_batches: tuple[int, ...] = (8, 32)
     reference_batch: int = 8
     lr: float = 2e-3
     target_ppl: float = 6.5
     budget_s: float = 30.0
-    eval_every_s: float = 1.0
+    eval_every_s: float = 0.25
     decide_every_s: float = 3.0
     oracle_phase_s: float = 3.0
     slice_s: float = 0.5  # interleaving granularity of the side-by-side variants
-    val_samples: int = 32
+    val_samples: int = 128
     margin: float = 0.05
     gns_every: int = 4
     seed: int = 0
+    seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
     corpus_bytes: int = 1_000_000
-    probe_steps: int = 3
+    probe_steps: int = 5
+    probe_verify_top: int = 3  # the fastest strategies by the fitted model are probed too (measured, not modelled)
+    probe_cache: bool = True  # reuse step times measured by an earlier run with the same key (ProbeCache)
+    clip_norm: float | None = 1.0  # global-norm gradient clipping (the same for every variant)
     oracle: bool = True
-    oracle_branches: int = 3  # quick oracle: the fastest strategy of each of the smallest global batches
+    oracle_branches: int = 4  # quick oracle: the fastest strategy of global batches spread over the candidates
 
     def __post_init__(self) -> None:
         self.global_batches = tuple(self.global_batches)
@@ -81,6 +87,14 @@ class BenchConfig:
             raise ValueError(f"target_ppl must be > 1, got {self.target_ppl}")
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
+        if self.seeds < 1:
+            raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {self.clip_norm}")
+
+    @property
+    def seed_list(self) -> list[int]:
+        return [self.seed + i for i in range(self.seeds)]
 
     @property
     def target_loss(self) -> float:
@@ -176,10 +190,13 @@ class _Variant:
     def _decide(self) -> None:
         tr, run, s = self.tr, self.run, self.s
         self.next_decide = run.clock + tr.cfg.decide_every_s
-        if len(self.plain_times) >= 3:  # online throughput: what this strategy really runs at now
-            tr.cost.add(s, statistics.median(self.plain_times))  # the probes' estimator, kept comparable
+        # The ranking uses the probed table only (the one best static was chosen from): replacing the
+        # current strategy's entry by its recent step times would compare a value measured under this
+        # moment's load with others measured under another (on a shared machine that made the chain
+        # thrash). The online figure is logged next to the decision.
+        online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
         d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
-        run.decisions.append(d.to_dict())
+        run.decisions.append(d.to_dict() | {"online_samples_per_s": online})
         if d.switched:
             t0 = time.perf_counter()
             new = tr.executor(d.chosen, self.ex.full_state())  # in-memory resharding
@@ -196,33 +213,85 @@ class _Variant:
 class _Trainer:
     """State shared by the variants of one bench: config, data, candidates, throughput model."""
 
-    def __init__(self, cfg: BenchConfig) -> None:
+    def __init__(self, cfg: BenchConfig, seed: int | None = None, cost: CostModel | None = None) -> None:
         self.cfg = cfg
+        self.seed = cfg.seed if seed is None else seed
         self.model_cfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
         self.dims = ModelDims.from_config(self.model_cfg, cfg.seq_len)
-        self.data = TextData(stdlib_tokens(cfg.corpus_bytes), cfg.seq_len, cfg.seed)
+        self.data = TextData(stdlib_tokens(cfg.corpus_bytes), cfg.seq_len, self.seed)
         self.val = self.data.validation(cfg.val_samples)
-        self.state0 = initial_state(self.model_cfg, cfg.seed)
+        self.state0 = initial_state(self.model_cfg, self.seed)
         self.candidates = enumerate_strategies(
             self.dims, cfg.world, list(cfg.global_batches), list(cfg.micro_batches),
             memory_budget_bytes=rank_memory_budget(None, cfg.world),
         )  # fmt: skip
-        self.cost = CostModel()
+        self.cost = cost if cost is not None else CostModel()
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
-        return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch))
+        return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm)
 
     # --- throughput --------------------------------------------------------------------------------
+    def probe_key(self) -> str:
+        c = self.cfg
+        return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
+                         seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
+                         probe_steps=c.probe_steps)  # fmt: skip
+
     def probe(self) -> dict:
+        """Step times of the probe plan plus the fastest strategies by the fitted model, from the
+        ProbeCache where an earlier run measured them, else measured now (and cached)."""
+        cfg = self.cfg
         t0 = time.perf_counter()
-        plan = probe_plan(self.candidates)
-        for s in plan:
+        cache = ProbeCache.open(self.probe_key()) if cfg.probe_cache and dist.get_rank() == 0 else None
+        box = [{s.name: cache.entry(s) for s in self.candidates if cache.entry(s)} if cache else {}]
+        dist.broadcast_object_list(box, 0)  # every rank takes the same path: measure or reuse
+        cached: dict = box[0]
+        measured_now, reused, cost_now = [], [], 0.0
+
+        def get(s: Strategy) -> None:
+            nonlocal cost_now
+            if s in self.cost.measured:
+                return
+            if s.name in cached:
+                self.cost.add(s, cached[s.name]["step_s"])
+                reused.append(s.name)
+                return
+            tp = time.perf_counter()
             ex = self.executor(s, self.state0)
             batch = self.data.samples(0, s.global_batch)
-            secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), self.cfg.probe_steps)
-            self.cost.add(s, _bcast(secs))
-        return {"probed": [s.name for s in plan], "probe_s": _bcast(time.perf_counter() - t0),
-                "cost_model_loo_rel_error": self.cost.relative_error()}  # fmt: skip
+            secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), cfg.probe_steps)
+            secs, cost = _bcast(secs), _bcast(time.perf_counter() - tp)
+            self.cost.add(s, secs)
+            measured_now.append(s.name)
+            cost_now += cost
+            if cache is not None:
+                cache.put(s, secs, cost)
+
+        for s in probe_plan(self.candidates):
+            get(s)
+        for _ in range(4):  # an offline searcher measures its pick: the model's fastest must be probed
+            top = sorted(self.candidates, key=lambda c: (-self.cost.throughput(c)[0], c.name))[: cfg.probe_verify_top]
+            todo = [c for c in top if c not in self.cost.measured]
+            if not todo:
+                break
+            for c in todo:
+                get(c)
+        if cache is not None and measured_now:
+            cache.save()
+        old_cost = sum((cached[n].get("cost_s") or 0.0) for n in reused)
+        loads = [cached[n].get("loadavg_1m") for n in reused if cached[n].get("loadavg_1m") is not None]
+        return {
+            "measured_now": measured_now,
+            "from_cache": reused,
+            "probe_s": _bcast(time.perf_counter() - t0),
+            "probe_measure_s": cost_now,
+            "cached_probe_cost_s": old_cost,
+            "total_probe_cost_s": cost_now + old_cost,
+            "cache": str(cache.path) if cache is not None else None,
+            "cached_measured_at": sorted({cached[n].get("measured_at") or "?" for n in reused}),
+            "cached_max_loadavg_1m": max(loads) if loads else None,
+            "cost_model_loo_rel_error": self.cost.relative_error(),
+        }
 
     def gns_at_step0(self, batches: int = 4) -> tuple[GradientNoiseScale, float]:
         """Noise scale from the first batches (no optimizer step), with the strategy with most micro-batches."""
@@ -297,20 +366,14 @@ def _summary(run: Run, target_loss: float) -> dict:
     }
 
 
-def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
-    """All variants in one process group; rank 0 returns the results."""
-    torch.manual_seed(0)
-    cfg = BenchConfig(**cfg_dict)
-    tr = _Trainer(cfg)
-    out: dict = {"candidates": [s.name for s in tr.candidates], "probe": tr.probe()}
-    table = {s.name: dict(zip(("samples_per_s", "source"), tr.cost.throughput(s))) for s in tr.candidates}
-    out["throughput"] = table
-    best_static = max(tr.candidates, key=lambda s: (tr.cost.throughput(s)[0], s.name))
+def _run_seed(tr: _Trainer, best_static: Strategy) -> dict:
+    """Every variant of one seed, from that seed's initial weights and sample stream."""
+    cfg = tr.cfg
     gns0, gns0_s = tr.gns_at_step0()
     ch0 = Chainer(tr.candidates, tr.cost.throughput, gns0)
     surrogate0 = ch0.rank()[0].strategy
-    out["step0"] = {"noise_scale": gns0.noise_scale, "gns_s": gns0_s, "best_static": best_static.name,
-                    "surrogate_choice": surrogate0.name}  # fmt: skip
+    step0 = {"noise_scale": gns0.noise_scale, "gns_s": gns0_s, "best_static": best_static.name,
+             "surrogate_choice": surrogate0.name}  # fmt: skip
     runs = {
         "best_static": Run("best_static"),
         "surrogate_static": Run("surrogate_static", clock=gns0_s, gns_s=gns0_s),
@@ -339,11 +402,36 @@ def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
                 or tr.cost.throughput(s)[0] > tr.cost.throughput(fastest[s.global_batch])[0]
             ):
                 fastest[s.global_batch] = s
-        shortlist = [fastest[g] for g in sorted(fastest)][: cfg.oracle_branches]
+        gbs = sorted(fastest)  # branches spread evenly (log scale) over the candidate global batches
+        n = min(cfg.oracle_branches, len(gbs))
+        picks = sorted({round(i * (len(gbs) - 1) / max(n - 1, 1)) for i in range(n)})
+        shortlist = [fastest[gbs[i]] for i in picks]
         with tempfile.TemporaryDirectory(prefix="cona-oracle-") as d:
             dirs = [d]
             dist.broadcast_object_list(dirs, 0)
             runs["oracle"] = tr.oracle(shortlist, dirs[0])
-    out["runs"] = {k: _summary(v, cfg.target_loss) for k, v in runs.items()}
+    return {"step0": step0, "runs": {k: _summary(v, cfg.target_loss) for k, v in runs.items()}}
+
+
+def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
+    """All variants of every seed in one process group; rank 0 returns the results.
+
+    Throughput is measured once (or read from the ProbeCache) and every seed starts from the same
+    measurements: the best static strategy is the one with the highest measured throughput, and cona
+    ranks with the same table (updated online with its own step times within a seed).
+    """
+    torch.manual_seed(0)
+    cfg = BenchConfig(**cfg_dict)
+    base = _Trainer(cfg)
+    out: dict = {"candidates": [s.name for s in base.candidates], "probe": base.probe()}
+    measured = dict(base.cost.measured)
+    table = {s.name: dict(zip(("samples_per_s", "source"), base.cost.throughput(s))) for s in base.candidates}
+    out["throughput"] = table
+    best_static = max(base.candidates, key=lambda s: (base.cost.throughput(s)[0], s.name))
+    out["seeds"] = {}
+    for seed in cfg.seed_list:
+        tr = base if seed == base.seed else _Trainer(cfg, seed)
+        tr.cost = CostModel(dict(measured))  # the probed table; cona's online updates stay within the seed
+        out["seeds"][seed] = _run_seed(tr, best_static)
     out["config"] = asdict(cfg)
     return out if rank == 0 else None

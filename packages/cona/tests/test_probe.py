@@ -1,0 +1,63 @@
+"""Throughput probes: the ProbeCache is read back, so a second bench pays no probing."""
+
+import json
+
+import pytest
+
+from cona.dist import launch
+from cona.probe import CostModel, ProbeCache
+from cona.space import Strategy
+
+
+def test_probe_cache_round_trip_and_old_format(tmp_path):
+    path = tmp_path / "p.json"
+    c = ProbeCache.open("k", path)
+    s = Strategy(2, 1, 1, 4, 8)
+    assert c.get(s) is None
+    c.put(s, 0.25, cost_s=1.5)
+    c.save()
+    again = ProbeCache.open("k", path)
+    assert again.get(s) == 0.25 and again.entry(s)["cost_s"] == 1.5
+    assert ProbeCache.open("other key", path).get(s) is None  # another machine/model/world: probed afresh
+    path.write_text(json.dumps({"k": {s.name: 0.5}}))  # the 0.1.0 format (a bare step time)
+    assert ProbeCache.open("k", path).get(s) == 0.5
+    path.write_text("not json")
+    assert ProbeCache.open("k", path).get(s) is None
+    with pytest.raises(ValueError, match="must be > 0"):
+        c.put(s, 0.0)
+
+
+def test_cost_model_prefers_measurement_and_fits_the_rest():
+    cm = CostModel()
+    for s, t in [(Strategy(2, 1, 1, 4, 8), 0.1), (Strategy(2, 1, 1, 8, 16), 0.15), (Strategy(2, 1, 1, 4, 32), 0.3)]:
+        cm.add(s, t)
+    assert cm.throughput(Strategy(2, 1, 1, 4, 8)) == (80.0, "probe")
+    t, src = cm.step_time(Strategy(2, 1, 1, 8, 32))
+    assert src == "model" and t > 0
+
+
+def _probe_twice(rank, world, cfg_dict):
+    from cona.train import BenchConfig, _Trainer
+
+    cfg = BenchConfig(**cfg_dict)
+    first = _Trainer(cfg).probe()
+    second_tr = _Trainer(cfg)
+    second = second_tr.probe()
+    table = {s.name: second_tr.cost.throughput(s) for s in second_tr.candidates}
+    return (first, second, table) if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # spawned ranks inherit it
+    cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "seeds": 1}
+    first, second, table = launch(_probe_twice, 2, cfg, timeout_s=300)[0]
+    assert first["measured_now"] and not first["from_cache"]
+    assert second["measured_now"] == [] and sorted(second["from_cache"]) == sorted(first["measured_now"])
+    assert second["probe_measure_s"] == 0.0
+    assert second["cached_probe_cost_s"] == pytest.approx(first["probe_measure_s"])
+    assert (tmp_path / "mlsyskit" / "cona" / "probes.json").exists()
+    # the best static pick (highest throughput) is a measured strategy, not a cost-model guess
+    best = max(table, key=lambda n: table[n][0])
+    assert table[best][1] == "probe", best
+    assert {src for _, src in table.values()} == {"probe", "model"}  # some strategies are still modelled
