@@ -34,6 +34,7 @@ def test_bad_json_is_400(dlm):
         ({}, "'prompt' is required"),
         ({"prompt": ""}, "empty"),
         ({"prompt": "k01 hello"}, "'hello' is not in the vocabulary"),
+        ({"prompt": "k01 hello", "open_vocab": "yes"}, "'open_vocab' must be true or false"),
         ({"prompt": "k01", "gen_length": 0}, "'gen_length' must be an integer >= 1"),
         ({"prompt": "k01", "gen_length": 4, "block_length": 3}, "block_length"),
         ({"tokens": [2] * 300}, "longer than the model"),
@@ -78,3 +79,40 @@ def test_generate_and_openai_routes(dlm, task):
     assert badchat[0] == 400 and "'messages'" in badchat[1]["error"]["message"]
     assert health["status"] == "ok" and health["stats"]["requests"] >= 4
     assert models["data"][0]["object"] == "model"
+
+
+def test_openai_routes_accept_any_text(dlm):
+    """An agent's English system prompt, JSON input and a tool-call turn: byte fallback, not a 400."""
+    messages = [
+        {"role": "system", "content": "You are a tool-using agent. task_type: rag_qa. Call tools, then answer briefly."},
+        {"role": "user", "content": '{"question": "json décoder error"}'},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "tool", "content": [{"type": "text", "text": "no results"}]},
+    ]
+    tools = [{"type": "function", "function": {"name": "web_search", "parameters": {}}}]
+
+    async def fn(c):
+        out = []
+        r = await c.post("/v1/chat/completions", json={"model": "x", "messages": messages, "tools": tools})
+        out.append((r.status, await r.json()))
+        r = await c.post("/v1/completions", json={"prompt": "Hello, world! ? k01", "max_tokens": 2})
+        out.append((r.status, await r.json()))
+        r = await c.post("/v1/generate", json={"prompt": "hello k01", "open_vocab": True})
+        out.append((r.status, await r.json()))
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image"}]}]})
+        out.append((r.status, await r.json()))
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x " * 400}]})
+        out.append((r.status, await r.json()))
+        return out
+
+    chat, comp, gen, badpart, toolong = _run(dlm, fn)
+    assert chat[0] == 200, chat
+    assert chat[1]["choices"][0]["message"]["role"] == "assistant"
+    assert isinstance(chat[1]["choices"][0]["message"]["content"], str)
+    text = " ".join(m["content"] for m in messages[:2]) + " no results"
+    assert chat[1]["usage"]["prompt_tokens"] == 1 + len(dlm.vocab.encode(text, open_vocab=True))
+    assert chat[1]["usage"]["completion_tokens"] == 4
+    assert comp[0] == 200 and comp[1]["usage"]["completion_tokens"] == 2
+    assert gen[0] == 200 and len(gen[1]["tokens"]) == 4
+    assert badpart[0] == 400 and "messages[0].content" in badpart[1]["error"]["message"]
+    assert toolong[0] == 400 and "longer than the model" in toolong[1]["error"]["message"]

@@ -17,21 +17,51 @@ def test_layout_and_fractions():
         for r in reqs:
             assert len(r.prompt) == spec.prompt_length and len(r.answer) == spec.gen_length
             assert r.prompt[: r.prefix_len] == reqs[0].prompt[: r.prefix_len]
-            # the answer is the value of the asked key in the table
-            key = r.prompt[-1]
-            rows_start = 1 + spec.shots * spec.shot_len
-            table = {r.prompt[i]: r.prompt[i + 1 : i + 4] for i in range(rows_start, spec.prompt_length - 2, 4)}
-            assert table[key] + [t.vocab.eos_id] == r.answer
+            # the answer is the value of the asked key in the table (parsed from the token text)
+            v = t.vocab
+            key = v.tokens[r.prompt[-1]]
+            table = {}
+            for tok in v.decode(r.prompt[spec.rows_start : spec.prompt_length - 2]).split():
+                k, rest = tok.split(".")
+                table.setdefault(k, []).append(rest.split("=")[1])
+            assert len(table) == spec.rows
+            assert v.decode(r.answer) == " ".join(table[key]) + " <eos>"
     with pytest.raises(ValueError, match="shared_rows"):
         t.burst(1, spec.rows + 1)
 
 
 def test_vocab_roundtrip_and_errors():
     v = Vocab(48)
-    ids = v.encode("<bos> ? k03 1 2 3")
-    assert v.decode(ids) == "<bos> ? k03 1 2 3"
+    ids = v.encode("<bos> k03.0=1 k03.1=2 k03.2=3 ? k03")
+    assert len(ids) == 6 and v.decode(ids) == "<bos> k03.0=1 k03.1=2 k03.2=3 ? k03"
     with pytest.raises(ValueError, match="'k99' is not in the vocabulary"):
         v.encode("k99")
+    with pytest.raises(ValueError, match="n_keys"):
+        TaskSpec(n_keys=4, rows=12)
+
+
+def test_open_vocab_spells_unknown_words_as_bytes():
+    v = Vocab(16)
+    text = 'You are an agent. {"question": "json décoder"} ? k02 3'
+    ids = v.encode(text, open_vocab=True)
+    assert all(0 <= i < len(v) for i in ids)
+    assert ids[-3:] == v.encode("? k02 3")  # task words keep their own tokens
+    assert v.decode(ids) == text  # single spaces round-trip exactly
+    assert sum(i >= v.byte0 for i in ids) == len("You are an agent. {\"question\": \"json décoder\"}".encode())
+
+
+def test_curriculum_pads_rows_but_keeps_the_asked_one():
+    spec = TaskSpec()
+    t = TableTask(spec, seed=5)
+    x, maskable = t.training_batch(16, rows=2)
+    v = t.vocab
+    for seq, m in zip(x.tolist(), maskable.tolist()):
+        table = seq[spec.rows_start : spec.prompt_length - 2]
+        assert sum(tok == v.pad_id for tok in table) >= (spec.rows - 2 - spec.shots) * spec.row_len
+        asked = seq[spec.prompt_length - 1] - v.key0
+        answer = [tok - v.digit0 for tok in seq[spec.prompt_length : spec.prompt_length + spec.value_digits]]
+        assert all(v.keyed(asked, j, d) in table for j, d in enumerate(answer))
+        assert all(m[spec.prompt_length :]) and not any(m[spec.rows_start : spec.prompt_length])
 
 
 def test_training_steps_lower_loss_and_cache_is_reused(tmp_path):

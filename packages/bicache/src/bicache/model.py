@@ -91,7 +91,7 @@ class DiffusionLM:
     def random(cls, spec: TaskSpec | None = None, seed: int = 0, **cfg) -> DiffusionLM:
         """A randomly initialised model (tests, mechanics)."""
         spec = spec or TaskSpec()
-        vocab = Vocab(spec.n_keys)
+        vocab = Vocab(spec.n_keys, spec.value_digits)
         torch.manual_seed(seed)
         return cls(Gemma3ForCausalLM(tiny_config(len(vocab), **cfg)), vocab, spec)
 
@@ -120,7 +120,7 @@ class DiffusionLM:
             raise FileNotFoundError(f"{directory} holds no bicache checkpoint (task.json missing)")
         spec = TaskSpec(**json.loads((directory / "task.json").read_text()))
         model = Gemma3ForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
-        return cls(model, Vocab(spec.n_keys), spec)
+        return cls(model, Vocab(spec.n_keys, spec.value_digits), spec)
 
 
 def load_local_dlm(path: str | Path):

@@ -61,8 +61,17 @@ def _decode_cfg(engine: Engine, body: dict, length_field: str = "gen_length") ->
     return cfg
 
 
-def _prompt_ids(engine: Engine, body: dict, field: str = "prompt") -> list[int]:
+def _prompt_ids(engine: Engine, body: dict, field: str = "prompt", open_vocab: bool | None = None) -> list[int]:
+    """Prompt token ids from ``tokens`` or the text in ``field``.
+
+    Text outside the task vocabulary is spelled as UTF-8 byte tokens when ``open_vocab`` (the
+    OpenAI-style routes; ``/v1/generate`` when the body says ``"open_vocab": true``), else a 400.
+    """
     vocab = engine.dlm.vocab
+    if open_vocab is None:
+        open_vocab = body.get("open_vocab", False)
+        if not isinstance(open_vocab, bool):
+            raise BadRequest("field 'open_vocab' must be true or false")
     if "tokens" in body:
         toks = body["tokens"]
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
@@ -75,7 +84,7 @@ def _prompt_ids(engine: Engine, body: dict, field: str = "prompt") -> list[int]:
         if not isinstance(text, str):
             raise BadRequest(f"field '{field}' is required and must be a string (or send 'tokens': [ids])")
         try:
-            ids = vocab.encode(text)
+            ids = vocab.encode(text, open_vocab=open_vocab)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
     if not ids:
@@ -165,7 +174,27 @@ async def _openai(request: web.Request, body: dict, ids: list[int], kind: str) -
 
 async def completions(request: web.Request) -> web.Response:
     body = await _json(request)
-    return await _openai(request, body, _prompt_ids(request.app[ENGINE_KEY], body), "text")
+    return await _openai(request, body, _prompt_ids(request.app[ENGINE_KEY], body, open_vocab=True), "text")
+
+
+def _message_text(i: int, m) -> str:
+    """The text of one chat message: a string, null (an assistant turn that only called tools) or
+    a list of ``{"type": "text", "text": ...}`` parts (other part types are not supported)."""
+    if not isinstance(m, dict):
+        raise BadRequest(f"field 'messages[{i}]' must be an object with 'role' and 'content'")
+    content = m.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"field 'messages[{i}].content' parts must be {{\"type\": \"text\", \"text\": str}}")
+            texts.append(part["text"])
+        return " ".join(texts)
+    raise BadRequest(f"field 'messages[{i}].content' must be a string, null or a list of text parts")
 
 
 async def chat_completions(request: web.Request) -> web.Response:
@@ -173,12 +202,9 @@ async def chat_completions(request: web.Request) -> web.Response:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest('field \'messages\' must be a non-empty list of {"role", "content"} objects')
-    parts = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise BadRequest(f"field 'messages[{i}]' must be an object with a string 'content'")
-        parts.append(m["content"])
-    ids = _prompt_ids(request.app[ENGINE_KEY], {"messages": " ".join(parts)}, "messages")
+    parts = [_message_text(i, m) for i, m in enumerate(msgs)]
+    text = " ".join(p for p in parts if p)
+    ids = _prompt_ids(request.app[ENGINE_KEY], {"messages": text}, "messages", open_vocab=True)
     return await _openai(request, body, ids, "chat")
 
 

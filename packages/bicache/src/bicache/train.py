@@ -37,8 +37,8 @@ class Recipe:
     lr: float = 3e-3
     warmup: int = 50
     seed: int = 0
-    curriculum_steps: int = 300  # distinct table rows grow from ``min_distinct`` to all over these
-    min_distinct: int = 3
+    curriculum_steps: int = 0  # filled table rows grow from ``min_rows`` to all over these (0: none)
+    min_rows: int = 2
     target: float = 0.97  # held-out exact match (one parallel prediction), checked every ``eval_every``
     eval_every: int = 50
     spec: TaskSpec = TaskSpec()
@@ -125,9 +125,9 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     t0 = time.time()
     ema = None
     for step in range(start, recipe.steps):
-        frac = min(1.0, step / max(1, recipe.curriculum_steps))
-        distinct = round(recipe.min_distinct + frac * (recipe.spec.rows - recipe.min_distinct))
-        x, maskable = task.training_batch(recipe.batch, distinct=distinct)
+        frac = min(1.0, step / recipe.curriculum_steps) if recipe.curriculum_steps else 1.0
+        rows = round(recipe.min_rows + frac * (recipe.spec.rows - recipe.min_rows))
+        x, maskable = task.training_batch(recipe.batch, rows=rows)
         loss = masked_diffusion_loss(dlm, x, maskable, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -141,7 +141,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
         if (step + 1) % recipe.eval_every == 0:
             acc = heldout_accuracy(dlm)
             log.info(
-                "step %d distinct %d loss %.4f heldout %.3f (%.0fs)", step + 1, distinct, ema, acc, time.time() - t0
+                "step %d rows %d loss %.4f heldout %.3f (%.0fs)", step + 1, rows, ema, acc, time.time() - t0
             )
             if bar is not None:
                 bar.set_postfix(loss=f"{ema:.3f}", heldout=f"{acc:.3f}")
@@ -160,7 +160,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
                     tmp,
                 )
                 os.replace(tmp, state_path)
-            if acc >= recipe.target and distinct >= recipe.spec.rows:
+            if acc >= recipe.target and rows >= recipe.spec.rows:
                 break
     if bar is not None:
         bar.close()
