@@ -196,3 +196,42 @@ def runner_checks(rank, world, ckpt_dir):
         rank, world, small_cfg(steps=3).to_dict(), "xronos", ckpt_dir, 0, ckpt_dir + "/model", None
     )
     return {"first": first, "second": second, "model": ckpt_dir + "/model"}
+
+
+def vocab_parity(rank, world, sizes):
+    """Uneven vocab-parallel embedding + LM head + cross-entropy on ``sizes`` rows, and a short
+    vocab-parallel fine-tune with an uneven partition."""
+    from xronos.layers import VocabParallelEmbedding, gather_uneven, vocab_parallel_cross_entropy
+    from xronos.partition import costs_from_speeds, partition
+    from xronos.train import TPTrainer
+
+    torch.manual_seed(0)
+    vocab, dim = sum(sizes), 6
+    emb, head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab, bias=False)
+    ids = torch.randint(0, vocab, (3, 7), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, vocab, (21,), generator=torch.Generator().manual_seed(2))
+    pemb = VocabParallelEmbedding.from_embedding(emb, sizes, rank)
+    phead = ColumnParallelLinear.from_linear(head, sizes, rank, sync_input_grad=True)
+    h = pemb(ids)
+    logits = phead(torch.tanh(h)).reshape(-1, phead.out_features)
+    losses = vocab_parallel_cross_entropy(logits, target, sum(sizes[:rank]))
+    (losses * torch.linspace(0.5, 1.5, losses.numel())).sum().backward()
+    out = {
+        "h": h.detach(),
+        "losses": losses.detach(),
+        "emb_g": gather_uneven(pemb.weight.grad, sizes, 0),
+        "head_g": gather_uneven(phead.weight.grad, sizes, 0),
+    }
+    cfg = small_cfg(vocab_parallel="both")
+    shape = cfg.shape()
+    part = partition(shape, costs_from_speeds([1.0, 0.5], shape))
+    tr = TPTrainer(cfg, part, rank, None)
+    out["train_losses"] = [tr.step()["loss"] for _ in range(3)]
+    out["eval"] = tr.evaluate()
+    out["vocab_sizes"] = part.vocab_sizes(256)
+    from xronos.partition import even_partition
+    from xronos.rebalance import repartition
+
+    repartition(tr, even_partition(shape, 2))  # reshard the split embedding/head too, exactly
+    out["after_reshard"] = [tr.step()["loss"] for _ in range(2)]
+    return out

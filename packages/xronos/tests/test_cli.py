@@ -1,4 +1,9 @@
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from xronos.cli import main
 
@@ -21,7 +26,7 @@ def test_usage_errors_exit_2_with_one_line(capsys):
     assert main(["partition", "--speeds", "1,abc"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("xronos: error: --speeds") and "\n" not in err
-    assert main(["partition", "--speeds", "1,1,1,1,1"]) == 2
+    assert main(["partition", "--speeds", "1,1,1,1,1", "--heads", "8", "--kv-heads", "4"]) == 2
     assert "cannot be split across 5 ranks" in capsys.readouterr().err
     assert main(["partition", "--speeds", "1,1", "--memory", "1KiB,1KiB"]) == 2
     assert "rank 0 has 1024 bytes" in capsys.readouterr().err
@@ -47,3 +52,29 @@ def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
     assert cli.main(["partition"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "xronos: error: KeyError: 'rank3'"
+
+
+@pytest.mark.slow
+def test_torchrun_env_rendezvous_trains_like_the_reference(tmp_path):
+    """`torchrun --nnodes=1` (static rendezvous through MASTER_ADDR/MASTER_PORT) runs `xronos train
+    --torchrun` on 2 ranks; the eval loss equals a single-process run of the same steps."""
+    from dist_helpers import small_cfg
+
+    from xronos.launch import free_port
+    from xronos.train import TPTrainer
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--node-rank=0"]
+    cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "xronos", "train", "--torchrun"]
+    cmd += ["--speeds", "1.0,1.0", "--steps", "2", "--ckpt-dir", str(tmp_path / "ck"), "--quiet", "--hidden", "64"]
+    cmd += ["--layers", "2", "--heads", "8", "--kv-heads", "4", "--intermediate", "128", "--seq-len", "32"]
+    cmd += ["--batch", "2", "--micro-batches", "2", "--vocab-parallel", "both"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{") :])
+    cfg = small_cfg(steps=2, micro_batches=2, lr=3e-4, max_bytes=2_000_000, eval_batches=4)
+    ref = TPTrainer(cfg, None)
+    for _ in range(2):
+        ref.step()
+    assert out["eval_loss"] == pytest.approx(ref.evaluate(), rel=1e-5)
+    assert sum(out["partition"]["q_heads"]) == 8

@@ -63,3 +63,31 @@ def test_single_process_layers_equal_linear():
 def test_dead_rank_is_named_not_a_hang():
     with pytest.raises(WorkerError, match="rank 1 failed: ValueError: boom on purpose"):
         spawn(fail_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
+
+
+@pytest.mark.slow
+def test_vocab_parallel_embedding_head_and_loss_match_single_process():
+    from dist_helpers import small_cfg, vocab_parity
+
+    from xronos.launch import spawn
+    from xronos.train import TPTrainer
+
+    sizes = [13, 4]  # uneven, and not a multiple of anything
+    runs = spawn(vocab_parity, 2, (sizes,), timeout_s=300)
+    torch.manual_seed(0)
+    vocab = sum(sizes)
+    emb, head = torch.nn.Embedding(vocab, 6), torch.nn.Linear(6, vocab, bias=False)
+    ids = torch.randint(0, vocab, (3, 7), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, vocab, (21,), generator=torch.Generator().manual_seed(2))
+    h = emb(ids)
+    losses = torch.nn.functional.cross_entropy(head(torch.tanh(h)).reshape(-1, vocab), target, reduction="none")
+    (losses * torch.linspace(0.5, 1.5, losses.numel())).sum().backward()
+    ref = TPTrainer(small_cfg(), None)
+    ref_losses = [ref.step()["loss"] for _ in range(5)]
+    for r in runs:
+        torch.testing.assert_close(r["h"], h.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(r["losses"], losses.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["emb_g"], emb.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["head_g"], head.weight.grad, rtol=1e-5, atol=1e-6)
+        assert r["vocab_sizes"][0] > r["vocab_sizes"][1] and sum(r["vocab_sizes"]) == 256
+        assert r["train_losses"] + r["after_reshard"] == pytest.approx(ref_losses, rel=1e-5)

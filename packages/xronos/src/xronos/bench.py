@@ -8,6 +8,7 @@ transfers plus the time it finished before the slowest rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -20,6 +21,7 @@ from .partition import even_partition, partition
 from .profile import profile_group
 from .rebalance import Rebalancer
 from .train import PPTrainer, TPTrainer, TrainConfig, make_corpus
+from .waits import segment_compute, step_waits
 
 __all__ = ["VARIANTS", "run_comparison", "summarize", "headline"]
 
@@ -53,11 +55,12 @@ def _worker(
                 trainers[name] = TPTrainer(cfg, ref_part, 0, solo[0], corpus)
         elif name in parts:
             trainers[name] = TPTrainer(cfg, parts[name], rank, None, corpus)
-        elif name == "pp":
-            trainers[name] = PPTrainer(cfg, speeds, rank, world, None, corpus)
+        elif name.startswith("pp"):
+            mb = int(name.split("-m")[1]) if "-m" in name else cfg.micro_batches
+            trainers[name] = PPTrainer(dataclasses.replace(cfg, micro_batches=mb), speeds, rank, world, None, corpus)
     rebalancer = None
     if "xronos" in trainers and rebalance_every > 0:
-        rebalancer = Rebalancer(shape, costs, every=rebalance_every, threshold=0.1)
+        rebalancer = Rebalancer(shape, costs, every=rebalance_every, threshold=0.03)
     records = {name: [] for name in variants}
     timelines = {}
     t_start = time.perf_counter()
@@ -100,10 +103,16 @@ def _worker(
         "eval_loss": evals,
         "profile": prof["ranks"][rank],
         "partitions": {k: v.describe() for k, v in parts.items()},
-        "pp_layers": trainers["pp"].counts if "pp" in trainers else None,
+        "pp_layers": next((t.counts for n, t in trainers.items() if n.startswith("pp")), None),
         "timelines": timelines,
         "train_s": train_s,
         "rebalance_history": rebalancer.history if rebalancer is not None else [],
+        "num_layers": shape.num_layers,
+        "predicted_compute_s": {  # what the start-up profile predicts for this rank's shard, per step
+            k: shape.num_layers * (costs[rank].attn_time(p.attn_units[rank]) + costs[rank].mlp_time(p.mlp_units[rank]))
+            for k, p in parts.items()
+            if k in ("xronos", "tp")
+        },
     }
 
 
@@ -124,11 +133,20 @@ def run_comparison(
     cfg.validate()
     if not 0 < cpu_share <= 1:
         raise ValueError(f"cpu_share must be in (0, 1], not {cpu_share!r}")
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith("pp-m")]
     if bad:
         raise ValueError(f"variants: {bad[0]!r} is not one of {', '.join(VARIANTS)}")
-    if "pp" in variants and cfg.lora_r:
-        variants = [v for v in variants if v != "pp"]
+    if "pp" in variants:
+        # GPipe baseline at each micro-batch count that divides the batch among a few sensible ones
+        # (GPipe suggests M >= 4 x stages; fewer, larger micro-batches run faster GEMMs); the headline
+        # compares with the fastest, so the baseline is not handicapped by one choice
+        counts = sorted(
+            {m for m in (cfg.micro_batches, 4, 8, 4 * len(speeds)) if m <= cfg.batch and cfg.batch % m == 0}
+        )
+        i = variants.index("pp")
+        variants = [*variants[:i], *(f"pp-m{m}" for m in counts), *variants[i + 1 :]]
+    if any(v.startswith("pp") for v in variants) and cfg.lora_r:
+        variants = [v for v in variants if not v.startswith("pp")]
         log.info("the pipeline baseline fine-tunes all weights; skipped with LoRA")
     ts = cfg.steps // 2 if timeline_step is None else timeline_step
     return spawn(
@@ -159,30 +177,45 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
             continue
         per_rank = [res["records"][name] for res in results]
         n = len(per_rank[0])
-        sys_t, idle = [], [[] for _ in range(world)]
+        sys_t = []
+        idle, inside, transfer = ([[] for _ in range(world)] for _ in range(3))
         for i in range(min(skip, n - 1) if n > 1 else 0, n):
-            t_sys = max(per_rank[r][i]["step_s"] for r in range(world))
+            waits = step_waits([per_rank[r][i] for r in range(world)])
+            t_sys = waits[0]["step_s"]
             sys_t.append(t_sys)
             for r in range(world):
-                rec = per_rank[r][i]
-                idle[r].append((rec["comm_s"] + t_sys - rec["step_s"]) / t_sys)
+                idle[r].append(waits[r]["wait_s"] / t_sys)
+                transfer[r].append(waits[r]["transfer_s"] / t_sys)
+                inside[r].append((per_rank[r][i]["comm_s"] + waits[r]["early_s"]) / t_sys)
         idle_med = [statistics.median(x) for x in idle]
+        not_computing = [statistics.median(x) for x in inside]
         compute = [
             statistics.median(rec["step_s"] - rec["comm_s"] for rec in per_rank[r][1:] or per_rank[r])
             for r in range(world)
         ]
+        layers = results[0].get("num_layers")
+        segs = [[segment_compute(rec, layers) for rec in per_rank[r][1:]] for r in range(world)] if layers else []
         out[name] = {
             "step_time_s": statistics.median(sys_t),
             "idle_ratio_per_rank": idle_med,
             "idle_ratio": max(idle_med),
-            "compute_stall_ratio": min(idle_med),
+            "transfer_ratio_per_rank": [statistics.median(x) for x in transfer],
+            "not_computing_ratio_per_rank": not_computing,
+            "compute_stall_ratio": min(not_computing),
             "compute_s_per_rank": compute,
             "final_train_loss": per_rank[0][-1]["loss"],
             "eval_loss": results[0]["eval_loss"][name],
             "train_losses": [r["loss"] for r in per_rank[0]],
         }
+        if segs and all(x is not None for rank_segs in segs for x in rank_segs):
+            out[name]["segment_compute_s_per_rank"] = [
+                {k: statistics.median(x[k] for x in rank_segs) for k in ("attn", "mlp", "other")} for rank_segs in segs
+            ]
         if name in results[0]["partitions"]:
             out[name]["partition"] = results[0]["partitions"][name]
+            pred = [res.get("predicted_compute_s", {}).get(name) for res in results]
+            if all(p is not None for p in pred):
+                out[name]["profiled_compute_s_per_rank"] = pred
         if name == "xronos":
             out[name]["rebalance_s_total"] = max(
                 sum(r.get("rebalance_s", 0.0) for r in res["records"][name]) for res in results
@@ -191,8 +224,9 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
             if "xronos_final" in results[0]["partitions"]:
                 out[name]["partition_initial"] = out[name]["partition"]
                 out[name]["partition"] = results[0]["partitions"]["xronos_final"]
-        if name == "pp":
+        if name.startswith("pp"):
             out[name]["layers_per_stage"] = results[0]["pp_layers"]
+            out[name]["micro_batches"] = int(name.split("-m")[1]) if "-m" in name else None
         if name == "tp":  # equal work per rank: the speeds the emulation actually achieved under load
             out[name]["achieved_relative_speeds"] = [min(compute) / c for c in compute]
     return out
@@ -206,8 +240,11 @@ def headline(summary: dict) -> dict:
         h["idle_ratio_tp"] = summary["tp"]["idle_ratio"]
         if "xronos" in summary:
             h["step_time_ratio_vs_tp"] = summary["xronos"]["step_time_s"] / summary["tp"]["step_time_s"]
-    if "pp" in summary and "xronos" in summary:
-        h["step_time_ratio_vs_pp"] = summary["xronos"]["step_time_s"] / summary["pp"]["step_time_s"]
+    pps = [n for n in summary if n.startswith("pp")]
+    if pps and "xronos" in summary:
+        best = min(pps, key=lambda n: summary[n]["step_time_s"])  # the fastest pipeline configuration
+        h["step_time_ratio_vs_pp"] = summary["xronos"]["step_time_s"] / summary[best]["step_time_s"]
+        h["pp_baseline"] = best
     if "reference" in summary and "xronos" in summary:
         ref = summary["reference"]["eval_loss"]
         h["loss_rel_diff_vs_reference"] = abs(summary["xronos"]["eval_loss"] - ref) / abs(ref)

@@ -44,6 +44,7 @@ def _cfg(args, **extra):
         steps=args.steps,
         seed=args.seed,
         data=getattr(args, "data", None),
+        vocab_parallel=args.vocab_parallel,
         micro_batches=args.micro_batches or (4 if args.batch % 4 == 0 else args.batch),
     )
     fields.update(extra)
@@ -63,13 +64,26 @@ def _model_args(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--family", default="llama", help="llama or qwen2 (tiny config built locally)")
     g.add_argument("--hidden", type=int, default=256)
     g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--heads", type=int, default=8)
-    g.add_argument("--kv-heads", type=int, default=4)
+    g.add_argument("--heads", type=int, default=16, help="attention heads (default 16, head_dim 16)")
+    g.add_argument(
+        "--kv-heads",
+        type=int,
+        default=16,
+        help="KV heads (default 16: multi-head attention, as Llama-2; a KV group is the attention unit, so "
+        "fewer groups make the attention split coarser)",
+    )
     g.add_argument("--intermediate", type=int, default=1024)
     g.add_argument("--seq-len", type=int, default=128)
-    g.add_argument("--batch", type=int, default=4)
+    g.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     g.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default 4, or --batch)")
     g.add_argument("--steps", type=int, default=steps)
+    g.add_argument(
+        "--vocab-parallel",
+        choices=("none", "head", "both"),
+        default="head",
+        help="split the LM head (head), or the LM head and the input embedding (both), by vocabulary across "
+        "ranks in proportion to their MLP shards; none: replicated (default: head)",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -78,7 +92,7 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
         "--cpu-share",
         default="auto",
         help="CPUs of the fastest emulated rank (rank r gets speed[r] x this), or 'auto': 1.0 on a quiet machine, "
-        "0.5 or 0.3 when the load average says other programs would keep the CPU quotas from binding",
+        "0.5 or 0.3 when other programs (CPU use sampled for 1 s) would keep the CPU quotas from binding",
     )
     p.add_argument(
         "--rebalance-every",
@@ -97,7 +111,9 @@ def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
             p = s["partition"]
             shards = f"heads {p['q_heads']} mlp {p['mlp_columns']}"
         elif "layers_per_stage" in s:
-            shards = f"layers {s['layers_per_stage']}"
+            shards = f"layers {s['layers_per_stage']}" + (
+                f", {s['micro_batches']} micro-batches" if s.get("micro_batches") else ""
+            )
         else:
             shards = "1 process, full model"
         rows.append(
@@ -113,11 +129,35 @@ def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
     return rows
 
 
+def _busy_cpus(window_s: float = 1.0) -> float:
+    """CPUs busy with other programs right now (from /proc/stat over ``window_s``; load average elsewhere).
+
+    The 1-minute load average lags: right after other programs stop it still reads high, so it is used
+    only where /proc/stat is missing.
+    """
+
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(window_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    dt = total1 - total0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / dt) if dt > 0 else 0.0
+
+
 def _cpu_share(text: str) -> float:
     """'auto' or a number in (0, 1]. Auto: a share the loaded machine can still give each rank."""
     if text == "auto":
-        per_cpu = os.getloadavg()[0] / (os.cpu_count() or 1)
-        return 1.0 if per_cpu < 0.5 else 0.5 if per_cpu < 2 else 0.3
+        busy = _busy_cpus()
+        per_cpu = busy / (os.cpu_count() or 1)
+        _cpu_share.busy_cpus = busy
+        return 1.0 if per_cpu < 0.25 else 0.5 if per_cpu < 0.75 else 0.3
     try:
         v = float(text)
     except ValueError:
@@ -197,6 +237,7 @@ def _run_compare(args, cfg, speeds, variants):
         "loadavg_1min_end": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "cpu_share": args.cpu_share,
+        "busy_cpus_before": getattr(_cpu_share, "busy_cpus", None),
     }
     return results, summary, headline(summary), time.perf_counter() - t0
 

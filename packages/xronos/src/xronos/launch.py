@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import math
 import os
 import pickle
 import socket
@@ -34,7 +35,14 @@ MIN_QUOTA_US = 1_000
 
 
 def throttle_period_us(speed: float) -> int:
-    """Shortest cgroup period (<= THROTTLE_PERIOD_US) whose quota at ``speed`` is at least 1 ms."""
+    """Shortest cgroup period (<= THROTTLE_PERIOD_US) whose quota at ``speed`` is at least 1 ms.
+
+    ``XRONOS_THROTTLE_PERIOD_US`` overrides it (a fixed period for every throttled rank, for studying
+    how the emulation's granularity shows up in the waits).
+    """
+    fixed = os.environ.get("XRONOS_THROTTLE_PERIOD_US")
+    if fixed:
+        return max(int(fixed), int(math.ceil(MIN_QUOTA_US / speed)))
     return min(THROTTLE_PERIOD_US, max(MIN_QUOTA_US, int(round(MIN_QUOTA_US / speed))))
 
 

@@ -35,22 +35,40 @@ __all__ = [
     "sync_partial_grads",
     "gather_uneven",
     "clip_grad_norm",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
 ]
 
 
 class CommStats:
-    """Wall seconds spent inside collectives by this process (waiting for peers included)."""
+    """Wall seconds spent inside collectives by this process (waiting for peers included).
+
+    ``syncs`` records every synchronisation of the current step as ``(kind, peer, enter, exit)``
+    (``perf_counter`` seconds; kind "ar" for an all-reduce with peer -1, "send"/"recv" with the peer
+    rank), so :mod:`xronos.waits` can split the time inside into waiting for the last peer to arrive
+    and the transfer itself, and :mod:`xronos.rebalance` can time each compute segment between them.
+    """
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
         self.bytes = 0
+        self.syncs: list[tuple[str, int, float, float, str]] = []
         self.events: list[tuple[float, float]] | None = None  # (start, end) when recording a timeline
 
     def reset(self) -> None:
         self.seconds, self.calls, self.bytes = 0.0, 0, 0
+        self.syncs = []
         if self.events is not None:
             self.events = []
+
+    def record(self, kind: str, peer: int, t0: float, t1: float, nbytes: int = 0, tag: str = "") -> None:
+        self.seconds += t1 - t0
+        self.calls += 1
+        self.bytes += nbytes
+        self.syncs.append((kind, peer, t0, t1, tag))
+        if self.events is not None:
+            self.events.append((t0, t1))
 
 
 COMM = CommStats()
@@ -60,50 +78,45 @@ def _active(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
-    """In-place sum over the group, timed into :data:`COMM`. A no-op outside a multi-rank group."""
+def all_reduce(t: torch.Tensor, group=None, op=None, tag: str = "") -> torch.Tensor:
+    """In-place reduction (sum by default) over the group, timed into :data:`COMM`; a no-op outside a group."""
     if not _active(group):
         return t
     t0 = time.perf_counter()
-    dist.all_reduce(t, group=group)
-    t1 = time.perf_counter()
-    COMM.seconds += t1 - t0
-    COMM.calls += 1
-    COMM.bytes += t.numel() * t.element_size()
-    if COMM.events is not None:
-        COMM.events.append((t0, t1))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    COMM.record("ar", -1, t0, time.perf_counter(), t.numel() * t.element_size(), tag)
     return t
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return all_reduce(g.contiguous().clone(), ctx.group), None
+        return all_reduce(g.contiguous().clone(), ctx.group, tag=ctx.tag), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.contiguous().clone(), group)
+    def forward(ctx, x, group, tag):
+        return all_reduce(x.contiguous().clone(), group, tag=tag)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return g, None, None
 
 
-def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group=None, tag: str = "") -> torch.Tensor:
     """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
-    return _CopyToTP.apply(x, group) if _active(group) else x
+    return _CopyToTP.apply(x, group, tag) if _active(group) else x
 
 
-def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group=None, tag: str = "") -> torch.Tensor:
     """Megatron's ``g``: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, group) if _active(group) else x
+    return _ReduceFromTP.apply(x, group, tag) if _active(group) else x
 
 
 def _check_sizes(name: str, sizes: Sequence[int], rank: int, group=None) -> tuple[int, ...]:
@@ -124,6 +137,7 @@ class _ParallelLinear(nn.Module):
         self.lora_A: nn.Parameter | None = None
         self.lora_B: nn.Parameter | None = None
         self.lora_scale = 0.0
+        self.tag = ""  # the segment its collective closes ("attn", "mlp", "head"), for timing
 
     @property
     def shard_offset(self) -> int:
@@ -191,7 +205,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sync_input_grad:
-            x = copy_to_tp(x, self.group)
+            x = copy_to_tp(x, self.group, self.tag)
         y = F.linear(x, self.weight, self.bias)
         if self.lora_A is not None:
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
@@ -258,7 +272,7 @@ class RowParallelLinear(_ParallelLinear):
         if self.lora_A is not None:
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
         if self.reduce_output:
-            y = reduce_from_tp(y, self.group)
+            y = reduce_from_tp(y, self.group, self.tag)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -273,7 +287,7 @@ def sync_partial_grads(module: nn.Module, group=None) -> None:
     if not grads or not _active(group):
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    all_reduce(flat, group)
+    all_reduce(flat, group, tag="lora")
     i = 0
     for g in grads:
         g.copy_(flat[i : i + g.numel()].view_as(g))
@@ -294,7 +308,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> f
             sharded += sq
         else:
             replicated += sq
-    all_reduce(sharded, group)
+    all_reduce(sharded, group, tag="clip")
     total = float((sharded + replicated).sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
@@ -315,3 +329,92 @@ def gather_uneven(shard: torch.Tensor, sizes: Sequence[int], dim: int, group=Non
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split unevenly: rank r holds ``sizes[r]`` token rows.
+
+    A rank looks up the tokens it holds, zeros the others, and the partial embeddings are summed by
+    one all-reduce (Megatron's ``g``); each rank's weight gradient covers only its own rows.
+    """
+
+    def __init__(self, sizes: Sequence[int], dim: int, rank: int, group=None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.sizes = _check_sizes("vocab sizes", sizes, rank, group)
+        self.rank, self.group, self.embedding_dim = rank, group, dim
+        self.num_embeddings = sum(self.sizes)
+        self.shard_dim = 0
+        self.weight = nn.Parameter(torch.empty(self.sizes[rank], dim, dtype=dtype))
+        self.weight.xronos_sharded = True
+        self.lora_A = self.lora_B = self.bias = None
+
+    @property
+    def shard_offset(self) -> int:
+        return sum(self.sizes[: self.rank])
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, sizes, rank, group=None) -> VocabParallelEmbedding:
+        if sum(sizes) != emb.num_embeddings:
+            raise ValueError(f"vocab sizes sum to {sum(sizes)} but the embedding has {emb.num_embeddings} rows")
+        m = cls(sizes, emb.embedding_dim, rank, group, emb.weight.dtype)
+        with torch.no_grad():
+            m.weight.copy_(emb.weight[m.shard_offset : m.shard_offset + m.sizes[rank]])
+        return m
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.shard_offset
+        mine = (local >= 0) & (local < self.sizes[self.rank])
+        out = (
+            F.embedding(local.clamp(0, max(self.sizes[self.rank] - 1, 0)), self.weight)
+            if self.sizes[self.rank]
+            else None
+        )
+        if out is None:
+            out = torch.zeros(*ids.shape, self.embedding_dim, dtype=self.weight.dtype)
+        else:
+            out = out * mine.unsqueeze(-1).to(out.dtype)
+        return reduce_from_tp(out, self.group, "embed")
+
+    def extra_repr(self) -> str:
+        return f"rows={self.sizes[self.rank]} of {self.num_embeddings}, dim={self.embedding_dim}, rank={self.rank}"
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary: two small all-reduces, no gather of the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        gmax = logits.max(dim=-1).values if n_local else torch.full(target.shape, -torch.inf)
+        all_reduce(gmax, group, op=dist.ReduceOp.MAX, tag="head")
+        z = logits - gmax.unsqueeze(-1)
+        e = z.exp()
+        local_t = target - start
+        mine = (local_t >= 0) & (local_t < n_local)
+        idx = local_t.clamp(0, max(n_local - 1, 0))
+        picked = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine if n_local else torch.zeros(target.shape)
+        both = torch.stack([e.sum(-1), picked])  # sum of exponentials and the target's logit, one all-reduce
+        all_reduce(both, group, tag="head")
+        sumexp, target_z = both[0], both[1]
+        ctx.save_for_backward(e / sumexp.unsqueeze(-1), idx, mine)
+        return sumexp.log() - target_z
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int, group=None) -> torch.Tensor:
+    """Per-token cross-entropy when this rank holds logits for vocabulary ids ``[start, start + V_local)``.
+
+    Equals ``F.cross_entropy(full_logits, target, reduction="none")`` (the full logits being the
+    concatenation of every rank's slice) without gathering them.
+    """
+    if not _active(group):
+        return F.cross_entropy(logits.float(), target, reduction="none")
+    return _VocabParallelCE.apply(logits, target, start, group)

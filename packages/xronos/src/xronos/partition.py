@@ -187,6 +187,34 @@ class Partition:
     def mlp_sizes(self) -> tuple[int, ...]:
         return tuple(u * self.shape.mlp_block for u in self.mlp_units)
 
+    def vocab_sizes(self, vocab: int, block: int = 8) -> tuple[int, ...]:
+        """Vocabulary rows per rank for a split embedding / LM head, in blocks of ``block`` rows.
+
+        The LM head is a GEMM of the same shape family as the MLP projections (hidden x rows), so it is
+        split in proportion to the MLP columns the partition gives each rank (largest remainder);
+        every rank gets at least one block when there are enough. An even MLP split gives an even one.
+        """
+        if vocab <= 0:
+            raise PartitionError(f"vocab must be a positive number of tokens, not {vocab!r}")
+        n = self.world_size
+        blocks, rest = divmod(vocab, block)
+        weights = [max(u, 0) for u in self.mlp_units]
+        total = sum(weights) or n
+        raw = [blocks * (w if sum(weights) else 1) / total for w in weights]
+        counts = [int(x) for x in raw]
+        if blocks >= n:
+            for i in range(n):
+                if counts[i] == 0:
+                    counts[i] = 1
+            while sum(counts) > blocks:
+                i = max((i for i in range(n) if counts[i] > 1), key=lambda i: counts[i] - raw[i])
+                counts[i] -= 1
+        for i in sorted(range(n), key=lambda i: counts[i] - raw[i])[: max(0, blocks - sum(counts))]:
+            counts[i] += 1
+        sizes = [c * block for c in counts]
+        sizes[-1] += rest
+        return tuple(sizes)
+
     def describe(self) -> dict:
         return {
             "q_heads": list(self.q_heads),

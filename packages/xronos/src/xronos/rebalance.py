@@ -18,9 +18,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from .layers import ColumnParallelLinear, RowParallelLinear, _active, all_reduce, gather_uneven
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _active, all_reduce, gather_uneven
 from .partition import ModelShape, Partition, RankCost, partition, segment_objective
 from .shard import build_model, enable_lora, shard_model
+from .train import make_optimizer
+from .waits import segment_compute
 
 __all__ = ["repartition", "Rebalancer"]
 
@@ -28,12 +30,15 @@ log = logging.getLogger(__name__)
 
 
 def _sharded(model) -> dict:
-    return {n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    kinds = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
 def _shard_dim(mod, pname: str) -> int | None:
     if mod is None:
         return None
+    if isinstance(mod, VocabParallelEmbedding):
+        return 0 if pname == "weight" else None
     if isinstance(mod, ColumnParallelLinear):
         return 0 if pname in ("weight", "bias", "lora_B") else None
     return 1 if pname in ("weight", "lora_A") else None
@@ -57,7 +62,7 @@ def repartition(trainer, new_part: Partition) -> None:
         full_p[name] = full(p.data)
         full_s[name] = {k: full(v) if torch.is_tensor(v) else v for k, v in trainer.opt.state.get(p, {}).items()}
     model = build_model(cfg.model_config(), cfg.seed)
-    shard_model(model, new_part, rank, group)
+    shard_model(model, new_part, rank, group, cfg.vocab_parallel)
     if cfg.lora_r:
         params = enable_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.seed)
     else:
@@ -77,7 +82,7 @@ def repartition(trainer, new_part: Partition) -> None:
 
             p.copy_(local(full_p[name]))
             names[id(p)] = (name, local)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(params, cfg)
     opt.load_state_dict(trainer.opt.state_dict() | {"state": {}})  # same hyper-parameters and groups
     for p in params:
         name, local = names[id(p)]
@@ -86,49 +91,69 @@ def repartition(trainer, new_part: Partition) -> None:
     trainer.model, trainer.params, trainer.opt, trainer.part = model, params, opt, new_part
 
 
-def _scaled(c: RankCost, f: float) -> RankCost:
+def _scaled(c: RankCost, f_attn: float, f_mlp: float | None = None) -> RankCost:
+    f_mlp = f_attn if f_mlp is None else f_mlp
     return dataclasses.replace(
         c,
-        attn_per_unit_s=c.attn_per_unit_s * f,
-        mlp_per_unit_s=c.mlp_per_unit_s * f,
-        attn_fixed_s=c.attn_fixed_s * f,
-        mlp_fixed_s=c.mlp_fixed_s * f,
+        attn_per_unit_s=c.attn_per_unit_s * f_attn,
+        mlp_per_unit_s=c.mlp_per_unit_s * f_mlp,
+        attn_fixed_s=c.attn_fixed_s * f_attn,
+        mlp_fixed_s=c.mlp_fixed_s * f_mlp,
     )
 
 
 class Rebalancer:
-    """Watches per-rank compute time; re-partitions when the model of a rank's speed drifts."""
+    """Watches per-rank compute time; re-partitions when the model of a rank's speed drifts.
+
+    When a step's record carries its synchronisations (``syncs``), the compute a rank did before each
+    attention all-reduce and before each MLP all-reduce is measured separately
+    (:func:`xronos.waits.segment_compute`) and each segment's cost model is corrected by its own
+    factor: the two segments meet at different synchronisation points, so each must balance on its
+    own. Otherwise the rank's whole compute time rescales both segments alike.
+    """
 
     def __init__(self, shape: ModelShape, costs: list[RankCost], every: int = 4, threshold: float = 0.1, group=None):
         self.shape, self.costs, self.every, self.threshold, self.group = shape, list(costs), every, threshold, group
-        self.window: list[float] = []
+        self.window: list[tuple[float, float]] = []
         self.history: list[dict] = []
 
     def observe(self, record: dict) -> None:
-        self.window.append(record["step_s"] - record["comm_s"])
+        seg = segment_compute(record, self.shape.num_layers) if "syncs" in record else None
+        if seg is None:
+            total = record["step_s"] - record["comm_s"]
+            self.window.append((total, float("nan")))
+        else:
+            self.window.append((seg["attn"], seg["mlp"]))
 
     def maybe_repartition(self, trainer) -> Partition | None:
         """Every ``every`` steps: share the ranks' compute medians, refit, reshard if worth it."""
         if len(self.window) < self.every:
             return None
         world = len(self.costs)
-        local = statistics.median(self.window)
+        by_segment = not any(m != m for _, m in self.window)  # no NaN: segment times were measured
+        local = [statistics.median(a for a, _ in self.window), statistics.median(m for _, m in self.window)]
         self.window.clear()
-        vec = torch.zeros(world, dtype=torch.float64)
+        vec = torch.zeros(2 * world, dtype=torch.float64)
         rank = dist.get_rank(self.group) if _active(self.group) else 0
-        vec[rank] = local
+        vec[2 * rank], vec[2 * rank + 1] = local[0], local[1] if by_segment else 0.0
         all_reduce(vec, self.group)
         part = trainer.part
         L = self.shape.num_layers
-        pred = [L * (c.attn_time(a) + c.mlp_time(m)) for c, a, m in zip(self.costs, part.attn_units, part.mlp_units)]
-        factors = [float(v) / p for v, p in zip(vec, pred)]
-        self.costs = [_scaled(c, f) for c, f in zip(self.costs, factors)]
+        units = list(zip(self.costs, part.attn_units, part.mlp_units))
+        if by_segment:
+            f_attn = [float(vec[2 * r]) / (L * c.attn_time(a)) for r, (c, a, _) in enumerate(units)]
+            f_mlp = [float(vec[2 * r + 1]) / (L * c.mlp_time(m)) for r, (c, _, m) in enumerate(units)]
+        else:
+            f_attn = [float(vec[2 * r]) / (L * (c.attn_time(a) + c.mlp_time(m))) for r, (c, a, m) in enumerate(units)]
+            f_mlp = f_attn
+        self.costs = [_scaled(c, fa, fm) for c, fa, fm in zip(self.costs, f_attn, f_mlp)]
         cand = partition(self.shape, self.costs)
         now = segment_objective(self.costs, part.attn_units, part.mlp_units)
         event = {
             "step": trainer.step_idx,
             "measured_compute_s": [float(v) for v in vec],
-            "factors": factors,
+            "by_segment": by_segment,
+            "factors": f_attn if not by_segment else list(zip(f_attn, f_mlp)),
             "current_layer_s": now,
             "candidate_layer_s": cand.predicted_layer_s,
             "resharded": False,

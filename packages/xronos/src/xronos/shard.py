@@ -18,10 +18,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_uneven
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    gather_uneven,
+    vocab_parallel_cross_entropy,
+)
 from .partition import ModelShape, Partition, PartitionError
 
-__all__ = ["tiny_config", "build_model", "tp_plan", "shard_model", "gather_state_dict", "save_full", "enable_lora"]
+__all__ = [
+    "tiny_config",
+    "build_model",
+    "tp_plan",
+    "shard_model",
+    "lm_loss",
+    "gather_state_dict",
+    "save_full",
+    "enable_lora",
+    "VOCAB_PARALLEL",
+]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +53,7 @@ _DEFAULT_PLAN = {
 }
 
 FAMILIES = ("llama", "qwen2")
+VOCAB_PARALLEL = ("none", "head", "both")
 
 
 def tiny_config(family: str = "llama", **overrides):
@@ -92,12 +110,12 @@ def _sizes_for(name: str, part: Partition) -> tuple[int, ...]:
     raise PartitionError(f"module {name!r} is in the TP plan but is neither attention nor MLP; cannot size it")
 
 
-def _copy_input_hook(group):
+def _copy_input_hook(group, tag: str = ""):
     def hook(module, args, kwargs):
         if args:
-            args = (copy_to_tp(args[0], group), *args[1:])
+            args = (copy_to_tp(args[0], group, tag), *args[1:])
         elif "hidden_states" in kwargs:
-            kwargs = dict(kwargs, hidden_states=copy_to_tp(kwargs["hidden_states"], group))
+            kwargs = dict(kwargs, hidden_states=copy_to_tp(kwargs["hidden_states"], group, tag))
         return args, kwargs
 
     return hook
@@ -122,13 +140,22 @@ def check_partition(model, part: Partition, world_size: int) -> None:
         raise PartitionError(f"the partition has {part.world_size} ranks but the world size is {world_size}")
 
 
-def shard_model(model, part: Partition, rank: int, group=None):
-    """Replace the planned projections of ``model`` (in place) by this rank's shards; returns the model."""
+def shard_model(model, part: Partition, rank: int, group=None, vocab_parallel: str = "none"):
+    """Replace the planned projections of ``model`` (in place) by this rank's shards; returns the model.
+
+    ``vocab_parallel``: "none" keeps the embedding and LM head replicated; "head" splits the LM head
+    by vocabulary (uneven, :meth:`Partition.vocab_sizes`; the loss is then
+    :func:`xronos.layers.vocab_parallel_cross_entropy` on this rank's logits, see :func:`lm_loss`);
+    "both" splits the input embedding too.
+    """
     import torch.distributed as dist
 
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     check_partition(model, part, world)
+    if vocab_parallel not in VOCAB_PARALLEL:
+        raise PartitionError(f"vocab_parallel must be one of {', '.join(VOCAB_PARALLEL)}, not {vocab_parallel!r}")
     plan = tp_plan(model)
+    name_of = {id(m): n for n, m in model.named_modules()}
     parents = {}
     replaced = 0
     for name, mod in list(model.named_modules()):
@@ -144,20 +171,48 @@ def shard_model(model, part: Partition, rank: int, group=None):
         else:
             new = RowParallelLinear.from_linear(mod, sizes, rank, group)
         new.xronos_name = name
+        new.tag = "attn" if "attn" in name else "mlp"
         setattr(parent, leaf, new)
         replaced += 1
     if replaced == 0:
         raise PartitionError("no module of the model matched its tensor-parallel plan; is it a decoder LM?")
     for parent in parents.values():
-        parent.register_forward_pre_hook(_copy_input_hook(group), with_kwargs=True)
+        parent.register_forward_pre_hook(
+            _copy_input_hook(group, "attn" if "attn" in name_of[id(parent)] else "mlp"), with_kwargs=True
+        )
         if hasattr(parent, "q_proj"):  # attention: this rank's head counts
             parent.num_heads = part.q_heads[rank]
             parent.num_key_value_heads = part.kv_heads[rank]
             if part.kv_heads[rank]:
                 parent.num_key_value_groups = part.q_heads[rank] // part.kv_heads[rank]
+    model.xronos_vocab = None
+    if vocab_parallel != "none":
+        vocab = model.config.vocab_size
+        sizes = part.vocab_sizes(vocab)
+        if getattr(model.config, "tie_word_embeddings", False):
+            raise PartitionError("vocab_parallel needs untied embeddings (tie_word_embeddings=False)")
+        head = ColumnParallelLinear.from_linear(model.lm_head, sizes, rank, group, sync_input_grad=True)
+        head.tag, head.xronos_name, head.xronos_no_lora = "head", "lm_head", True
+        model.lm_head = head
+        if vocab_parallel == "both":
+            base = model.get_submodule(getattr(model, "base_model_prefix", "model"))
+            base.embed_tokens = VocabParallelEmbedding.from_embedding(base.embed_tokens, sizes, rank, group)
+        model.xronos_vocab = (sum(sizes[:rank]), sizes)
     model.xronos_partition = part
     model.xronos_rank = rank
+    model.xronos_group = group
     return model
+
+
+def lm_loss(model, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``logits`` for ``ids``; vocab-parallel when the head is split."""
+    import torch.nn.functional as F
+
+    shifted, target = logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    vocab = getattr(model, "xronos_vocab", None)
+    if vocab is None:
+        return F.cross_entropy(shifted.float(), target)
+    return vocab_parallel_cross_entropy(shifted, target, vocab[0], model.xronos_group).mean()
 
 
 def enable_lora(model, r: int = 8, alpha: float = 16.0, seed: int = 0) -> list[nn.Parameter]:
@@ -167,7 +222,7 @@ def enable_lora(model, r: int = 8, alpha: float = 16.0, seed: int = 0) -> list[n
     gen = torch.Generator().manual_seed(seed)
     params = []
     for _, mod in model.named_modules():
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and not getattr(mod, "xronos_no_lora", False):
             mod.enable_lora(r, alpha, gen)
             params += [mod.lora_A, mod.lora_B]
     return params
@@ -178,7 +233,7 @@ def gather_state_dict(model, group=None, merge_lora: bool = True) -> dict[str, t
     out = {}
     sharded = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             sharded[name] = mod
     for key, t in model.state_dict().items():
         mod_name, _, pname = key.rpartition(".")

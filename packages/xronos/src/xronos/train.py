@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import ByteCorpus, load_text
-from .layers import COMM, clip_grad_norm, sync_partial_grads
+from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
 from .partition import ModelShape, Partition
-from .shard import build_model, enable_lora, shard_model, tiny_config
+from .shard import build_model, enable_lora, lm_loss, shard_model, tiny_config
 
-__all__ = ["TrainConfig", "TPTrainer", "PPTrainer", "split_layers", "make_corpus"]
+__all__ = ["TrainConfig", "TPTrainer", "PPTrainer", "split_layers", "make_corpus", "make_optimizer"]
 
 
 @dataclass
@@ -51,6 +51,7 @@ class TrainConfig:
     eval_batches: int = 4
     data: str | None = None
     max_bytes: int = 2_000_000
+    vocab_parallel: str = "none"  # "none" (replicated embedding/LM head), "head" or "both" (split by vocabulary)
 
     def validate(self) -> None:
         positive = (
@@ -76,6 +77,8 @@ class TrainConfig:
             raise ValueError(f"batch ({self.batch}) must be a multiple of micro_batches ({self.micro_batches})")
         if not (self.lr > 0 and self.clip > 0):
             raise ValueError("lr and clip must be > 0")
+        if self.vocab_parallel not in ("none", "head", "both"):
+            raise ValueError(f"vocab_parallel must be 'none', 'head' or 'both', not {self.vocab_parallel!r}")
         if self.lora_r < 0:
             raise ValueError(f"lora_r must be >= 0 (0 = full fine-tuning), not {self.lora_r}")
 
@@ -95,6 +98,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over ``params``; the multi-tensor ("foreach") update, whose per-step overhead does not grow
+    with the number of parameter tensors (on CPU torch would otherwise loop over them in Python)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
 
 
 def make_corpus(cfg: TrainConfig) -> ByteCorpus:
@@ -121,7 +130,7 @@ class TPTrainer:
         self.corpus = corpus or make_corpus(cfg)
         model = build_model(cfg.model_config(), cfg.seed)
         if part is not None:
-            shard_model(model, part, rank, group)
+            shard_model(model, part, rank, group, cfg.vocab_parallel)
         if cfg.lora_r:
             if part is None:  # the reference gets the same adapters through a one-rank "partition"
                 raise ValueError("the LoRA reference needs a one-rank partition; pass even_partition(shape, 1)")
@@ -129,7 +138,7 @@ class TPTrainer:
         else:
             params = [p for p in model.parameters() if p.requires_grad]
         self.model, self.params = model, params
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = make_optimizer(params, cfg)
         self.step_idx = 0
 
     def step(self) -> dict:
@@ -139,7 +148,7 @@ class TPTrainer:
         t0 = time.perf_counter()
         self.model.train()
         logits = self.model(input_ids=ids).logits
-        loss = _lm_loss(logits, ids)
+        loss = lm_loss(self.model, logits, ids)
         loss.backward()
         if self.part is not None:
             sync_partial_grads(self.model, self.group)
@@ -150,13 +159,21 @@ class TPTrainer:
         self.opt.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         self.step_idx += 1
-        return {"loss": loss.item(), "step_s": t1 - t0, "comm_s": COMM.seconds, "grad_norm": norm, "t0": t0}
+        return {
+            "loss": loss.item(),
+            "step_s": t1 - t0,
+            "comm_s": COMM.seconds,
+            "grad_norm": norm,
+            "t0": t0,
+            "t1": t1,
+            "syncs": list(COMM.syncs),
+        }
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         losses = [
-            _lm_loss(self.model(input_ids=b).logits, b).item()
+            lm_loss(self.model, self.model(input_ids=b).logits, b).item()
             for b in self.corpus.eval_batches(self.cfg.eval_batches, self.cfg.batch)
         ]
         return sum(losses) / len(losses)
@@ -235,14 +252,14 @@ class PPTrainer:
         self.params = [p for m in mods for p in m.parameters()]
         if cfg.lora_r:
             raise ValueError("the pipeline baseline fine-tunes all weights; use lora_r=0")
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = make_optimizer(self.params, cfg)
         self.step_idx = 0
-        self.comm_s = 0.0
 
-    def _p2p(self, fn, t, peer):
+    @staticmethod
+    def _p2p(fn, t, peer):
         t0 = time.perf_counter()
         fn(t, peer)
-        self.comm_s += time.perf_counter() - t0
+        COMM.record("send" if fn is dist.send else "recv", peer, t0, time.perf_counter(), t.numel() * 4, "pp")
 
     def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(self.cfg.seq_len).unsqueeze(0)
@@ -272,7 +289,7 @@ class PPTrainer:
 
     def step(self) -> dict:
         ids = self.corpus.batch(self.step_idx, self.cfg.batch)
-        self.comm_s = 0.0
+        COMM.reset()
         t0 = time.perf_counter()
         saved, losses, shape = self._forward_all(ids, True)
         for i in reversed(range(len(saved))):
@@ -289,9 +306,7 @@ class PPTrainer:
         for p in self.params:
             if p.grad is not None:
                 sq += p.grad.double().pow(2).sum()
-        c0 = time.perf_counter()
-        dist.all_reduce(sq, group=self.group)
-        self.comm_s += time.perf_counter() - c0
+        all_reduce(sq, self.group, tag="clip")
         total = float(sq.sqrt())
         coef = self.cfg.clip / (total + 1e-6)
         if coef < 1:
@@ -304,7 +319,15 @@ class PPTrainer:
         loss = torch.tensor(sum(x.item() for x in losses) if self.last else 0.0, dtype=torch.float64)
         dist.all_reduce(loss, group=self.group)  # reporting only, after the timed step
         self.step_idx += 1
-        return {"loss": float(loss), "step_s": t1 - t0, "comm_s": self.comm_s, "grad_norm": total, "t0": t0}
+        return {
+            "loss": float(loss),
+            "step_s": t1 - t0,
+            "comm_s": COMM.seconds,
+            "grad_norm": total,
+            "t0": t0,
+            "t1": t1,
+            "syncs": list(COMM.syncs),
+        }
 
     @torch.no_grad()
     def evaluate(self) -> float:
