@@ -278,6 +278,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.seeds is None:  # the demo shows one chain; `bench` repeats over seeds
+        args.seeds = 1
     res = _execute(args, quick=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ class BenchConfig:
     target_ppl: float = 6.5
     budget_s: float = 30.0
     eval_every_s: float = 0.25
-    decide_every_s: float = 3.0
+    decide_every_s: float = 1.0  # the noise scale grows ~10x in the first seconds: re-rank often (switches are cheap)
     oracle_phase_s: float = 3.0
     slice_s: float = 0.5  # interleaving granularity of the side-by-side variants
     val_samples: int = 128
