@@ -20,3 +20,12 @@ def test_train_resumes_across_partitions_and_saves_full_model(train_runs):
     loaded = AutoModelForCausalLM.from_pretrained(train_runs[0]["runner"]["model"])
     for k, v in ref.model.state_dict().items():
         assert (loaded.state_dict()[k] - v).abs().max() < 1e-4, k
+
+
+def test_pin_ranks_packs_quotas_onto_cpus_or_refuses():
+    from xronos.launch import pin_ranks
+
+    assert pin_ranks([1.0, 0.5], cpus=[0, 1]) == [0, 1]
+    assert pin_ranks([0.9, 0.63, 0.36], cpus=[0, 1]) == [0, 1, 1]  # the two slow ranks share a core
+    assert pin_ranks([0.7, 0.56, 0.42, 0.28], cpus=[2, 3]) == [2, 3, 3, 2]
+    assert pin_ranks([1.0, 0.7, 0.4], cpus=[0, 1]) is None  # 2.1 CPUs of quota do not fit 2 CPUs

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import statistics
 import time
 
 import torch.distributed as dist
 
-from .launch import spawn, throttle_period_us
+from .launch import pin_ranks, spawn, throttle_period_us
 from .layers import COMM
 from .partition import even_partition, partition
 from .profile import profile_group
@@ -124,10 +125,13 @@ def run_comparison(
     timeline_step: int | None = None,
     rebalance_every: int = 4,
     cpu_share: float = 1.0,
+    pin: bool = True,
 ) -> list[dict]:
     """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results.
 
-    Rank r runs at ``speeds[r] * cpu_share`` of one CPU (emulated). ``rebalance_every`` > 0 lets
+    Rank r runs at ``speeds[r] * cpu_share`` of one CPU (emulated), pinned to a CPU when the shares fit
+    the machine's CPUs one CPU's worth each (:func:`xronos.launch.pin_ranks`; ``pin=False``: never).
+    ``rebalance_every`` > 0 lets
     Xronos re-profile from its measured step compute times and reshard every that many steps.
     """
     cfg.validate()
@@ -149,13 +153,15 @@ def run_comparison(
         variants = [v for v in variants if not v.startswith("pp")]
         log.info("the pipeline baseline fine-tunes all weights; skipped with LoRA")
     ts = cfg.steps // 2 if timeline_step is None else timeline_step
+    shares = [s * cpu_share for s in speeds]
     return spawn(
         _worker,
         len(speeds),
         (cfg.to_dict(), list(speeds), list(variants), ts, rebalance_every),
-        speeds=[s * cpu_share for s in speeds],
+        speeds=shares,
         timeout_s=timeout_s,
         pg_timeout_s=300,
+        cpus=pin_ranks(shares) if pin else None,
     )
 
 
@@ -262,5 +268,7 @@ def emulation_info(speeds: list[float], cpu_share: float = 1.0) -> dict:
         "cpus_per_rank": [s * cpu_share for s in speeds],
         "method": method,
         "cgroup_period_us": [throttle_period_us(s * cpu_share) for s in speeds] if method == "cgroup" else None,
+        "pinned_cpus": pin_ranks([s * cpu_share for s in speeds]),
+        "oversubscribed": sum(s * cpu_share for s in speeds) > len(os.sched_getaffinity(0)),
         "note": "ranks share one machine; each rank is CPU-throttled with hwtopo.throttle to cpus_per_rank",
     }

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerError", "spawn", "free_port", "init_group", "init_from_env", "emulate_speed"]
+__all__ = ["WorkerError", "spawn", "free_port", "init_group", "init_from_env", "emulate_speed", "pin_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,33 @@ def _atomic_pickle(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _worker(rank, world_size, port, fn, args, out_dir, speed, pg_timeout_s):
+def pin_ranks(shares: list[float], cpus: list[int] | None = None) -> list[int] | None:
+    """A CPU for each rank such that no CPU carries more than one CPU's worth of quota, or None.
+
+    First-fit decreasing over this process's allowed CPUs: an emulated rank pinned to its own core (or
+    sharing one with ranks whose quotas fit beside it) is never pushed off by another rank's threads,
+    so its speed is the quota, not the quota minus contention. None when the shares do not fit.
+    """
+    avail = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+    load = {c: 0.0 for c in avail}
+    out: list[int | None] = [None] * len(shares)
+    for r in sorted(range(len(shares)), key=lambda r: -shares[r]):
+        cpu = next((c for c in avail if load[c] + shares[r] <= 1.0 + 1e-9), None)
+        if cpu is None:
+            return None
+        load[cpu] += shares[r]
+        out[r] = cpu
+    return out  # type: ignore[return-value]
+
+
+def _worker(rank, world_size, port, fn, args, out_dir, speed, pg_timeout_s, cpu=None):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     out = Path(out_dir)
     throttle = None
     try:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
         throttle = emulate_speed(speed)
         init_group(rank, world_size, port, pg_timeout_s)
         result = fn(rank, world_size, *args)
@@ -138,8 +159,12 @@ def spawn(
     speeds: list[float] | None = None,
     timeout_s: float = 600.0,
     pg_timeout_s: float = 60.0,
+    cpus: list[int] | None = None,
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return each rank's result."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return each rank's result.
+
+    ``cpus``: pin rank r to CPU ``cpus[r]`` (see :func:`pin_ranks`); None leaves placement to the OS.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, not {world_size}")
     speeds = list(speeds) if speeds is not None else [1.0] * world_size
@@ -151,7 +176,9 @@ def spawn(
         procs = []
         for r in range(world_size):
             p = ctx.Process(
-                target=_worker, args=(r, world_size, port, fn, args, tmp, speeds[r], pg_timeout_s), daemon=False
+                target=_worker,
+                args=(r, world_size, port, fn, args, tmp, speeds[r], pg_timeout_s, None if cpus is None else cpus[r]),
+                daemon=False,
             )
             p.start()
             procs.append(p)
