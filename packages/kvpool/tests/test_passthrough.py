@@ -10,8 +10,18 @@ import torch
 
 from kvpool import DeviceUnavailable, ExtentAllocator, PassthroughStore
 from kvpool.passthrough import HEADER_BYTES, JOURNAL, SLAB
+from kvpool.uring import IoUring
 
 MB = 1 << 20
+
+
+@pytest.fixture(autouse=True, params=["preadv", "io_uring"])
+def io_backend(request, monkeypatch):
+    """Every store test runs on both read backends (io_uring where the kernel allows it)."""
+    if request.param == "io_uring" and IoUring.available() is not None:
+        pytest.skip(f"io_uring unavailable: {IoUring.available()}")
+    monkeypatch.setattr(PassthroughStore, "default_io_backend", request.param)
+    return request.param
 
 
 def rand_bytes(n, seed=0):
@@ -182,7 +192,7 @@ def test_extent_allocator_coalesces_and_reserves():
     assert b.alloc(4096) == 0 and b.alloc(4096) == 2 * 4096
 
 
-def test_read_many_coalesces_adjacent_units_and_checks_each(tmp_path, monkeypatch):
+def test_read_many_coalesces_adjacent_units_and_checks_each(tmp_path, monkeypatch, io_backend):
     with PassthroughStore("ssd0", tmp_path, 4 * MB) as s:
         for i in range(6):
             assert s.put(f"u{i}", rand_bytes(9000, i))
@@ -193,6 +203,11 @@ def test_read_many_coalesces_adjacent_units_and_checks_each(tmp_path, monkeypatc
             f.seek(off + HEADER_BYTES + 7)
             f.write(b"\x00\x00\x00\x00")
         calls = []
+        if io_backend == "io_uring":  # one submission with a vectored read per run
+            real_ring = IoUring.readv
+            monkeypatch.setattr(
+                IoUring, "readv", lambda ring, reqs: calls.extend(r[3] for r in reqs) or real_ring(ring, reqs)
+            )
         real = os.preadv
         monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real(fd, bufs, off))
         names = ["u3", "u0", "missing", "u1", "u2", "u5"]

@@ -60,6 +60,7 @@ class BenchConfig:
     ssd_read_cap: float = 200e6
     ssd_write_cap: float | None = None
     recompute_reps: int = 2
+    io_backend: str = "preadv"  # SSD reads: "preadv", "io_uring" or "auto"
     seed: int = 0
 
     @classmethod
@@ -152,6 +153,7 @@ def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress,
         ssd_bytes=ssd_each,
         ssd_read_cap=cap,
         ssd_write_cap=cfg.ssd_write_cap if emulated else None,
+        io_backend=cfg.io_backend,
     )
     pool = KVPool(devs.stores, layout, "bench-llama", devs.bandwidths, promote=False)
     serial = SerialTiers(

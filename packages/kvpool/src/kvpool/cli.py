@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--layers", type=_positive_int("--layers"), help="decoder layers of the tiny Llama")
         sp.add_argument("--reps", type=_positive_int("--reps"), help="warm repetitions (median reported)")
         sp.add_argument("--ssds", type=_positive_int("--ssds"), help="emulated SSDs kvpool stripes over (default 4)")
+        sp.add_argument(
+            "--io-backend",
+            choices=("preadv", "io_uring", "auto"),
+            help="how kvpool reads its SSD slabs (default preadv; auto: io_uring where the kernel allows)",
+        )
         sp.add_argument("--ssd-cap", type=_bandwidth, help="emulated per-SSD read bandwidth, e.g. 200MB/s")
         sp.add_argument("--workdir", help="where the SSD slabs and chunk files go (default: a temp dir)")
         sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -115,6 +120,8 @@ def _config(args):
         cfg.ssd_read_cap = args.ssd_cap
     if args.ssds:
         cfg.ssds = args.ssds
+    if args.io_backend:
+        cfg.io_backend = args.io_backend
     try:
         cfg.validate()
     except ValueError as e:

@@ -80,12 +80,14 @@ def build_devices(
     bandwidths: dict[str, float] | None = None,
     numa_nodes: Sequence[int] | None = None,
     numa: bool = True,
+    io_backend: str = "preadv",
 ) -> DeviceSet:
     """Memory arenas plus one slab per SSD path; bandwidths measured unless given.
 
     Memory module ``i`` is bound to NUMA node ``numa_nodes[i % len(numa_nodes)]`` (default: this
     host's online nodes, so modules spread over the nodes); ``numa=False`` binds nothing. A node
-    that cannot be bound leaves an unbound arena with a warning, never an error.
+    that cannot be bound leaves an unbound arena with a warning, never an error. ``io_backend``:
+    how the SSD slabs are read ("preadv", "io_uring", or "auto": io_uring where the kernel allows).
     """
     if memory_modules < 0:
         raise ValueError(f"memory_modules must be >= 0, not {memory_modules!r}")
@@ -101,7 +103,7 @@ def build_devices(
         name = f"ssd{i}"
         thr = Throttle(ssd_read_cap, ssd_write_cap) if (ssd_read_cap or ssd_write_cap) else None
         try:
-            out.stores.append(PassthroughStore(name, p, ssd_bytes, throttle=thr))
+            out.stores.append(PassthroughStore(name, p, ssd_bytes, throttle=thr, io_backend=io_backend))
         except DeviceUnavailable as e:
             out.skipped[name] = str(e)
             log.warning("skipping %s: %s", name, e)

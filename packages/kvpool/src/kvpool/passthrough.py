@@ -14,8 +14,11 @@ loads the snapshot, replays newer journal records and stops at a torn tail. Powe
 
 A slab that cannot be created (directory missing, disk full) raises ``DeviceUnavailable``; the
 pool then runs without that device and says so. A second process opening the same slab gets a
-clear error (flock); processes share a pool through ``kvpool serve``. An io_uring or SPDK backend
-would implement the same methods (put/read/delete/names/staging/page_cache_bytes/close).
+clear error (flock); processes share a pool through ``kvpool serve``. Reads go through ``preadv``
+(one call per run of adjacent units) or, with ``io_backend="io_uring"`` (``"auto"``: when the
+kernel allows it), all runs of a read in flight at once on an io_uring (``uring.py``, raw system
+calls). An SPDK backend would implement the same methods; it needs the SPDK library, hugepages and
+an NVMe device unbound from the kernel, none of which exist here.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from hwtopo import atomic_write_text
 
 from .pagecache import resident_bytes
 from .stores import ExtentAllocator, StoreStats, Throttle, as_bytes_tensor
+from .uring import IoUring, buffer_address, iovec_array
 
 __all__ = ["PassthroughStore", "DeviceUnavailable", "AlignedBuffer", "ALIGN", "HEADER_BYTES"]
 
@@ -67,6 +71,7 @@ class AlignedBuffer:
     def __init__(self, nbytes: int):
         self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         self._map = mmap.mmap(-1, self.nbytes)
+        self.address = buffer_address(self._map)  # for io_uring's iovecs
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
@@ -77,6 +82,7 @@ class PassthroughStore:
     kind = "ssd"
     align_bytes = ALIGN
     unit_overhead_bytes = HEADER_BYTES
+    default_io_backend = "preadv"  # when the constructor is not told
 
     def __init__(
         self,
@@ -87,7 +93,11 @@ class PassthroughStore:
         sync: bool = False,
         direct: bool = True,
         snapshot_every: int = 4096,
+        io_backend: str | None = None,
     ):
+        io_backend = io_backend or self.default_io_backend
+        if io_backend not in ("preadv", "io_uring", "auto"):
+            raise ValueError(f"io_backend must be 'preadv', 'io_uring' or 'auto', not {io_backend!r}")
         self.name = name
         self.dir = Path(path)
         self.throttle = throttle
@@ -96,6 +106,19 @@ class PassthroughStore:
         self.stats = StoreStats()
         self._lock = threading.RLock()
         self._local = threading.local()
+        # reads: one preadv per run of adjacent units, or all runs in flight at once on an io_uring
+        self.io_backend = "preadv"
+        self.io_backend_why: str | None = None
+        if io_backend != "preadv":
+            why = IoUring.available()
+            if why is None:
+                self.io_backend = "io_uring"
+            elif io_backend == "io_uring":
+                raise DeviceUnavailable(errno.ENOSYS, f"SSD device {name!r}: io_uring backend unavailable ({why})")
+            else:
+                self.io_backend_why = why
+                log.info("%s: io_uring unavailable (%s); reading with preadv", name, why)
+        self._rings: list[IoUring] = []  # idle rings, one taken per concurrent read_many
         if capacity_bytes < ALIGN:
             raise ValueError(f"SSD device {name!r}: capacity_bytes must be at least {ALIGN}, not {capacity_bytes!r}")
         if not self.dir.is_dir():
@@ -319,25 +342,50 @@ class PassthroughStore:
                 runs.append([i])
                 run_bytes = ext
             end = off + ext
-        for run in runs:
+        exts = [[self.alloc.round(HEADER_BYTES + ents[i][1]) for i in run] for run in runs]
+        if self.io_backend == "io_uring" and runs:
             t0 = time.perf_counter()
-            exts = [self.alloc.round(HEADER_BYTES + ents[i][1]) for i in run]
-            try:
-                got = os.preadv(self.fd, [bufs[i].view[:x] for i, x in zip(run, exts)], ents[run[0]][0])
-            except OSError as e:
-                self.stats.add(errors=1, misses=len(run))
-                log.warning(
-                    "%s: read of %d unit(s) failed (%s); treated as misses", self.name, len(run), e.strerror or e
-                )
-                continue
+            gots = self._uring_runs(runs, exts, ents, bufs)
             if self.throttle:
-                self.throttle.after_read(sum(exts), t0)
-            pos = 0
-            for i, x in zip(run, exts):
-                out[i] = self._check(names[i], ents[i], bufs[i], got - pos)
-                pos += x
+                self.throttle.after_read(sum(map(sum, exts)), t0)
+            self.stats.add(read_s=time.perf_counter() - t0)
+            for run, ex, got in zip(runs, exts, gots):
+                self._check_run(names, run, ex, ents, bufs, got, out)
+            return out
+        for run, ex in zip(runs, exts):
+            t0 = time.perf_counter()
+            try:
+                got = os.preadv(self.fd, [bufs[i].view[:x] for i, x in zip(run, ex)], ents[run[0]][0])
+            except OSError as e:
+                got = -(e.errno or errno.EIO)
+            if self.throttle and got >= 0:
+                self.throttle.after_read(sum(ex), t0)
+            self._check_run(names, run, ex, ents, bufs, got, out)
             self.stats.add(read_s=time.perf_counter() - t0)
         return out
+
+    def _uring_runs(self, runs, exts, ents, bufs) -> list[int]:
+        """All runs in flight at once on an idle ring of this store; bytes read (or -errno) per run."""
+        with self._lock:
+            ring = self._rings.pop() if self._rings else None
+        if ring is None:
+            ring = IoUring(64)
+        try:
+            iovs = [iovec_array([(bufs[i].address, x) for i, x in zip(run, ex)]) for run, ex in zip(runs, exts)]
+            return ring.readv([(self.fd, ents[run[0]][0], iov, len(run)) for run, iov in zip(runs, iovs)])
+        finally:
+            with self._lock:
+                self._rings.append(ring)
+
+    def _check_run(self, names, run, ex, ents, bufs, got: int, out: list) -> None:
+        if got < 0:
+            self.stats.add(errors=1, misses=len(run))
+            log.warning("%s: read of %d unit(s) failed (%s); treated as misses", self.name, len(run), os.strerror(-got))
+            return
+        pos = 0
+        for i, x in zip(run, ex):
+            out[i] = self._check(names[i], ents[i], bufs[i], got - pos)
+            pos += x
 
     def _check(
         self, name: str, ent: tuple[int, int, int, int], staging: AlignedBuffer, got: int
@@ -391,6 +439,10 @@ class PassthroughStore:
         except OSError as e:
             log.warning("%s: final index snapshot failed (%s); the journal still holds the index", self.name, e)
         os.close(self.jfd)
+        with self._lock:
+            rings, self._rings = self._rings, []
+        for ring in rings:
+            ring.close()
         os.close(self.fd)  # releases the flock
         self.fd = None
 
@@ -408,6 +460,8 @@ class PassthroughStore:
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.alloc.used,
             "o_direct": self.direct,
+            "io_backend": self.io_backend,
+            "io_backend_fallback": self.io_backend_why,
             "units": len(self.index),
             "emulated_cap": self.throttle.describe() if self.throttle else None,
         }
