@@ -82,3 +82,16 @@ def test_blockchain_bench_cli(tmp_path, capsys, monkeypatch):
     h = res["headline"]
     assert h["data_source"] == "simulated" and res["emulated"]["simulated"] is True
     assert 0 <= h["tps_smape"] < 1 and 0 <= h["success_smape"] < 1
+
+
+def test_blockchain_bad_data_is_one_line_naming_file_row_column(tmp_path, capsys):
+    bad = tmp_path / "runs.csv"
+    bad.write_text("peers,orderers\n2,1\n")
+    assert main(["blockchain-bench", "--data", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "runs.csv" in err and "missing column" in err and len(err.strip().splitlines()) == 1
+    rep = tmp_path / "report.json"
+    rep.write_text('{"config": {"peers": 2}, "rounds": [{"Name": "r", "Succ": "x"}]}')
+    assert main(["blockchain-demo", "--data", str(rep), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "report.json" in err and "round 0" in err and "Traceback" not in err

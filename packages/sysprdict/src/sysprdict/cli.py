@@ -487,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from .blockchain.schema import SchemaError
     from .dataset import DatasetError
 
     try:
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.debug:
             raise
         print(f"sysprdict: error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, DatasetError) else 2
+        return 1 if isinstance(e, (DatasetError, SchemaError)) else 2  # a bad data file is a runtime failure
     except Exception as e:  # noqa: BLE001 - one line, traceback only with --debug
         if a.debug:
             raise

@@ -65,6 +65,7 @@ def evaluate_memory(rows: list[dict]) -> dict:
         "mape_all": _m(pts),
         "mape_all_accelerate_style": _m(pts, "accelerate_style"),
         "per_modality": {m: _m([p for p in pts if p["modality"] == m]) for m in sorted({p["modality"] for p in pts})},
+        "per_family": {f: _m([p for p in pts if p["family"] == f]) for f in sorted({p["family"] for p in pts})},
         "per_precision": {
             q: _m([p for p in pts if p["precision"] == q]) for q in sorted({p["precision"] for p in pts})
         },

@@ -57,6 +57,8 @@ KINDS = (
     "attention",
     "dropout",
     "rotary",
+    "experts",
+    "router",
     "container",
     "loss",
     "unknown",
@@ -109,10 +111,15 @@ _SDPA_OPS = {
     "scaled_dot_product_attention",
 }
 _GATHER_OPS = {"embedding", "index_select", "index", "gather"}
-_HEAVY = {"mm", "addmm", "bmm", "baddbmm", "convolution", *_SDPA_OPS}
+_GROUPED_MM_OPS = {"_grouped_mm", "grouped_mm"}
+_HEAVY = {"mm", "addmm", "bmm", "baddbmm", "convolution", *_SDPA_OPS, *_GROUPED_MM_OPS}
+ROUTINGS = ("balanced", "worst")
+"""Token routing assumed for mixture-of-experts layers while tracing (see `decompose`)."""
 
 _KIND_PATTERNS = [
     ("rotary", re.compile(r"Rotary")),
+    ("experts", re.compile(r"Experts$|ExpertList$")),
+    ("router", re.compile(r"Router$")),
     ("attention", re.compile(r"Attention$|Attn$|SelfAttention|SdpaAttention")),
     ("linear", re.compile(r"^(Linear|Conv1D|NonDynamicallyQuantizableLinear|LazyLinear)$")),
     ("conv", re.compile(r"^(Conv[123]d|ConvTranspose[123]d)$")),
@@ -126,7 +133,7 @@ _KIND_PATTERNS = [
     (
         "container",
         re.compile(
-            r"(Layer|Block|Model|MLP|Mlp|Encoder|Decoder|Projector|Pooler|Head|Output|Intermediate|Classifier"
+            r"(Layer|Block|Model|MLP|Mlp|Encoder|Decoder|Projector|Merger|Pooler|Head|Output|Intermediate|Classifier"
             r"|ForCausalLM|LMHeadModel|ForConditionalGeneration|ForImageClassification|ModuleList|Sequential"
             r"|Transformer)$"
         ),
@@ -167,6 +174,9 @@ def op_flops(name: str, args: tuple, out: object) -> int:
         w = args[1]
         outs = out[0] if isinstance(out, (tuple, list)) else out
         return 2 * outs.numel() * w.shape[1] * _numel(w.shape[2:])
+    if name in _GROUPED_MM_OPS:  # routed experts: [S, K] x [E, K, N] with per-expert row offsets
+        a, b = args[0], args[1]
+        return 2 * _numel(a.shape) * b.shape[-1]
     if name in _SDPA_OPS:
         q, k = args[0], args[1]
         *lead, sq, d = q.shape
@@ -237,6 +247,7 @@ class Decomposition:
     input_bytes: int
     largest_param_bytes: int
     tokens: int
+    buffer_bytes: int = 0
 
     @property
     def params(self) -> int:
@@ -289,6 +300,7 @@ class Decomposition:
             "bwd_flops": self.bwd_flops,
             "saved_bytes": self.saved_bytes,
             "saved_by_dtype": self.saved_by_dtype(),
+            "buffer_bytes": self.buffer_bytes,
             "unknown_kinds": dict(self.unknown),
         }
 
@@ -320,9 +332,60 @@ class _Tracer(torch.utils._python_dispatch.TorchDispatchMode):
         self.owner = owner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.owner.on_op(func.overloadpacket.__name__, args, out)
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        flat = _tensors([list(args), kwargs])
+        if flat and not any(isinstance(t, FakeTensor) for t in flat):
+            # only real tensors in: integer buffers (expert offsets) and the assumed routing; the
+            # control flow of routed experts reads their values, so run these small ops for real
+            with unset_fake_temporarily():
+                out = func(*args, **kwargs)
+        elif name in _GROUPED_MM_OPS:
+            out = _grouped_mm_out(func, args, kwargs)
+        elif name == "index" and any(_real_bool(i) for i in args[1]):
+            # a fake tensor selected by a real boolean mask (image placeholders): the mask's values
+            # are known, so index by its positions instead of a data-dependent nonzero on fake data
+            with unset_fake_temporarily():
+                idx = [i.nonzero(as_tuple=True) if _real_bool(i) else (i,) for i in args[1]]
+            out = func(args[0], [j for group in idx for j in group], *args[2:], **kwargs)
+        else:
+            out = func(*args, **kwargs)
+            if not flat and _tensors(out) and not any(t.is_floating_point() for t in _tensors(out)):
+                # an integer factory (arange of positions, a token-id constant): real, so integer
+                # bookkeeping derived from real ids (3-D rotary positions) stays computable
+                with unset_fake_temporarily():
+                    out = func(*args, **kwargs)
+        self.owner.on_op(name, args, out)
         return out
+
+
+def _real_bool(t: object) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.dtype == torch.bool
+
+
+def _grouped_mm_out(func, args: tuple, kwargs: dict):
+    """Output of a grouped matmul on fake tensors.  Its meta kernel accepts bf16 only (the CUDA
+    kernel's rule) while the CPU kernel also runs fp32/fp16, so for other dtypes the shape is inferred
+    here: [S, K] x [E, K, N] -> [S, N]; [E, M, K] x [E, K, N] -> [E, M, N];
+    [M, K] x [K, N] split by offsets -> [E, M, N]."""
+    a, b = args[0], args[1]
+    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+        return func(*args, **kwargs)
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    dtype = kwargs.get("out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[-1])
+    else:  # [E, M, K] x [K, N] split by offsets over M
+        shape = (a.shape[1], b.shape[-1])
+    return torch.empty(shape, dtype=dtype, device=a.device)
 
 
 class _Trace:
@@ -333,6 +396,7 @@ class _Trace:
         self.stage = ""
         self.seen_storages: set = set()
         self.param_keys = param_keys
+        self.clock = 0  # counts non-view ops: a record's `order` is the time of its last op
         self.handles = []
         for m in module.modules():
             self.handles.append(m.register_forward_pre_hook(self._pre))
@@ -360,7 +424,7 @@ class _Trace:
             name, cls = self.names.get(mod, type(mod).__name__) or "<root>", type(mod).__name__
         rec = self.records.get(name)
         if rec is None:
-            rec = LayerRecord(name, cls, classify(cls), self.stage, _block_of(name), len(self.records))
+            rec = LayerRecord(name, cls, classify(cls), self.stage, _block_of(name), self.clock)
             if mod is not None:
                 for p in mod.parameters(recurse=False):
                     rec.params += p.numel()
@@ -374,6 +438,11 @@ class _Trace:
         outs = _tensors(out)
         if name in _VIEW_OPS or not outs:  # views and metadata queries (prim.device, sizes) move nothing
             return
+        # order by the last op, not by module entry: a container's own ops (the loss inside a
+        # ForCausalLM's forward, a block's residual add) run after its children, so their backward
+        # runs before the children's
+        self.clock += 1
+        rec.order = self.clock
         fl = op_flops(name, args, out)
         rec.fwd_flops += fl
         rec.bwd_flops += fl * (2 if name in _HEAVY else 1)
@@ -423,21 +492,101 @@ def _output_tensors(out: object) -> list[torch.Tensor]:
     return _tensors(out)
 
 
-def decompose(model: ZooModel, shape: Shape, precision: str = "fp32") -> Decomposition:
+def assumed_routing(shape: torch.Size, dtype: torch.dtype, num_experts: int, routing: str) -> torch.Tensor:
+    """The expert indices [tokens, top_k] a routed-experts layer is traced with.
+
+    balanced: token t's slot j goes to expert (t * top_k + j) mod E: every expert receives
+      tokens * top_k / E token-slots (+-1), the expectation under uniform routing.
+    worst: every token goes to experts 0..top_k-1: the largest per-expert group (all tokens).
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing: {routing!r} is not known; use one of {list(ROUTINGS)}")
+    tokens, k = int(shape[0]), int(shape[-1]) if len(shape) > 1 else 1
+    if routing == "balanced":
+        idx = torch.arange(tokens * k) % max(num_experts, 1)
+    else:
+        idx = torch.arange(k).repeat(tokens)
+    return idx.reshape(shape).to(dtype)
+
+
+def _experts_modules(module: nn.Module) -> list[tuple[nn.Module, int]]:
+    """Routed-experts modules (transformers 5.x experts interface: forward(hidden_states, top_k_index,
+    top_k_weights), e.g. fused `gate_up_proj`/`down_proj` experts or a drop-in replacement) and the
+    position of `top_k_index` among their forward's positional parameters."""
+    import inspect
+
+    out = []
+    for m in module.modules():
+        try:
+            params = list(inspect.signature(m.forward).parameters)
+        except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+            continue
+        if "top_k_index" in params:
+            out.append((m, params.index("top_k_index")))
+    return out
+
+
+def _num_experts(m: nn.Module) -> int:
+    n = getattr(m, "num_experts", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    for p in m.parameters(recurse=False):
+        if p.dim() == 3:  # fused [E, out, in] expert weights
+            return int(p.shape[0])
+    raise ValueError(f"routing: cannot tell how many experts {type(m).__name__} has (no num_experts attribute)")
+
+
+def _install_routing(module: nn.Module, routing: str) -> list:
+    """Forward pre-hooks that hand every routed-experts module a concrete routing (the router's top-k
+    on fake tensors has no values, and the experts' dispatch reads them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    handles = []
+    for m, pos in _experts_modules(module):
+        n_exp = _num_experts(m)
+
+        def hook(mod, args, kwargs, pos=pos, n_exp=n_exp):
+            idx = kwargs.get("top_k_index") if "top_k_index" in kwargs else args[pos] if len(args) > pos else None
+            if idx is None:
+                return None
+            with _disable_current_modes():
+                concrete = assumed_routing(idx.shape, idx.dtype, n_exp, routing)
+            if "top_k_index" in kwargs:
+                return args, {**kwargs, "top_k_index": concrete}
+            return (*args[:pos], concrete, *args[pos + 1 :]), kwargs
+
+        handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
+
+
+def decompose(model: ZooModel, shape: Shape, precision: str = "fp32", routing: str = "balanced") -> Decomposition:
     """Per-layer records of `model` for one training batch of `shape` at `precision`.
 
     The model's own weights are never touched: tracing runs on a fake copy (no memory, no compute).
     Unknown layer kinds are logged by class name and counted in `Decomposition.unknown`.
+
+    Mixture-of-experts layers route tokens by data (the router's top-k), which fake tensors do not
+    have.  Routed-experts modules are therefore traced with an assumed routing (`assumed_routing`,
+    balanced by default); integer buffers (e.g. compressed experts' offsets) keep their real values,
+    and ops on nothing but those real tensors run for real.  With the grouped-matmul and the
+    per-expert loop implementations, what the experts save for backward depends on the total
+    token-slots (tokens x top_k), not on how they are distributed, so the balanced assumption does
+    not bias the activation factor; "worst" puts every token on the same top_k experts.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
 
     param_dtype, autocast_dtype = precision_setup(precision)
-    fm = FakeTensorMode(allow_non_fake_inputs=False)
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing: {routing!r} is not known; use one of {list(ROUTINGS)}")
+    fm = FakeTensorMode(allow_non_fake_inputs=True)
     real = model.module
     fake_mod = _fake_copy(real, fm, param_dtype)
+    route_handles = _install_routing(fake_mod, routing)
     real_batch = model.make_batch(shape, dtype=param_dtype)
-    batch = {k: fm.from_tensor(v) for k, v in real_batch.items()}
+    # floating inputs are fake; integer ones (token ids, labels, image grids) stay real, as the
+    # placeholder masks and multimodal positions computed from them are data dependent
+    batch = {k: fm.from_tensor(v) if v.is_floating_point() else v.clone() for k, v in real_batch.items()}
     with fm:
         fake_model = dataclasses.replace(model, module=fake_mod)
         param_keys = {StorageWeakRef(p.untyped_storage()) for p in fake_mod.parameters()}
@@ -461,6 +610,8 @@ def decompose(model: ZooModel, shape: Shape, precision: str = "fp32") -> Decompo
                 held += tr.held_bytes(_output_tensors(o))
         finally:
             tr.close()
+            for h in route_handles:
+                h.remove()
     called = set(tr.records)
     for name, mod in fake_mod.named_modules():
         if name not in called and any(True for _ in mod.parameters(recurse=False)):
@@ -482,6 +633,7 @@ def decompose(model: ZooModel, shape: Shape, precision: str = "fp32") -> Decompo
     compute_dtype = autocast_dtype or param_dtype
     input_bytes = sum(_nbytes(v) for v in real_batch.values())
     largest = max((_nbytes(p) for p in fake_mod.parameters()), default=0)
+    buffers = {id(b): _nbytes(b) for b in fake_mod.buffers()}
     return Decomposition(
         model=model.name,
         family=model.family,
@@ -496,6 +648,7 @@ def decompose(model: ZooModel, shape: Shape, precision: str = "fp32") -> Decompo
         input_bytes=input_bytes,
         largest_param_bytes=largest,
         tokens=shape.batch * model.total_tokens(shape),
+        buffer_bytes=sum(buffers.values()),
     )
 
 
@@ -507,6 +660,9 @@ def _fake_copy(module: nn.Module, fm, dtype: torch.dtype = torch.float32) -> nn.
     memo: dict[int, torch.Tensor] = {}
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) in memo:
+            continue
+        if not t.is_floating_point() and not isinstance(t, nn.Parameter):
+            memo[id(t)] = t.clone()  # integer buffers (indices, offsets) stay real: control flow reads them
             continue
         f = fm.from_tensor(t.detach())
         if dtype != torch.float32 and f.is_floating_point():

@@ -3,6 +3,7 @@
 Each layer of a `layers.Decomposition` contributes five factors:
 
   parameters     param numel x param dtype                  (ZeRO-3: / world size + one gathered layer)
+                 (+ buffers, e.g. rotary tables or compressed experts stored as buffers, never sharded)
   gradients      param numel x param dtype                  (ZeRO-2/3: / world size; DDP adds buckets)
   optimizer      AdamW: 2 states x param dtype; SGD+momentum: 1   (ZeRO-1/2/3: / world size)
   activations    bytes autograd saves for backward, per dtype (with gradient checkpointing only the
@@ -102,7 +103,7 @@ def predict_memory(d: Decomposition, setup: TrainSetup | None = None) -> MemoryP
     grad_div = ws if setup.zero_stage >= 2 else 1
     buckets = grad_full if (setup.world_size > 1 and setup.zero_stage == 0) else 0.0
 
-    base = params_live + opt_live + d.input_bytes + buckets
+    base = params_live + d.buffer_bytes + opt_live + d.input_bytes + buckets
     saved = {r.name: float(r.saved_total) for r in recs}
     blocks: dict[str, list[LayerRecord]] = {}
     for r in recs:
@@ -148,6 +149,7 @@ def predict_memory(d: Decomposition, setup: TrainSetup | None = None) -> MemoryP
         "activations": float(sum(saved.values()) + d.held_output_bytes),
         "temporaries": max(max((_bwd_temp(r) for r in recs), default=0.0), opt_temp),
         "inputs": float(d.input_bytes),
+        "buffers": float(d.buffer_bytes),
         "ddp_buckets": buckets,
     }
     per_layer = [

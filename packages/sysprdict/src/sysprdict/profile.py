@@ -24,7 +24,7 @@ import torch
 
 from .layers import PRECISIONS
 from .train import OPTIMIZERS, measure_training
-from .zoo import MODALITY, Shape, build, parse_model_name
+from .zoo import FAMILIES, MODALITY, Shape, build, parse_model_name
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class GridPoint:
 def default_grid(quick: bool = True) -> list[GridPoint]:
     """The bench/demo grid: every family, two or three sizes, fp32/bf16/fp16 (+ mixed when not
     quick), one or two batch sizes, AdamW and SGD alternating."""
-    fams = ["llama", "qwen2", "gpt2", "clip-vit", "siglip-vit", "vit", "llava-clip", "llava-siglip"]
+    fams = FAMILIES
     sizes = ["s", "m"] if quick else ["s", "m", "l"]
     batches = [2] if quick else [2, 4]
     precs = ["fp32", "bf16", "fp16"] if quick else list(PRECISIONS)

@@ -114,6 +114,24 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
     return f
 
 
+_MATMUL_KINDS = ("linear", "conv", "attention", "experts")
+_ADDITIVE = ("ops", "matmul_flops", "other_bytes", "optimizer_work", "layers")
+
+
+def additive_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
+    """The step's work in natural units, for the additive (roofline-like) part of the predictor:
+    dispatched ops (per-op overhead dominates small models on a CPU), matmul/conv/attention FLOPs,
+    bytes moved by every other op, the optimizer's per-parameter work, and layers."""
+    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer, 1)
+    return {
+        "ops": float(sum(r.ops for r in d.records)),
+        "matmul_flops": float(sum(r.fwd_flops + r.bwd_flops for r in d.records if r.kind in _MATMUL_KINDS)),
+        "other_bytes": float(sum(r.fwd_bytes + r.bwd_bytes for r in d.records if r.kind not in _MATMUL_KINDS)),
+        "optimizer_work": float(d.params * (1 + states) * d.param_dtype_bytes),
+        "layers": float(len(d.records)),
+    }
+
+
 def mape(pred, true) -> float:
     pred, true = np.asarray(pred, float), np.asarray(true, float)
     return float(np.mean(np.abs(pred - true) / np.abs(true))) if len(true) else float("nan")
@@ -138,12 +156,39 @@ class TimePredictor:
 
     precision_aware: bool = True
     seed: int = 0
+    kind: str = "loglinear"
 
     def __post_init__(self) -> None:
+        if self.kind not in ("additive", "loglinear"):
+            raise ValueError(f"kind: {self.kind!r} is not known; use 'additive' or 'loglinear'")
         self._cols: list[str] = []
         self._ridge = None
         self._trees = None
+        self._add = None
         self._ranges: dict[str, tuple[float, float]] = {}
+
+    def _additive_matrix(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
+        """One block of additive terms per precision (precision-aware: every precision has its own
+        cost per op, per FLOP, per byte) or one shared block (blind)."""
+        blocks = PRECISIONS if self.precision_aware else ("any",)
+        out = np.zeros((len(ds), len(blocks) * len(_ADDITIVE)))
+        for i, (d, o) in enumerate(zip(ds, optimizers)):
+            t = additive_terms(d, o)
+            b = blocks.index(d.precision) if self.precision_aware else 0
+            out[i, b * len(_ADDITIVE) : (b + 1) * len(_ADDITIVE)] = [t[k] for k in _ADDITIVE]
+        return out
+
+    def _additive_fit(self, ds: list[Decomposition], y: np.ndarray, optimizers: list[str]) -> None:
+        from sklearn.linear_model import LinearRegression
+
+        a = self._additive_matrix(ds, optimizers)
+        self._scale = np.maximum(a.max(axis=0), 1e-30)
+        # non-negative costs, least squares on relative error (weights 1/y^2)
+        self._add = LinearRegression(positive=True, fit_intercept=False).fit(a / self._scale, y, sample_weight=1 / y**2)
+
+    def _additive_predict(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
+        a = self._additive_matrix(ds, optimizers) / self._scale
+        return np.maximum(self._add.predict(a), 1e-9)
 
     def _matrix(self, ds: list[Decomposition], optimizers: list[str] | None = None) -> np.ndarray:
         opts = optimizers or ["adamw"] * len(ds)
@@ -156,22 +201,28 @@ class TimePredictor:
         from sklearn.linear_model import Ridge
 
         self._cols = []
-        x = self._matrix(ds, optimizers)
+        opts = optimizers or ["adamw"] * len(ds)
+        x = self._matrix(ds, opts)
         y = np.log(np.asarray(times_s, float))
-        self._trend_idx = [
-            i for i, c in enumerate(self._cols) if c in _TREND or c.startswith(("prec_", "flops_x_", "ops_x_"))
-        ]
-        self._ridge = Ridge(alpha=1.0).fit(x[:, self._trend_idx], y)
-        resid = y - self._ridge.predict(x[:, self._trend_idx])
-        self._trees = _booster(self.seed).fit(x, resid)
+        if self.kind == "additive":
+            self._additive_fit(ds, np.asarray(times_s, float), opts)
+            trend = np.log(self._additive_predict(ds, opts))
+        else:
+            self._trend_idx = [
+                i for i, c in enumerate(self._cols) if c in _TREND or c.startswith(("prec_", "flops_x_", "ops_x_"))
+            ]
+            self._ridge = Ridge(alpha=1.0).fit(x[:, self._trend_idx], y)
+            trend = self._ridge.predict(x[:, self._trend_idx])
+        self._trees = _booster(self.seed).fit(x, y - trend)
         self._ranges = {c: (float(x[:, i].min()), float(x[:, i].max())) for i, c in enumerate(self._cols)}
         return self
 
     def predict(self, ds: list[Decomposition], optimizers: list[str] | None = None) -> np.ndarray:
         """Predicted compute step time (s) of each decomposition; warns outside the training range."""
-        if self._ridge is None:
+        if self._trees is None:
             raise RuntimeError("TimePredictor.predict called before fit")
-        x = self._matrix(ds, optimizers)
+        opts = optimizers or ["adamw"] * len(ds)
+        x = self._matrix(ds, opts)
         for name in ("total_flops", "params", "tokens"):
             i = self._cols.index(name)
             lo, hi = self._ranges[name]
@@ -181,7 +232,11 @@ class TimePredictor:
                     f"predicting for {name} outside the training range [{math.expm1(lo):.3g}, {math.expm1(hi):.3g}]",
                     stacklevel=2,
                 )
-        return np.exp(self._ridge.predict(x[:, self._trend_idx]) + self._trees.predict(x))
+        if self.kind == "additive":
+            trend = np.log(self._additive_predict(ds, opts))
+        else:
+            trend = self._ridge.predict(x[:, self._trend_idx])
+        return np.exp(trend + self._trees.predict(x))
 
     def predict_step(
         self, d: Decomposition, world_size: int = 1, link=None, bandwidth_bytes_per_s=None, optimizer: str = "adamw"
@@ -208,7 +263,9 @@ class AnalyticalFlops:
         return np.array([(d.fwd_flops + d.bwd_flops) / self.flops_per_s for d in ds])
 
 
-def evaluate_holdout_families(rows: list[dict], flops_per_s: float, seed: int = 0, target: str = "step_cpu_s") -> dict:
+def evaluate_holdout_families(
+    rows: list[dict], flops_per_s: float, seed: int = 0, target: str = "step_cpu_s", kind: str | None = None
+) -> dict:
     """Leave-one-family-out: for each family, train on all other families' single-process rows and
     predict its rows.  Data-parallel rows are predicted by the model trained without their family
     plus the all-reduce model at the bandwidth measured in that run.  MAPE per family, per
@@ -233,8 +290,9 @@ def evaluate_holdout_families(rows: list[dict], flops_per_s: float, seed: int = 
         btest = [decomposition_for({**r, "precision": "fp32"}) for r in test]
         otrain = [r.get("optimizer", "adamw") for r in train]
         otest = [r.get("optimizer", "adamw") for r in test]
-        aware = TimePredictor(True, seed).fit(dtrain, ytrain, otrain)
-        blind = TimePredictor(False, seed).fit(btrain, ytrain, otrain)
+        kw = {"kind": kind} if kind else {}
+        aware = TimePredictor(True, seed, **kw).fit(dtrain, ytrain, otrain)
+        blind = TimePredictor(False, seed, **kw).fit(btrain, ytrain, otrain)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             preds["aware"] += list(aware.predict(dtest, otest))

@@ -1,6 +1,7 @@
 """Tiny models of real transformers architectures, built locally from configs (never downloaded).
 
-Each entry is a *family* (llama, qwen2, gpt2, clip-vit, siglip-vit, vit, llava-clip, llava-siglip)
+Each entry is a *family* (llama, qwen2, qwen2-moe, gpt2, clip-vit, siglip-vit, vit, llava-clip, llava-siglip,
+qwen2-vl)
 and a *size* (width/depth).  `build(name)` returns a `ZooModel` that knows how to make a training
 batch for a (batch, seq_len, image) shape and how to split itself into stages for tracing.
 """
@@ -22,19 +23,35 @@ SIZES = {
     "m": (96, 192, 3, 4),
     "l": (128, 256, 4, 4),
 }
-FAMILIES = ["llama", "qwen2", "gpt2", "clip-vit", "siglip-vit", "vit", "llava-clip", "llava-siglip"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen2-moe",
+    "gpt2",
+    "clip-vit",
+    "siglip-vit",
+    "vit",
+    "llava-clip",
+    "llava-siglip",
+    "qwen2-vl",
+]
 MODALITY = {
     "llama": "text",
     "qwen2": "text",
+    "qwen2-moe": "text",
     "gpt2": "text",
     "clip-vit": "vision",
     "siglip-vit": "vision",
     "vit": "vision",
     "llava-clip": "multimodal",
     "llava-siglip": "multimodal",
+    "qwen2-vl": "multimodal",
 }
 VOCAB = 512
 IMAGE_TOKEN = VOCAB - 1
+# Qwen2-VL: image placeholder, vision start/end (and an unused video token); text ids stay below
+QVL_IMAGE, QVL_VIDEO, QVL_START, QVL_END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
+QVL_PATCH, QVL_MERGE, QVL_TEMPORAL = 4, 2, 2
 NUM_CLASSES = 16
 
 
@@ -93,20 +110,35 @@ def _patch(image_size: int) -> int:
     return 8 if image_size >= 16 else max(1, image_size // 2)
 
 
+def _decoder_kwargs(size: str, max_pos: int = 2048) -> dict:
+    """Llama-style decoder dimensions of a zoo size (grouped-query attention, 2 heads per KV head)."""
+    h, i, n, a = SIZES[size]
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=n,
+        num_attention_heads=a,
+        num_key_value_heads=max(1, a // 2),
+        max_position_embeddings=max_pos,
+    )
+
+
 def _text_config(family: str, size: str, max_pos: int = 2048):
     import transformers as T
 
     h, i, n, a = SIZES[size]
     if family in ("llama", "qwen2"):
         cls = T.LlamaConfig if family == "llama" else T.Qwen2Config
-        return cls(
-            vocab_size=VOCAB,
-            hidden_size=h,
-            intermediate_size=i,
-            num_hidden_layers=n,
-            num_attention_heads=a,
-            num_key_value_heads=max(1, a // 2),
-            max_position_embeddings=max_pos,
+        return cls(**_decoder_kwargs(size, max_pos))
+    if family == "qwen2-moe":  # 4 routed experts (top-2, fused gate_up_proj/down_proj) + a shared expert
+        return T.Qwen2MoeConfig(
+            **_decoder_kwargs(size, max_pos),
+            moe_intermediate_size=i // 2,
+            shared_expert_intermediate_size=i // 2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
         )
     if family == "gpt2":
         return T.GPT2Config(
@@ -143,6 +175,45 @@ def _vision_config(kind: str, size: str, image_size: int):
     raise ValueError(kind)
 
 
+def _qwen2_vl_config(size: str, image_size: int):
+    """Qwen2-VL: a ViT over variable-resolution patches with 2-D rotary positions, a 2x2 patch merger
+    into the language model's width, and a Qwen2 language model with 3-D (M-RoPE) positions."""
+    import transformers as T
+
+    if image_size % (QVL_PATCH * QVL_MERGE):
+        raise ValueError(f"image_size: {image_size} must be a multiple of {QVL_PATCH * QVL_MERGE} for qwen2-vl")
+    h, i, n, a = SIZES[size]
+    half = h // a // 2  # M-RoPE splits half the head dimension into temporal, height, width sections
+    sec = 3 * half // 8
+    vision = dict(
+        depth=n,
+        embed_dim=h,
+        hidden_size=h,
+        num_heads=a,
+        mlp_ratio=2,
+        patch_size=QVL_PATCH,
+        spatial_merge_size=QVL_MERGE,
+        temporal_patch_size=QVL_TEMPORAL,
+        in_channels=3,
+    )
+    text = dict(
+        **_decoder_kwargs(size),
+        bos_token_id=0,
+        eos_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * sec, sec, sec]},
+    )
+    return T.Qwen2VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=QVL_IMAGE,
+        video_token_id=QVL_VIDEO,
+        vision_start_token_id=QVL_START,
+        vision_end_token_id=QVL_END,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
 @dataclasses.dataclass
 class ZooModel:
     """A built model plus what tracing and training need to know about it."""
@@ -157,6 +228,8 @@ class ZooModel:
     def image_tokens(self) -> int:
         if self.modality == "text":
             return 0
+        if self.family == "qwen2-vl":  # patches merged 2x2 into one language token
+            return (self.image_size // QVL_PATCH) ** 2 // QVL_MERGE**2
         p = _patch(self.image_size)
         return (self.image_size // p) ** 2
 
@@ -173,6 +246,8 @@ class ZooModel:
         ids = torch.randint(0, VOCAB - 1, (shape.batch, shape.seq_len), generator=g)
         if self.modality == "text":
             return {"input_ids": ids, "labels": ids.clone()}
+        if self.family == "qwen2-vl":
+            return self._qwen2_vl_batch(shape, dtype, g)
         n_img = self.image_tokens()
         ids = torch.cat([torch.full((shape.batch, n_img), IMAGE_TOKEN), ids], dim=1)
         labels = ids.clone()
@@ -180,19 +255,43 @@ class ZooModel:
         px = torch.randn(shape.batch, 3, self.image_size, self.image_size, generator=g).to(dtype)
         return {"input_ids": ids, "pixel_values": px, "labels": labels}
 
+    def _qwen2_vl_batch(self, shape: Shape, dtype: torch.dtype, g: torch.Generator) -> dict:
+        """One image per sample as Qwen2-VL's processor lays it out: flattened patches
+        [B * h * w, C * temporal * patch^2] with their (t, h, w) grid, and <start> image-tokens <end>
+        text in the ids, with the multimodal token types the 3-D RoPE positions need."""
+        b, side = shape.batch, self.image_size // QVL_PATCH
+        px = torch.randn(b * side * side, 3 * QVL_TEMPORAL * QVL_PATCH**2, generator=g).to(dtype)
+        grid = torch.tensor([[1, side, side]] * b)
+        n_img = self.image_tokens()
+        text = torch.randint(0, QVL_END, (b, shape.seq_len), generator=g)
+        ids = torch.cat(
+            [torch.full((b, 1), QVL_START), torch.full((b, n_img), QVL_IMAGE), torch.full((b, 1), QVL_END), text], 1
+        )
+        labels = ids.clone()
+        labels[:, : n_img + 2] = -100
+        types = (ids == QVL_IMAGE).long()
+        return {
+            "input_ids": ids,
+            "pixel_values": px,
+            "image_grid_thw": grid,
+            "mm_token_type_ids": types,
+            "labels": labels,
+        }
+
     def total_tokens(self, shape: Shape) -> int:
         """Tokens the (language or vision) transformer processes per sample."""
         if self.modality == "text":
             return shape.seq_len
         if self.modality == "vision":
             return self.image_tokens()
-        return shape.seq_len + self.image_tokens()
+        return shape.seq_len + self.image_tokens() + (2 if self.family == "qwen2-vl" else 0)
 
     def stages(self, batch: dict) -> list[tuple[str, Callable[[], object]]]:
         """The forward pass as traceable stages (multimodal models are split into vision, projector
         and language stages so no stage needs data-dependent ops such as token merging)."""
         m = self.module
-        if self.modality != "multimodal":
+        if self.modality != "multimodal" or self.family == "qwen2-vl":
+            # Qwen2-VL's merge (placeholder mask) and 3-D positions read the real token ids
             return [("model", lambda: m(**batch))]
         return _llava_stages(m, batch, self.image_tokens())
 
@@ -237,8 +336,15 @@ def build(name: str, image_size: int = 32, seed: int = 0) -> ZooModel:
     if modality == "text":
         cfg = _text_config(family, size)
         cfg._attn_implementation = "sdpa"
-        cls = {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "gpt2": T.GPT2LMHeadModel}[family]
+        cls = {
+            "llama": T.LlamaForCausalLM,
+            "qwen2": T.Qwen2ForCausalLM,
+            "qwen2-moe": T.Qwen2MoeForCausalLM,
+            "gpt2": T.GPT2LMHeadModel,
+        }[family]
         module = cls(cfg)
+    elif family == "qwen2-vl":
+        module = T.Qwen2VLForConditionalGeneration(_qwen2_vl_config(size, image_size))
     elif family == "vit":
         module = T.ViTForImageClassification(_vision_config("vit", size, image_size))
     elif modality == "vision":
