@@ -84,7 +84,10 @@ def test_generate_and_openai_routes(dlm, task):
 def test_openai_routes_accept_any_text(dlm):
     """An agent's English system prompt, JSON input and a tool-call turn: byte fallback, not a 400."""
     messages = [
-        {"role": "system", "content": "You are a tool-using agent. task_type: rag_qa. Call tools, then answer briefly."},
+        {
+            "role": "system",
+            "content": "You are a tool-using agent. task_type: rag_qa. Call tools, then answer briefly.",
+        },
         {"role": "user", "content": '{"question": "json décoder error"}'},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "tool", "content": [{"type": "text", "text": "no results"}]},

@@ -25,7 +25,7 @@ def test_layout_and_fractions():
                 k, rest = tok.split(".")
                 table.setdefault(k, []).append(rest.split("=")[1])
             assert len(table) == spec.rows
-            assert v.decode(r.answer) == " ".join(table[key]) + " <eos>"
+            assert v.decode(r.answer) == " ".join(table[key]) + " <eos>" * (spec.answer_length - spec.value_digits)
     with pytest.raises(ValueError, match="shared_rows"):
         t.burst(1, spec.rows + 1)
 
@@ -47,7 +47,7 @@ def test_open_vocab_spells_unknown_words_as_bytes():
     assert all(0 <= i < len(v) for i in ids)
     assert ids[-3:] == v.encode("? k02 3")  # task words keep their own tokens
     assert v.decode(ids) == text  # single spaces round-trip exactly
-    assert sum(i >= v.byte0 for i in ids) == len("You are an agent. {\"question\": \"json décoder\"}".encode())
+    assert sum(i >= v.byte0 for i in ids) == len('You are an agent. {"question": "json décoder"}'.encode())
 
 
 def test_curriculum_pads_rows_but_keeps_the_asked_one():

@@ -191,7 +191,7 @@ def _message_text(i: int, m) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"field 'messages[{i}].content' parts must be {{\"type\": \"text\", \"text\": str}}")
+                raise BadRequest(f'field \'messages[{i}].content\' parts must be {{"type": "text", "text": str}}')
             texts.append(part["text"])
         return " ".join(texts)
     raise BadRequest(f"field 'messages[{i}].content' must be a string, null or a list of text parts")

@@ -2,12 +2,15 @@
 
 Every request is one fixed-layout token sequence::
 
-    <bos> [? key d d d] x SHOTS  [key.0=d key.1=d key.2=d] x ROWS  ? key_q | d d d <eos>
+    <bos> [? key d] x SHOTS  [key.0=d] x ROWS  ? key_q | d <eos> <eos> <eos>
     \\_______ few-shot examples ____/\\___________ table ___________/\\question/ \\answer (generated)/
 
-Each table value token carries its row key and digit slot (``k05.1=3``: digit 1 of key ``k05`` is
+Each table value token carries its row key and digit slot (``k05.0=3``: digit 0 of key ``k05`` is
 3), so answering is *one* attention hop: answer slot ``j`` attends to the table token whose key is
-the asked key and whose slot is ``j`` and reads its digit. (With plain ``k05 7 3 1`` rows the digits
+the asked key and whose slot is ``j`` and reads its digit. The answer is padded with ``<eos>`` to
+``answer_length`` tokens, as LLaDA pads its generation window. The defaults (one digit, no
+few-shot examples) are what the bundled recipe learns on a CPU; more digits need a digit-slot
+match as well, and few-shot examples offer a copy-from-example shortcut the model settles on. (With plain ``k05 7 3 1`` rows the digits
 first have to learn which key precedes them, a two-hop induction circuit a tiny model did not learn
 in a CPU training budget; see the README.) A *shared prefix* of a burst of requests is ``<bos>``,
 the few-shot examples and the first ``shared_rows`` table rows; the remaining rows and the question
@@ -36,13 +39,19 @@ class TaskSpec:
 
     n_keys: int = 16
     rows: int = 12
-    shots: int = 2
-    value_digits: int = 3
+    shots: int = 0
+    value_digits: int = 1
+    answer_length: int = 4  # generated tokens: the digits, then <eos> padding (LLaDA-style)
 
     def __post_init__(self) -> None:
         for name in ("n_keys", "rows", "value_digits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TaskSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.answer_length <= self.value_digits:
+            raise ValueError(
+                f"TaskSpec.answer_length ({self.answer_length}) must exceed value_digits ({self.value_digits}) "
+                "to leave room for <eos>"
+            )
         if self.shots < 0:
             raise ValueError(f"TaskSpec.shots must be >= 0, got {self.shots}")
         if self.n_keys < self.rows + self.shots:
@@ -61,8 +70,8 @@ class TaskSpec:
 
     @property
     def gen_length(self) -> int:
-        """Answer tokens to generate: the digits and ``<eos>``."""
-        return self.value_digits + 1
+        """Answer tokens to generate: the digits, then ``<eos>`` up to ``answer_length``."""
+        return self.answer_length
 
     @property
     def rows_start(self) -> int:
@@ -213,7 +222,7 @@ class TableTask:
             out.append(
                 Request(
                     prompt=ids,
-                    answer=[*self._digits(table[q]), v.eos_id],
+                    answer=[*self._digits(table[q])] + [v.eos_id] * (s.answer_length - s.value_digits),
                     prefix_len=len(prefix),
                     group=group,
                     meta={"shared_rows": shared_rows, "asked_shared": q in shared},

@@ -32,13 +32,15 @@ class Recipe:
     layers: int = 4
     hidden: int = 64
     heads: int = 4
+    attn_scalar: int = 16  # Gemma3 query_pre_attn_scalar (16 = head_dim: the usual 1/sqrt(d) scale)
+    compose_init: bool = True  # table-token embeddings start as key + digit + slot embeddings
     steps: int = 4000  # at most; training stops early once ``target`` is reached
     batch: int = 32
     lr: float = 3e-3
     warmup: int = 50
     seed: int = 0
-    curriculum_steps: int = 0  # filled table rows grow from ``min_rows`` to all over these (0: none)
-    min_rows: int = 2
+    min_rows: int = 2  # curriculum: training tables start with this many filled rows ...
+    curriculum_gate: float = 0.9  # ... and gain one each time a training-batch exact match reaches this
     target: float = 0.97  # held-out exact match (one parallel prediction), checked every ``eval_every``
     eval_every: int = 50
     spec: TaskSpec = TaskSpec()
@@ -56,6 +58,25 @@ def cache_dir() -> Path:
     return Path(base) / "mlsyskit" / "bicache"
 
 
+def compose_table_embeddings(dlm: DiffusionLM, seed: int = 0) -> None:
+    """Initialise each table token ``k<key>.<slot>=<d>`` as ``E[k<key>] + E[<d>] + s_slot``.
+
+    An initialisation, not a constraint (the embeddings train freely afterwards): it starts the
+    lookup's attention match (the key part) and its copy (the digit part) as the same shared
+    key/digit directions instead of 16 x 10 x slots unrelated random vectors each of which would
+    have to be learnt from its own rare occurrences.
+    """
+    emb = dlm.model.get_input_embeddings().weight
+    v, s = dlm.vocab, dlm.spec
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        slots = torch.randn(s.value_digits, emb.shape[1], generator=g) * emb.std()
+        for k in range(s.n_keys):
+            for j in range(s.value_digits):
+                for d in range(10):
+                    emb[v.keyed(k, j, d)] = emb[v.key0 + k] + emb[v.digit0 + d] + slots[j]
+
+
 def masked_diffusion_loss(
     dlm: DiffusionLM, x: torch.Tensor, is_answer: torch.Tensor, gen: torch.Generator
 ) -> torch.Tensor:
@@ -70,6 +91,20 @@ def masked_diffusion_loss(
     inp = torch.where(masked, torch.full_like(x, dlm.mask_id), x)
     logits = dlm.model(input_ids=inp).logits
     return torch.nn.functional.cross_entropy(logits[masked], x[masked])
+
+
+def batch_accuracy(dlm: DiffusionLM, task: TableTask, rows: int, n: int = 128) -> float:
+    """Exact match of one parallel answer prediction on fresh training sequences with ``rows`` rows."""
+    x, _ = task.training_batch(n, rows=rows)
+    p = dlm.spec.prompt_length
+    inp = x.clone()
+    inp[:, p:] = dlm.mask_id
+    was = dlm.model.training
+    dlm.model.eval()
+    with torch.no_grad():
+        pred = dlm.model(input_ids=inp).logits[:, p:].argmax(-1)
+    dlm.model.train(was)
+    return float((pred == x[:, p:]).all(1).float().mean())
 
 
 def heldout_accuracy(dlm: DiffusionLM, n: int = 128, seed: int = 99) -> float:
@@ -92,8 +127,15 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     """Train from scratch with ``recipe``; with ``resume_dir`` the run checkpoints there and resumes."""
     torch.manual_seed(recipe.seed)
     dlm = DiffusionLM.random(
-        recipe.spec, seed=recipe.seed, layers=recipe.layers, hidden=recipe.hidden, heads=recipe.heads
+        recipe.spec,
+        seed=recipe.seed,
+        layers=recipe.layers,
+        hidden=recipe.hidden,
+        heads=recipe.heads,
+        attn_scalar=recipe.attn_scalar,
     )
+    if recipe.compose_init:
+        compose_table_embeddings(dlm, recipe.seed)
     model = dlm.model.train()
     task = TableTask(recipe.spec, seed=recipe.seed + 1)
     gen = torch.Generator().manual_seed(recipe.seed + 2)
@@ -107,6 +149,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     start = 0
+    rows = min(recipe.min_rows, recipe.spec.rows) if recipe.curriculum_gate > 0 else recipe.spec.rows
     state_path = resume_dir / "train-state.pt" if resume_dir is not None else None
     if state_path is not None and state_path.exists():
         st = torch.load(state_path, weights_only=False)
@@ -116,6 +159,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
         gen.set_state(st["gen"])
         task.rng.setstate(st["rng"])
         start = st["step"]
+        rows = st.get("rows", rows)
         log.info("resuming training at step %d", start)
     bar = None
     if progress:
@@ -125,8 +169,6 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     t0 = time.time()
     ema = None
     for step in range(start, recipe.steps):
-        frac = min(1.0, step / recipe.curriculum_steps) if recipe.curriculum_steps else 1.0
-        rows = round(recipe.min_rows + frac * (recipe.spec.rows - recipe.min_rows))
         x, maskable = task.training_batch(recipe.batch, rows=rows)
         loss = masked_diffusion_loss(dlm, x, maskable, gen)
         opt.zero_grad(set_to_none=True)
@@ -139,10 +181,10 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
             bar.update(1)
             bar.set_postfix(loss=f"{ema:.3f}")
         if (step + 1) % recipe.eval_every == 0:
+            if rows < recipe.spec.rows and batch_accuracy(dlm, task, rows) >= recipe.curriculum_gate:
+                rows += 1
             acc = heldout_accuracy(dlm)
-            log.info(
-                "step %d rows %d loss %.4f heldout %.3f (%.0fs)", step + 1, rows, ema, acc, time.time() - t0
-            )
+            log.info("step %d rows %d loss %.4f heldout %.3f (%.0fs)", step + 1, rows, ema, acc, time.time() - t0)
             if bar is not None:
                 bar.set_postfix(loss=f"{ema:.3f}", heldout=f"{acc:.3f}")
             if state_path is not None:
@@ -156,6 +198,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
                         "gen": gen.get_state(),
                         "rng": task.rng.getstate(),
                         "step": step + 1,
+                        "rows": rows,
                     },
                     tmp,
                 )
