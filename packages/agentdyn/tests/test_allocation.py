@@ -59,6 +59,17 @@ def test_two_equal_cpu_classes_split_the_cores_evenly():
     assert sum(plan.capacity.values()) == 2.0
 
 
+def test_dominant_cpu_class_spills_onto_idle_shared_cores():
+    prof = dict(PROFILES, coding={"cpu_s": 9.0, "wall_s": 9.2, "cpu_intensity": 0.98})
+    plan = plan_allocation(prof, [0, 1])
+    c, w = plan.classes["coding"], plan.classes["web_search"]
+    assert c.own_cpus == [1] and c.cpus == [0, 1]  # own core, plus the shared core the others leave idle
+    assert w.cpus == [0] and 1 not in plan.classes["rag_qa"].cpus  # nobody else runs on the own core
+    assert plan.capacity[c.core_set] == 2.0 and c.threads == 1
+    # with a demand share that fills only its own core, no spill (test above): capacity stays 1
+    assert plan_allocation(PROFILES, [0, 1]).capacity["own-coding"] == 1.0
+
+
 def test_bad_cores():
     with pytest.raises(ValueError, match="cores"):
         plan_allocation(PROFILES, [])
@@ -80,6 +91,8 @@ def test_tools_really_run_on_their_class_cores(tmp_path):
         assert a.ok and b.ok, (a.error, b.error)
         assert a.output["cpus"] == alloc.plan.classes["coding"].cpus
         assert b.output["cpus"] == alloc.plan.classes["web_search"].cpus
+        # each class's tools are told its thread count (libraries would otherwise start one per core)
+        assert a.output["thread_env"]["OPENBLAS_NUM_THREADS"] == str(alloc.plan.classes["coding"].threads)
         if cpuset_writable():
             assert any("agentdyn-" in line and "cpuset" in line for line in a.output["cgroups"])
     finally:

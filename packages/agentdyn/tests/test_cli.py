@@ -14,6 +14,7 @@ from agentdyn.cli import main
     [
         (["bench", "--quick", "--ttft", "-1"], "--ttft"),
         (["bench", "--per-type", "0"], "--per-type"),
+        (["bench", "--quick", "--tool-threads", "many"], "--tool-threads"),
         (["run", "painting"], "task_type"),
         (["run", "coding", "--input", "{bad"], "--input"),
         (["run", "coding", "--llm-base-url", "localhost:1"], "--llm-base-url"),

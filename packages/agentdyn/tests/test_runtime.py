@@ -45,7 +45,7 @@ def test_each_task_type_end_to_end_with_timeline():
         assert r.latency_s >= r.usage.llm_wait_s
     assert [e["tool"] for e in rag.timeline if e["phase"] == "tool"] == ["rag_index", "rag_query", "rag_query"]
     assert "rag_query" in rag.answer or "hits" in rag.answer
-    assert code.usage.tool_calls == 5 and '"passed": 8' in code.answer
+    assert code.usage.tool_calls == 5 and '"passed": 11' in code.answer
     assert web.usage.tools.peak_rss_bytes > 1 << 20
     assert zombie_children() == []
 

@@ -3,8 +3,10 @@
 import asyncio
 import os
 
+import pytest
+
 from agentdyn.monitor import group_pids
-from agentdyn.sandbox import Sandbox, SandboxLimits, zombie_children
+from agentdyn.sandbox import Sandbox, SandboxLimits, tool_env, zombie_children
 
 
 def _alive(pid):
@@ -80,3 +82,21 @@ def test_killed_tool_still_has_sampled_usage(tmp_path):
     assert res.killed
     assert res.usage.cpu_s > 0.1  # sampled from /proc while it ran
     assert res.usage.peak_rss_bytes >= 50 << 20
+
+
+def test_tool_env_thread_caps():
+    base = {"PATH": "/bin", "OPENBLAS_NUM_THREADS": "3"}
+    assert tool_env({"PATH": "/bin"})["OMP_NUM_THREADS"] == "1"  # polite default when unset
+    assert tool_env(base)["OPENBLAS_NUM_THREADS"] == "3"  # inherited as is
+    free = tool_env(base, "default")
+    assert "OPENBLAS_NUM_THREADS" not in free and "OMP_NUM_THREADS" not in free and free["PATH"] == "/bin"
+    assert tool_env(base, 2)["MKL_NUM_THREADS"] == "2"
+    with pytest.raises(ValueError, match="tool_threads"):
+        tool_env(base, 0)
+
+
+def test_default_threads_reach_the_tool(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    res = asyncio.run(Sandbox(tool_threads="default").run("whereami", {}, str(tmp_path)))
+    assert res.ok, res.error
+    assert res.output["thread_env"]["OMP_NUM_THREADS"] is None

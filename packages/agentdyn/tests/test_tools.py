@@ -74,7 +74,7 @@ def test_coding_repo_fails_then_passes_after_the_patch(tmp_path):
         apply_patch({"edits": [{"path": "mathlib/primes.py", "old": "nope", "new": "x"}]}, str(tmp_path))
     apply_patch({"edits": [{"path": "mathlib/primes.py", "old": BUGGY_LINE, "new": FIXED_LINE}]}, str(tmp_path))
     after = run_tests({}, str(tmp_path))
-    assert after["exit_code"] == 0 and after["failed"] == 0 and after["passed"] == 8
+    assert after["exit_code"] == 0 and after["failed"] == 0 and after["passed"] == 11
 
 
 def test_patch_cannot_leave_the_repository(tmp_path):

@@ -46,6 +46,8 @@ class ClassAllocation:
     shares: int | None = None
     intensity: float = 0.0
     cpu_s_per_request: float = 0.0
+    threads: int | None = None  # threads its tools' numerical libraries are told to start
+    own_cpus: list[int] | None = None  # cores no other class may use (``cpus`` may add spill cores)
 
 
 @dataclass
@@ -111,17 +113,31 @@ def plan_allocation(
                 else:
                     continue
             own, free = free[len(free) - k :], free[: len(free) - k]
-            alloc(t, "cpu", f"own-{t}", own)
+            alloc(t, "cpu", f"own-{t}", own, threads=k, own_cpus=list(own))
             capacity[f"own-{t}"] = float(k)
             notes.append(
                 f"{t}: CPU-sensitive (intensity {inten[t]:.2f} >= {thr:.2f}), demand share {demand[t] / total:.2f} -> own cores {own}"
             )
         shared = [t for t in types if t not in classes]
         for t in shared:
-            alloc(t, "cpu" if inten[t] >= thr else "io", "shared", free)
+            alloc(t, "cpu" if inten[t] >= thr else "io", "shared", free, threads=len(free))
         if shared:
             capacity["shared"] = float(len(free))
             notes.append(f"{shared} share cores {free}")
+        # spill: a class with own cores whose demand share exceeds them may also run on the
+        # shared cores the sharing classes' expected demand leaves idle (whole cores)
+        shared_cores = n * sum(demand[t] for t in shared) / total if shared else 0.0
+        spare = min(len(free), int(math.floor(len(free) - shared_cores + 0.5))) if free else 0
+        for t in sorted((x for x in classes if classes[x].core_set.startswith("own-")), key=lambda x: -demand[x]):
+            c = classes[t]
+            k = len(c.cpus)
+            want = n * demand[t] / total - k
+            extra = min(spare, int(math.floor(want + 0.5)))
+            if extra >= 1:
+                c.cpus = sorted(c.cpus + free)
+                capacity[c.core_set] = float(k + extra)
+                spare -= extra
+                notes.append(f"{t}: may also run on shared cores {free} ({extra} core(s) of admission capacity)")
         return AllocationPlan(classes, capacity, thr, list(cores), notes)
     heavy = [t for t in types if inten[t] >= thr]
     light = [t for t in types if t not in heavy]
@@ -153,7 +169,9 @@ class TaskAwareAllocator:
                 if cs == "all":
                     continue
                 cpus = c.cpus if len(plan.cores) >= 2 else None
-                self.groups[cs] = CpuGroup(f"{cs}", cpus=cpus, quota_cores=c.quota_cores, shares=c.shares)
+                self.groups[cs] = CpuGroup(
+                    f"{cs}", cpus=cpus, quota_cores=c.quota_cores, shares=c.shares, threads=c.threads
+                )
 
     def core_set(self, task_type: str) -> str:
         c = self.plan.classes.get(task_type)

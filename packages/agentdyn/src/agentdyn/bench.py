@@ -40,6 +40,9 @@ class WorkloadConfig:
     emulator: EmulatorConfig = field(default_factory=lambda: EmulatorConfig(ttft_s=0.3, tokens_per_s=80.0))
     site_latency_s: float = 0.05
     tool_timeout_s: float = 120.0
+    # numerical libraries in tools start their default thread count (one per core the tool may
+    # run on), as in an unconstrained agent container; see ``sandbox.tool_env``
+    tool_threads: int | str | None = "default"
 
     def __post_init__(self) -> None:
         if self.per_type < 1:
@@ -194,7 +197,11 @@ async def bench(
     runs: dict[str, list[dict]] = {}
     try:
         async with Harness(
-            emulator=cfg.emulator, site_latency_s=cfg.site_latency_s, tool_timeout_s=cfg.tool_timeout_s, sampler=sampler
+            emulator=cfg.emulator,
+            site_latency_s=cfg.site_latency_s,
+            tool_timeout_s=cfg.tool_timeout_s,
+            sampler=sampler,
+            tool_threads=cfg.tool_threads,
         ) as h:
             if progress:
                 progress("calibrating (each task type alone)")

@@ -66,11 +66,19 @@ class CpuGroup:
     """Processes of one task class: own cores (``cpus``), a quota in cores, a cpu.shares weight."""
 
     def __init__(
-        self, name: str, cpus: list[int] | None = None, quota_cores: float | None = None, shares: int | None = None
+        self,
+        name: str,
+        cpus: list[int] | None = None,
+        quota_cores: float | None = None,
+        shares: int | None = None,
+        threads: int | None = None,
     ):
         if quota_cores is not None and quota_cores <= 0:
             raise ValueError(f"quota_cores must be > 0, not {quota_cores!r}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, not {threads!r}")
         self.name = name
+        self.threads = threads  # the thread count its tools' numerical libraries are told
         self.cpus = sorted(cpus) if cpus else None
         self.quota_cores = quota_cores
         self.shares = shares
@@ -146,6 +154,7 @@ class CpuGroup:
             "cpus": self.cpus,
             "quota_cores": self.quota_cores,
             "shares": self.shares,
+            "threads": self.threads,
             "methods": self.methods,
         }
 

@@ -198,11 +198,24 @@ def _workload(args, default_per_type: int | None = None):
     _positive("tokens-per-s", args.tokens_per_s)
     if args.per_type is not None and args.per_type < 1:
         raise UsageError(f"--per-type must be >= 1, not {args.per_type}")
+    tt = args.tool_threads
+    if tt == "inherit":
+        tt = None
+    elif tt != "default":
+        try:
+            tt = int(tt)
+        except ValueError:
+            tt = 0
+        if tt < 1:
+            raise UsageError(
+                f"--tool-threads must be 'default', 'inherit' or an integer >= 1, not {args.tool_threads!r}"
+            )
     try:
         return WorkloadConfig(
             per_type=per_type,
             coding_work=args.coding_work,
             seed=args.seed,
+            tool_threads=tt,
             emulator=EmulatorConfig(ttft_s=args.ttft, tokens_per_s=args.tokens_per_s, seed=args.seed),
         )
     except ValueError as e:
@@ -347,6 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--ttft", type=float, default=0.3, help="emulated LLM median time to first token, s")
         b.add_argument("--tokens-per-s", type=float, default=80.0)
         b.add_argument("--seed", type=int, default=0)
+        b.add_argument(
+            "--tool-threads",
+            default="default",
+            help="threads numerical libraries in tools start: 'default' (their own default, one per core the "
+            "tool may use, as in an unconstrained container), 'inherit' (this environment; 1 if unset), or N",
+        )
         if name == "bench":
             b.add_argument("--json", help="write the results JSON here")
             b.add_argument(

@@ -146,6 +146,7 @@ class Runtime:
         tool_timeout_s: float = 120.0,
         sampler: SystemSampler | None = None,
         keep_workdirs: bool = False,
+        tool_threads: int | str | None = None,
     ):
         self.llm = llm if isinstance(llm, LLMClient) else LLMClient(llm)
         self.policy = policy or NativePolicy()
@@ -156,7 +157,7 @@ class Runtime:
         self.sampler = sampler
         self.keep_workdirs = keep_workdirs
         self.watcher = GroupWatcher()
-        self.sandbox = Sandbox(self.watcher)
+        self.sandbox = Sandbox(self.watcher, tool_threads=tool_threads)
         self.inflight = 0
         self.completed = 0
         self.failed = 0
@@ -294,6 +295,7 @@ class Harness:
         site_latency_s: float = 0.05,
         tool_timeout_s: float = 120.0,
         sampler: SystemSampler | None = None,
+        tool_threads: int | str | None = None,
     ):
         self.emulator = LLMEmulator(emulator) if llm is None else None
         self.llm_config = llm
@@ -301,6 +303,7 @@ class Harness:
         self.policy = policy
         self.tool_timeout_s = tool_timeout_s
         self.sampler = sampler
+        self.tool_threads = tool_threads
         self.runtime: Runtime | None = None
 
     async def start(self) -> Harness:
@@ -309,7 +312,12 @@ class Harness:
             self.llm_config = LLMConfig(base_url=url, timeout_s=60, retries=2)
         await self.site.start()
         self.runtime = Runtime(
-            self.llm_config, self.policy, self.site.url, tool_timeout_s=self.tool_timeout_s, sampler=self.sampler
+            self.llm_config,
+            self.policy,
+            self.site.url,
+            tool_timeout_s=self.tool_timeout_s,
+            sampler=self.sampler,
+            tool_threads=self.tool_threads,
         )
         return self
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .cgroups import CpuGroup
 from .monitor import GroupWatcher, Usage, group_pids
 
-__all__ = ["SandboxLimits", "ToolResult", "Sandbox", "zombie_children", "ToolTimeout"]
+__all__ = ["SandboxLimits", "ToolResult", "Sandbox", "zombie_children", "ToolTimeout", "tool_env"]
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,41 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def tool_env(base: dict, tool_threads: int | str | None = None) -> dict:
+    """The environment tools run with. ``tool_threads``: ``None`` inherits ``base`` (one OpenMP
+    thread when it sets none: the polite default on a shared machine); ``"default"`` removes the
+    thread caps, so numerical libraries start one thread per core the tool may run on, as in an
+    unconstrained container; an int caps every library at that many threads."""
+    env = dict(base)
+    if tool_threads is None:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    elif tool_threads == "default":
+        for k in THREAD_VARS:
+            env.pop(k, None)
+    elif isinstance(tool_threads, int) and not isinstance(tool_threads, bool) and tool_threads >= 1:
+        env.update({k: str(tool_threads) for k in THREAD_VARS})
+    else:
+        raise ValueError(f"tool_threads must be None, 'default' or an integer >= 1, not {tool_threads!r}")
+    return env
+
+
 class Sandbox:
     """Starts sandboxed tool processes; one per runtime, shared by all requests."""
 
-    def __init__(self, watcher: GroupWatcher | None = None, python: str | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        watcher: GroupWatcher | None = None,
+        python: str | None = None,
+        env: dict | None = None,
+        tool_threads: int | str | None = None,
+    ):
         self.watcher = watcher or GroupWatcher()
         self.python = python or sys.executable
-        self.env = dict(os.environ if env is None else env)
-        self.env.setdefault("OMP_NUM_THREADS", "1")
+        self.tool_threads = tool_threads
+        self.env = tool_env(os.environ if env is None else env, tool_threads)
         self.env["PYTHONDONTWRITEBYTECODE"] = "1"
         src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.env["PYTHONPATH"] = src + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
@@ -128,6 +155,9 @@ class Sandbox:
         limits = limits or SandboxLimits()
         os.makedirs(workdir, exist_ok=True)
         start = time.monotonic()
+        env = self.env
+        if group is not None and getattr(group, "threads", None):
+            env = tool_env(env, int(group.threads))  # the class's allocation, told to its libraries
         proc = await asyncio.create_subprocess_exec(
             self.python,
             "-m",
@@ -136,7 +166,7 @@ class Sandbox:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             cwd=workdir,
-            env=self.env,
+            env=env,
             start_new_session=True,
         )
         pgid = proc.pid

@@ -1,8 +1,10 @@
 """Coding tools: a small generated repository with a bug, file reading, patching, and its pytest suite.
 
 ``repo_init`` writes the repository (a ``mathlib`` package whose ``is_prime`` has an off-by-one
-bug, and a test suite that checks it against a sieve over ``range(work)``: CPU-bound, scaled by
-``work``). ``apply_patch`` applies exact-text replacements (fails when the old text is absent).
+bug, a test suite that checks it against a sieve over ``range(work)``, and a numpy two-layer
+perceptron whose tests check gradients by finite differences and train it for ``work // 80``
+steps: CPU-bound, scaled by ``work``; numpy's BLAS runs with its default thread count, i.e. one
+thread per core the process may run on, as numerical test suites do). ``apply_patch`` applies exact-text replacements (fails when the old text is absent).
 ``run_tests`` runs ``python -m pytest`` on the repository as a child process (same process group,
 so a hung test run is killed with the tool) and reports passed/failed counts.
 """
@@ -102,6 +104,87 @@ def test_longest():
 """
 
 
+_NN = '''"""A two-layer perceptron in numpy: forward, backward, SGD."""
+
+import numpy as np
+
+
+def init(n_in: int, n_hidden: int, n_out: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": rng.standard_normal((n_in, n_hidden)) / np.sqrt(n_in),
+        "b1": np.zeros(n_hidden),
+        "w2": rng.standard_normal((n_hidden, n_out)) / np.sqrt(n_hidden),
+        "b2": np.zeros(n_out),
+    }
+
+
+def forward(p: dict, x):
+    h = np.tanh(x @ p["w1"] + p["b1"])
+    return h @ p["w2"] + p["b2"], h
+
+
+def loss_and_grad(p: dict, x, y):
+    out, h = forward(p, x)
+    d = (out - y) / len(x)
+    loss = 0.5 * float(np.sum((out - y) ** 2)) / len(x)
+    dh = (d @ p["w2"].T) * (1 - h**2)
+    return loss, {"w1": x.T @ dh, "b1": dh.sum(0), "w2": h.T @ d, "b2": d.sum(0)}
+
+
+def train(p: dict, x, y, steps: int, lr: float = 0.2) -> list:
+    losses = []
+    for _ in range(steps):
+        loss, g = loss_and_grad(p, x, y)
+        for k in p:
+            p[k] -= lr * g[k]
+        losses.append(loss)
+    return losses
+'''
+
+_TEST_NN = """import numpy as np
+import pytest
+
+from mathlib.nn import init, loss_and_grad, train
+
+STEPS = {steps}
+WIDTH = 256
+
+
+def data(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((256, WIDTH))
+    teacher = rng.standard_normal((WIDTH, 8)) / np.sqrt(WIDTH)
+    return x, np.tanh(x @ teacher)
+
+
+def test_gradients_match_finite_differences():
+    x, y = data(1)
+    p = init(WIDTH, WIDTH, 8, seed=2)
+    _, g = loss_and_grad(p, x, y)
+    rng = np.random.default_rng(3)
+    eps = 1e-6
+    for k in ("w1", "w2", "b1"):
+        for _ in range(max(2, STEPS // 25)):
+            i = tuple(int(rng.integers(0, s)) for s in p[k].shape)
+            old = p[k][i]
+            p[k][i] = old + eps
+            lp, _ = loss_and_grad(p, x, y)
+            p[k][i] = old - eps
+            lm, _ = loss_and_grad(p, x, y)
+            p[k][i] = old
+            assert abs((lp - lm) / (2 * eps) - g[k][i]) < 1e-6 + 1e-3 * abs(g[k][i])
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_training_reduces_loss(seed):
+    x, y = data(seed)
+    p = init(WIDTH, WIDTH, 8, seed=seed)
+    losses = train(p, x, y, STEPS)
+    assert losses[-1] < 0.9 * losses[0]
+"""
+
+
 def _repo(workdir: str) -> str:
     return os.path.join(workdir, REPO)
 
@@ -134,6 +217,8 @@ def repo_init(args: dict, workdir: str) -> dict:
         "mathlib/seq.py": _SEQ,
         "tests/test_primes.py": _TEST_PRIMES.format(work=work),
         "tests/test_seq.py": _TEST_SEQ.format(work=work),
+        "mathlib/nn.py": _NN,
+        "tests/test_nn.py": _TEST_NN.format(steps=max(10, work // 80)),
         "pyproject.toml": '[project]\nname = "mathlib"\nversion = "0.0.1"\n[tool.pytest.ini_options]\npythonpath = ["."]\n',
     }
     for rel, text in files.items():

@@ -35,7 +35,8 @@ def burn(args: dict, workdir: str) -> dict:
 
 
 def whereami(args: dict, workdir: str) -> dict:
-    """The CPUs and cgroups this tool process runs in, and its process group and session."""
+    """The CPUs and cgroups this tool process runs in, its process group and session, and the
+    thread counts its numerical libraries are told."""
     with open("/proc/self/cgroup") as f:
         cgroups = f.read().strip().splitlines()
     return {
@@ -44,4 +45,5 @@ def whereami(args: dict, workdir: str) -> dict:
         "pgid": os.getpgid(0),
         "sid": os.getsid(0),
         "pid": os.getpid(),
+        "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")},
     }
