@@ -182,7 +182,10 @@ def bench(session: nox.Session) -> None:
             continue
         path = out / f"{name}.json"
         started = _dt.datetime.now()
+        path.unlink(missing_ok=True)
         session.run(script, "bench", "--quick", "--json", str(path), external=True)
+        if not path.exists():  # `nox --install-only`: nothing ran
+            continue
         collected[name] = json.loads(path.read_text())
         collected[name]["measured_at"] = started.strftime("%Y-%m-%d %H:%M")
         collected[name]["bench_wall_s"] = round((_dt.datetime.now() - started).total_seconds(), 1)
