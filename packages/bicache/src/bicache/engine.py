@@ -127,7 +127,7 @@ class Engine:
         mode: str = "bicache",
         policy: DepthPolicy | None = None,
         max_batch: int = 8,
-        min_prefix: int = 8,
+        min_prefix: int = 4,
         fixed_depth: int = 0,
         cfg: diffusion.DecodeConfig | None = None,
         store: PrefixStore | None = None,

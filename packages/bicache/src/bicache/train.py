@@ -32,9 +32,9 @@ class Recipe:
     layers: int = 4
     hidden: int = 64
     heads: int = 4
-    attn_scalar: int = 16  # Gemma3 query_pre_attn_scalar (16 = head_dim: the usual 1/sqrt(d) scale)
+    attn_scalar: int = 4  # Gemma3 query_pre_attn_scalar (head_dim 16 would be the usual 1/sqrt(d))
     compose_init: bool = True  # table-token embeddings start as key + digit + slot embeddings
-    steps: int = 4000  # at most; training stops early once ``target`` is reached
+    steps: int = 6000  # at most; training stops early once ``target`` is reached
     batch: int = 32
     lr: float = 3e-3
     warmup: int = 50
