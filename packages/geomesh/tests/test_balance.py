@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -148,3 +149,40 @@ def test_tokens_meet_target_when_chosen_batches_differ_in_efficiency():
     p = plan(profiles, seq_len=64, target_tokens=12288, max_batch=16, preferred_batch=8, preferred_steps=8)
     assert abs(p.tokens / p.target_tokens - 1) < 0.05
     assert p.imbalance < 0.06
+
+
+def test_sync_overhead_is_part_of_each_cycle():
+    """A slow worker's own sync work (codec, outer step) takes longer: it must get less inner work."""
+    base = [WorkerProfile(f"w{i}", s * 1000.0) for i, s in enumerate((1.0, 0.7, 0.4))]
+    ovh = [replace(p, sync_overhead_s=o) for p, o in zip(base, (0.1, 0.2, 0.5))]
+    kw = dict(seq_len=8, target_tokens=8 * 8 * 3 * 40, max_batch=64, preferred_batch=8)
+    p0, p1 = plan(base, **kw), plan(ovh, **kw)
+    cycles = [pr.cycle_time_s(w.batch, w.inner_steps, 8) for pr, w in zip(ovh, p1.workers)]
+    assert (max(cycles) - min(cycles)) / max(cycles) < 0.03
+    assert [w.phase_s for w in p1.workers] == pytest.approx(cycles)
+    # the slow worker gives up inner time to pay for its sync work
+    assert p1.workers[2].tokens < p0.workers[2].tokens
+    # the old plan, timed with these overheads, would leave someone waiting
+    old = [pr.cycle_time_s(w.batch, w.inner_steps, 8) for pr, w in zip(ovh, p0.workers)]
+    assert (max(old) - min(old)) / max(old) > 0.03
+    with pytest.raises(BalanceError, match=r"profiles\[0\].sync_overhead_s"):
+        plan([replace(base[0], sync_overhead_s=-1.0)], 8, 64)
+
+
+def test_rebalancer_replans_on_measured_sync_overhead():
+    profiles = [WorkerProfile(f"w{i}", s * 1000.0) for i, s in enumerate((1.0, 0.4))]
+    p = plan(profiles, seq_len=8, target_tokens=8 * 8 * 2 * 40, max_batch=64, preferred_batch=8)
+    rb = Rebalancer(p, threshold=0.5, ema=1.0, max_batch=64, preferred_batch=8)
+    for w, prof in zip(p.workers, profiles):  # throughput exactly as planned, no overhead: keep the plan
+        rb.observe(w.name, w.tokens, w.tokens / prof.tokens_per_s, 0.0)
+    assert rb.maybe_replan() is None
+    # now the slow worker spends 15% of a cycle in its own sync work
+    slow = p.workers[1]
+    rb.observe(slow.name, slow.tokens, slow.tokens / profiles[1].tokens_per_s, 0.15 * p.phase_s)
+    assert rb.predicted_imbalance() > 0.1
+    new = rb.maybe_replan()
+    assert new is not None and new.workers[1].tokens < slow.tokens
+    assert rb.predicted_imbalance() < 0.05
+    # a negative (not yet measured) overhead is ignored
+    rb.observe(slow.name, slow.tokens, 1.0, -1.0)
+    assert rb.overheads[slow.name] == pytest.approx(0.15 * p.phase_s)

@@ -13,7 +13,7 @@ def test_corpus_is_real_python_text():
 
 def test_small_bench_side_by_side():
     cfg = BenchConfig(
-        outer_steps=2,
+        outer_steps=3,
         inner_steps=3,
         batch=2,
         hidden=32,
@@ -22,7 +22,8 @@ def test_small_bench_side_by_side():
         cpus=1.0,
         text_bytes=200_000,
         val_seqs=8,
-        profile_steps=2,
+        profile_s=0.3,
+        wan="inprocess",
         methods=("geomesh", "diloco-fp32", "async"),
     )
     res = run_bench(cfg)
@@ -42,8 +43,11 @@ def test_small_bench_side_by_side():
         assert r["curve"][0]["ppl"] > r["final_ppl"], name  # training lowered validation perplexity
         assert 0 <= r["straggler_idle"] < 1
     g = res["results"]["geomesh"]
-    assert g["syncs"] == 2 and g["plan"]["imbalance"] < 0.5
-    assert abs(h["tokens_rel_diff_vs_diloco"]) < 0.5  # H=3 leaves coarse (b, H) choices
+    # a time-boxed profiling phase, then planned phases until at least DiLoCo's tokens are done
+    assert g["syncs"] >= 2 and g["plan"]["imbalance"] < 0.5
+    assert g["tokens"] >= res["results"]["diloco-fp32"]["tokens"]
+    assert 0 <= h["tokens_rel_diff_vs_diloco"] < 0.6  # H=3 leaves coarse (b, H) choices
+    assert res["emulated"]["wan_mode"]["mode"] == "inprocess"
 
 
 def test_ppl_at_tokens_interpolates_in_tokens():

@@ -15,6 +15,7 @@ from .balance import (
 )
 from .diloco import COMPRESSIONS, DiLoCo, GeoMeshError, SyncStats
 from .launch import free_port, init_from_env, spawn
+from .netns import WAN_MODES, NetnsError, NetnsWan, WanDecision, wan_mode
 from .signcompress import SignCodec, SignCompressor, contraction, pack_signs, unpack_signs
 from .wan import WanEmulator, ring_wire_bytes
 
@@ -29,6 +30,11 @@ __all__ = [
     "init_from_env",
     "spawn",
     "WanEmulator",
+    "NetnsWan",
+    "NetnsError",
+    "WanDecision",
+    "WAN_MODES",
+    "wan_mode",
     "ring_wire_bytes",
     "BalanceError",
     "MemoryModel",

@@ -44,9 +44,14 @@ class WorkerProfile:
     memory_bytes: float = math.inf
     region: str | None = None
     step_overhead_s: float = 0.0  # fixed cost of one step (launches, optimizer) on top of tokens/rate
+    sync_overhead_s: float = 0.0  # this worker's own CPU time per outer step outside the inner phase
 
     def step_time_s(self, batch: int, seq_len: int) -> float:
         return self.step_overhead_s + batch * seq_len / self.tokens_per_s
+
+    def cycle_time_s(self, batch: int, steps: int, seq_len: int) -> float:
+        """Inner phase plus this worker's own sync work (compress, decode, outer step): what must be equal."""
+        return steps * self.step_time_s(batch, seq_len) + self.sync_overhead_s
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,8 @@ def _check_profiles(profiles: Sequence[WorkerProfile]) -> None:
             raise BalanceError(f"profiles[{i}].memory_bytes: {p.memory_bytes!r} must be positive")
         if not p.step_overhead_s >= 0:
             raise BalanceError(f"profiles[{i}].step_overhead_s: {p.step_overhead_s!r} must be >= 0")
+        if not p.sync_overhead_s >= 0:
+            raise BalanceError(f"profiles[{i}].sync_overhead_s: {p.sync_overhead_s!r} must be >= 0")
 
 
 def _batch_cap(p: WorkerProfile, memory: MemoryModel | None, max_batch: int | None) -> int:
@@ -146,7 +153,7 @@ def plan(
     max_batch: int | None = None,
     preferred_batch: int | None = None,
     min_steps: int = 1,
-    tolerance: float = 0.03,
+    tolerance: float = 0.01,
     preferred_steps: int | None = None,
 ) -> Plan:
     """Choose (b_i, H_i) per worker so inner phases take equal wall time and tokens ~ target_tokens.
@@ -173,19 +180,21 @@ def plan(
         raise BalanceError(f"preferred_steps: {preferred_steps!r} must be >= 1 (or None)")
     caps = [_batch_cap(p, memory, max_batch) for p in profiles]
     ref = [min(c, preferred_batch) if preferred_batch else min(c, 8) for c in caps]
-    # the phase T at which the workers, running near their reference batch, make the target together
+    # the cycle T at which the workers, running near their reference batch, make the target together:
+    # worker i computes for T - sync_overhead_i (its own sync work is part of its cycle)
     eff = [r * seq_len / p.step_time_s(r, seq_len) for p, r in zip(profiles, ref)]
-    phase = target_tokens / sum(eff)
+    phase = (target_tokens + sum(e * p.sync_overhead_s for e, p in zip(eff, profiles))) / sum(eff)
 
     def choose(phase: float) -> list[WorkerPlan]:
         workers = []
         for p, cap, rate in zip(profiles, caps, eff):
             # beyond the batch that would finish the whole phase in one step nothing improves
-            top = max(1, min(cap, math.ceil(2 * rate * phase / (seq_len * min_steps))))
+            work = max(phase - p.sync_overhead_s, 1e-9)
+            top = max(1, min(cap, math.ceil(2 * rate * work / (seq_len * min_steps))))
             cands = []
             for b in range(1, top + 1):
-                h = max(min_steps, round(phase / p.step_time_s(b, seq_len)))
-                t = h * p.step_time_s(b, seq_len)
+                h = max(min_steps, round(work / p.step_time_s(b, seq_len)))
+                t = p.cycle_time_s(b, h, seq_len)
                 cands.append((abs(t - phase) / phase, b, h, t))
             best = min(c[0] for c in cands)
             near = [c for c in cands if c[0] <= best + tolerance]
@@ -292,18 +301,31 @@ def token_weights(tokens: Sequence[int]) -> list[float]:
 class Rebalancer:
     """Tracks measured throughput (EMA) and re-plans when any worker drifts past ``threshold``."""
 
-    def __init__(self, current: Plan, threshold: float = 0.15, ema: float = 0.5, **plan_kwargs):
+    def __init__(
+        self,
+        current: Plan,
+        threshold: float = 0.15,
+        ema: float = 0.5,
+        imbalance_threshold: float = 0.03,
+        **plan_kwargs,
+    ):
         if not 0 < ema <= 1:
             raise BalanceError(f"ema: {ema!r} must be in (0, 1]")
         self.plan = current
         self.threshold = threshold
+        self.imbalance_threshold = imbalance_threshold
         self.ema = ema
         self.plan_kwargs = plan_kwargs
         self.rates: dict[str, float] = {p.name: p.tokens_per_s for p in current.profiles}
+        self.overheads: dict[str, float] = {p.name: p.sync_overhead_s for p in current.profiles}
         self.replans = 0
 
-    def observe(self, name: str, tokens: int, seconds: float) -> None:
-        """A measured inner phase: ``tokens`` in ``seconds``; the per-step overhead is taken out."""
+    def observe(self, name: str, tokens: int, seconds: float, sync_overhead_s: float | None = None) -> None:
+        """A measured inner phase (``tokens`` in ``seconds``; the per-step overhead is taken out) and,
+        when given, the worker's own CPU time of its last outer step."""
+        if sync_overhead_s is not None and sync_overhead_s >= 0 and name in self.overheads:
+            old = self.overheads[name]
+            self.overheads[name] = (1 - self.ema) * old + self.ema * sync_overhead_s
         if seconds <= 0 or tokens <= 0:
             return
         prof = {p.name: p for p in self.plan.profiles}.get(name)
@@ -319,19 +341,38 @@ class Rebalancer:
         old = self.rates.get(name, rate)
         self.rates[name] = (1 - self.ema) * old + self.ema * rate
 
-    def observe_all(self, measured: Mapping[str, tuple[int, float]]) -> None:
-        for name, (tokens, seconds) in measured.items():
-            self.observe(name, tokens, seconds)
+    def observe_all(self, measured: Mapping[str, tuple]) -> None:
+        """``{name: (tokens, seconds)}`` or ``{name: (tokens, seconds, sync_overhead_s)}``."""
+        for name, m in measured.items():
+            self.observe(name, *m)
 
     def drift(self) -> float:
         """Largest relative gap between a worker's measured and planned throughput."""
         return max(abs(self.rates[p.name] - p.tokens_per_s) / p.tokens_per_s for p in self.plan.profiles)
 
+    def _measured_profiles(self) -> list[WorkerProfile]:
+        return [
+            replace(p, tokens_per_s=self.rates[p.name], sync_overhead_s=self.overheads[p.name])
+            for p in self.plan.profiles
+        ]
+
+    def predicted_imbalance(self) -> float:
+        """Imbalance of the current plan's (b_i, H_i) re-timed with the measured rates and sync overheads."""
+        seq = self.plan.seq_len
+        cycles = [
+            p.cycle_time_s(w.batch, w.inner_steps, seq) for p, w in zip(self._measured_profiles(), self.plan.workers)
+        ]
+        return (max(cycles) - min(cycles)) / max(cycles) if max(cycles) > 0 else 0.0
+
     def maybe_replan(self) -> Plan | None:
-        """A new plan from the measured rates when drift exceeds the threshold, else None."""
-        if self.drift() <= self.threshold:
+        """A new plan from the measured rates and sync overheads when throughput drifts past
+        ``threshold`` or the current plan would leave the first finisher idle for more than
+        ``imbalance_threshold`` of a cycle; else None."""
+        # a plan that cannot do better than its own granularity is not re-made every step
+        allowed = max(self.imbalance_threshold, self.plan.imbalance + self.imbalance_threshold / 2)
+        if self.drift() <= self.threshold and self.predicted_imbalance() <= allowed:
             return None
-        profiles = [replace(p, tokens_per_s=self.rates[p.name]) for p in self.plan.profiles]
+        profiles = self._measured_profiles()
         self.plan = plan(profiles, self.plan.seq_len, self.plan.target_tokens, **self.plan_kwargs)
         self.replans += 1
         return self.plan

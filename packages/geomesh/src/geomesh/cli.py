@@ -44,6 +44,7 @@ def _config(args, quick: bool):
     if args.methods:
         kw["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     kw["cluster"] = args.cluster
+    kw["wan"] = args.wan
     cfg = BenchConfig(**kw)
     try:
         cfg.validate()
@@ -188,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--outer-steps", type=int, default=None, help="outer steps per method")
         p.add_argument("--methods", default=None, help="comma list of geomesh,diloco-fp32,diloco-fp16,ddp,async")
+        p.add_argument(
+            "--wan",
+            default="auto",
+            choices=("auto", "netns", "inprocess"),
+            help="WAN emulation: netns = real tbf shaping between network namespaces (root, ip, tc), "
+            "inprocess = every collective stretched in-process; auto = netns when possible (default)",
+        )
         p.add_argument("--quiet", action="store_true", help="no progress lines")
         p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
 

@@ -52,6 +52,7 @@ class SyncStats:
     payload_bytes: int  # this worker's message
     wire_bytes: float  # what this worker sends on the wire under a ring collective
     rates: list[float] = field(default_factory=list)  # measured tokens/s of every worker
+    sync_cpu_s: float = 0.0  # this worker's own CPU work in this outer step (codec, averaging, outer step)
     replanned: bool = False
 
     def to_dict(self) -> dict:
@@ -70,12 +71,16 @@ def _comm_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def exchange_meta(tokens: int, compute_s: float, world: int, group=None) -> tuple[list[int], list[float], float]:
-    """all_gather of (tokens, compute seconds): the sync point; its blocking time is straggler idle.
+def exchange_meta(
+    tokens: int, compute_s: float, world: int, group=None, sync_cpu_s: float = -1.0
+) -> tuple[list[int], list[float], float, list[float]]:
+    """all_gather of (tokens, compute seconds, last sync's CPU seconds): the sync point; its blocking
+    time is straggler idle.
 
-    Returns every worker's tokens, measured throughput (tokens/s) and the seconds this rank waited.
+    Returns every worker's tokens, measured throughput (tokens/s), the seconds this rank waited and
+    every worker's CPU seconds of its previous outer step (-1 where not measured yet).
     """
-    meta = torch.tensor([float(tokens), compute_s], dtype=torch.float64, device=_comm_device(group))
+    meta = torch.tensor([float(tokens), compute_s, sync_cpu_s], dtype=torch.float64, device=_comm_device(group))
     t0 = time.perf_counter()
     if world > 1:
         got = [torch.zeros_like(meta) for _ in range(world)]
@@ -84,7 +89,8 @@ def exchange_meta(tokens: int, compute_s: float, world: int, group=None) -> tupl
         got = [meta]
     wait_s = time.perf_counter() - t0
     got = [g.cpu() for g in got]
-    return [int(g[0]) for g in got], [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got], wait_s
+    rates = [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got]
+    return [int(g[0]) for g in got], rates, wait_s, [float(g[2]) for g in got]
 
 
 class DiLoCo:
@@ -136,6 +142,8 @@ class DiLoCo:
         self.tokens = 0
         self.history: list[SyncStats] = []
         self._phase_start = time.perf_counter()
+        self._last_sync_cpu_s = -1.0
+        self._collective_s = 0.0
         if self.world > 1:
             self._check_same_model()
             self._broadcast_initial()
@@ -172,8 +180,8 @@ class DiLoCo:
         """Weights at the last sync minus current weights (the direction the outer step descends)."""
         return [s.detach() - p.detach().float() for s, p in zip(self.synced, self.params)]
 
-    def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float]:
-        return exchange_meta(self.tokens, compute_s, self.world, self.group)
+    def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float, list[float]]:
+        return exchange_meta(self.tokens, compute_s, self.world, self.group, self._last_sync_cpu_s)
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
@@ -187,6 +195,7 @@ class DiLoCo:
                 bufs = [buf]
             if self.wan is not None:
                 self.wan.wait("all_gather", buf.numel(), t0)
+            self._collective_s += time.perf_counter() - t0
             decoded = [self.compressor.decode(b) for b in bufs]
             weights = token_weights([tok for _, tok in decoded])
             agg = [torch.zeros_like(d) for d in deltas]
@@ -203,6 +212,7 @@ class DiLoCo:
         nbytes = flat.numel() * flat.element_size()
         if self.wan is not None:
             self.wan.wait("all_reduce", nbytes, t0)
+        self._collective_s += time.perf_counter() - t0
         flat = flat.float()
         agg, off = [], 0
         for d in deltas:
@@ -213,8 +223,9 @@ class DiLoCo:
     def sync(self) -> SyncStats:
         """One synchronous outer step (all workers must call it the same number of times)."""
         compute_s = time.perf_counter() - self._phase_start
-        all_tokens, rates, wait_s = self._exchange_meta(compute_s)
+        all_tokens, rates, wait_s, overheads = self._exchange_meta(compute_s)
         t0 = time.perf_counter()
+        self._collective_s = 0.0
         deltas = self.pseudo_gradient()
         agg, payload, wire = self._aggregate(deltas, all_tokens)
         comm_s = time.perf_counter() - t0
@@ -239,7 +250,9 @@ class DiLoCo:
         )
         if self.rebalancer is not None:
             names = [p.name for p in self.rebalancer.plan.profiles]
-            self.rebalancer.observe_all({n: (t, t / r) for n, t, r in zip(names, all_tokens, rates) if r > 0})
+            self.rebalancer.observe_all(
+                {n: (t, t / r, o) for n, t, r, o in zip(names, all_tokens, rates, overheads) if r > 0}
+            )
             new = self.rebalancer.maybe_replan()
             if new is not None:
                 self.apply_plan(new)
@@ -249,6 +262,9 @@ class DiLoCo:
         self.local_step = 0
         self.tokens = 0
         self._phase_start = time.perf_counter()
+        # own CPU work of this outer step (not the collectives): the balancer keeps it in each cycle
+        self._last_sync_cpu_s = max(0.0, self._phase_start - t0 - self._collective_s)
+        stats.sync_cpu_s = self._last_sync_cpu_s
         return stats
 
     def apply_plan(self, plan: Plan) -> None:

@@ -52,13 +52,17 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> tuple[int,
     return dist.get_rank(), dist.get_world_size()
 
 
-def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, threads: int, fn, args, results) -> None:
+def _worker(
+    rank: int, world: int, addr: str, port: int, backend: str, timeout_s: float, threads: int, fn, args, results, setup
+) -> None:
     try:
+        if setup is not None:
+            setup(rank)  # e.g. enter this rank's network namespace before any socket exists
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         dist.init_process_group(
             _backend(backend),
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{addr}:{port}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
@@ -96,10 +100,14 @@ def spawn(
     pg_timeout_s: float = 60.0,
     threads: int = 1,
     start_method: str = "spawn",
+    setup: Callable[[int], None] | None = None,
+    master_addr: str = "127.0.0.1",
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` new processes; return their results by rank.
 
     ``start_method="fork"`` starts much faster (no re-import of torch) and suits tests and benches.
+    ``setup(rank)`` runs first in each process (``NetnsWan.enter``); ``master_addr`` is rank 0's
+    address for the rendezvous (its namespace address when ranks live in network namespaces).
     """
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive integer, not {world!r}")
@@ -109,7 +117,7 @@ def spawn(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world, port, backend, pg_timeout_s, threads, fn, args, results),
+            args=(r, world, master_addr, port, backend, pg_timeout_s, threads, fn, args, results, setup),
             name=f"geomesh-rank{r}",
             daemon=False,
         )

@@ -30,7 +30,10 @@ def ring_wire_bytes(kind: str, nbytes: int, world: int) -> float:
 class WanEmulator:
     """Per-collective delays from the links between the ranks' machines in a cluster spec."""
 
-    def __init__(self, cluster: hwtopo.Cluster | str, machines: Sequence[str]):
+    def __init__(self, cluster: hwtopo.Cluster | str, machines: Sequence[str], latency_only: bool = False):
+        """``latency_only``: the bandwidth is shaped for real elsewhere (``NetnsWan``'s tbf qdiscs);
+        only the links' latency per ring step is added here."""
+        self.latency_only = latency_only
         if isinstance(cluster, str):
             cluster = hwtopo.load(cluster)
         self.cluster = cluster
@@ -71,8 +74,11 @@ class WanEmulator:
         for s in self.shapers:
             if s is None:
                 continue
-            # the stream of all steps goes through the token bucket once; latency is paid per step
-            t = s.delay_s(steps * bytes_per_step) + (steps - 1) * s.latency_s
+            if self.latency_only:
+                t = steps * s.latency_s
+            else:
+                # the stream of all steps goes through the token bucket once; latency is paid per step
+                t = s.delay_s(steps * bytes_per_step) + (steps - 1) * s.latency_s
             worst = max(worst, t)
         return worst
 
@@ -99,4 +105,11 @@ class WanEmulator:
         for i, s in enumerate(self.shapers):
             a, b = self.machines[i], self.machines[(i + 1) % self.world]
             links.append({"from": a, "to": b, **(s.describe() if s else {"emulated": True, "co_located": True})})
-        return {"emulated": True, "cluster": self.cluster.name, "algorithm": "ring", "ring": links}
+        return {
+            "emulated": True,
+            "mode": "inprocess-latency" if self.latency_only else "inprocess",
+            "shaped_in_process": "latency only" if self.latency_only else "bandwidth and latency",
+            "cluster": self.cluster.name,
+            "algorithm": "ring",
+            "ring": links,
+        }
