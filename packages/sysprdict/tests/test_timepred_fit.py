@@ -42,14 +42,21 @@ def _synthetic_rows():
     return rows
 
 
+@pytest.fixture(scope="module")
+def synthetic_rows():
+    return _synthetic_rows()
+
+
 @pytest.mark.slow
-def test_precision_aware_beats_blind_on_held_out_families():
-    rows = _synthetic_rows()
+@pytest.mark.parametrize("kind", ["additive", "loglinear"])
+def test_precision_aware_beats_blind_on_held_out_families(synthetic_rows, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ev = evaluate_holdout_families(rows, flops_per_s=2e9)
+        ev = evaluate_holdout_families(synthetic_rows, flops_per_s=2e9, kind=kind)
     assert ev["aware"]["mape"] < 0.5 * ev["blind"]["mape"]
     assert set(ev["aware"]["per_family"]) == {"llama", "vit", "qwen2"}
+    with pytest.raises(ValueError, match="kind"):
+        TimePredictor(kind="oracle")
 
 
 def test_predictor_warns_outside_training_range():

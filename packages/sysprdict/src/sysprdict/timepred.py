@@ -1,11 +1,13 @@
 """Precision-aware training-time prediction from per-layer features, plus a gradient all-reduce model.
 
-Features of one configuration are the layer decomposition summed per layer kind (FLOPs, bytes moved,
-op and layer counts, saved bytes; log-scaled) crossed with the precision setting (one-hot, parameter
-and compute dtype widths, and FLOPs per precision).  The regressor is a ridge fit in log space on a few robust
-inputs (log FLOPs, log op count, optimizer work, tokens, and the precision terms: the multiplicative
-trend) with gradient-boosted trees (xgboost, or scikit-learn's histogram boosting
-when xgboost is not installed) on its residuals.  Data-parallel step time = compute time of the local
+Default model (`kind="additive"`): step time = sum over precision-specific, non-negative costs of
+the step's work in natural units: dispatched ops (per-op overhead), matmul/conv/attention/expert
+FLOPs, bytes moved by every other op, optimizer bytes, and layers, each with its own cost for fp32,
+bf16, fp16 autocast and mixed.  Fit by non-negative least squares on relative error.  An additive
+model of work transfers to a held-out family, whose op mix differs, better than trees over log
+features (which the `additive+trees` and `loglinear` kinds add: a ridge trend in log space over
+per-kind features x precision, with gradient-boosted trees, xgboost or scikit-learn's histogram
+boosting, on the residuals).  Data-parallel step time = compute time of the local
 batch + ring all-reduce of the gradients (bytes at the gradient dtype; bandwidth and latency from an
 `hwtopo.Link`, or the bandwidth the profiler measured).
 
@@ -114,7 +116,18 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
     return f
 
 
+KINDS = ("additive", "additive+trees", "loglinear")
+"""additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
+summed (the default: it transfers to held-out families); additive+trees: the same plus boosted
+trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
 _MATMUL_KINDS = ("linear", "conv", "attention", "experts")
+
+
+class _NoResidual:
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return np.zeros(len(x))
+
+
 _ADDITIVE = ("ops", "matmul_flops", "other_bytes", "optimizer_work", "layers")
 
 
@@ -156,11 +169,11 @@ class TimePredictor:
 
     precision_aware: bool = True
     seed: int = 0
-    kind: str = "loglinear"
+    kind: str = "additive"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("additive", "loglinear"):
-            raise ValueError(f"kind: {self.kind!r} is not known; use 'additive' or 'loglinear'")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: {self.kind!r} is not known; use one of {list(KINDS)}")
         self._cols: list[str] = []
         self._ridge = None
         self._trees = None
@@ -204,7 +217,7 @@ class TimePredictor:
         opts = optimizers or ["adamw"] * len(ds)
         x = self._matrix(ds, opts)
         y = np.log(np.asarray(times_s, float))
-        if self.kind == "additive":
+        if self.kind.startswith("additive"):
             self._additive_fit(ds, np.asarray(times_s, float), opts)
             trend = np.log(self._additive_predict(ds, opts))
         else:
@@ -213,7 +226,7 @@ class TimePredictor:
             ]
             self._ridge = Ridge(alpha=1.0).fit(x[:, self._trend_idx], y)
             trend = self._ridge.predict(x[:, self._trend_idx])
-        self._trees = _booster(self.seed).fit(x, y - trend)
+        self._trees = _booster(self.seed).fit(x, y - trend) if self.kind != "additive" else _NoResidual()
         self._ranges = {c: (float(x[:, i].min()), float(x[:, i].max())) for i, c in enumerate(self._cols)}
         return self
 
@@ -232,7 +245,7 @@ class TimePredictor:
                     f"predicting for {name} outside the training range [{math.expm1(lo):.3g}, {math.expm1(hi):.3g}]",
                     stacklevel=2,
                 )
-        if self.kind == "additive":
+        if self.kind.startswith("additive"):
             trend = np.log(self._additive_predict(ds, opts))
         else:
             trend = self._ridge.predict(x[:, self._trend_idx])
