@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -70,7 +71,14 @@ def test_torchrun_env_rendezvous_trains_like_the_reference(tmp_path):
     cmd += ["--batch", "2", "--micro-batches", "2", "--vocab-parallel", "both"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    if proc.returncode != 0 and "SIGABRT" in proc.stderr:
+        # Seen once in a CI rehearsal while another nox session ran on the same host: rank 1 aborted
+        # (cause not captured: only the stderr tail was kept). Retry once on a new port and keep the
+        # first attempt's stderr head in the warning; a second failure is a real one.
+        warnings.warn(f"torchrun attempt 1 aborted, retrying; its stderr began: {proc.stderr[:3000]}", stacklevel=1)
+        cmd = [f"--master-port={free_port()}" if c.startswith("--master-port=") else c for c in cmd]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
     out = json.loads(proc.stdout[proc.stdout.index("{") :])
     cfg = small_cfg(steps=2, micro_batches=2, lr=3e-4, max_bytes=2_000_000, eval_batches=4)
     ref = TPTrainer(cfg, None)
