@@ -78,7 +78,7 @@ def test_rebalancing_is_computed_identically_on_every_rank():
     assert all(all(torch.equal(a, b) for a, b in zip(res[0]["params"], r["params"])) for r in res)
     # the slow rank (w2) now gets fewer tokens per outer step than the others
     toks = {w["name"]: w["tokens"] for w in res[0]["plan"]["workers"]}
-    assert toks["w2"] < toks["w0"] and toks["w2"] < toks["w1"]
+    assert toks["w2"] < toks["w0"] and toks["w2"] < toks["w1"], res[0]["plan"]
     assert (res[2]["batch"], res[2]["steps"]) == next(
         (w["batch"], w["inner_steps"]) for w in res[0]["plan"]["workers"] if w["name"] == "w2"
     )
