@@ -81,6 +81,8 @@ def cmd_profile(a) -> int:
 
     if a.steps < 1:
         raise UsageError(f"--steps: {a.steps} must be >= 1 timed step per point")
+    if a.rounds < 1:
+        raise UsageError(f"--rounds: {a.rounds} must be >= 1 timing pass over the grid")
     grid_opts = {
         "--batches": (a.batches, "2"),
         "--precisions": (a.precisions, "fp32,bf16,fp16"),
@@ -105,7 +107,7 @@ def cmd_profile(a) -> int:
         if ignored:
             raise UsageError(f"{', '.join(ignored)}: only apply with --models; the built-in --grid fixes them")
         pts = default_grid(quick=a.grid == "quick")
-    rows = profile_grid(pts, steps=a.steps, progress=not a.quiet)
+    rows = profile_grid(pts, steps=a.steps, progress=not a.quiet, rounds=a.rounds)
     save_rows(a.out, rows, {"machine": hwtopo.to_dict(hwtopo.probe_cluster()), "sysprdict": __version__})
     print(
         _fmt_table(
@@ -432,7 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="with --models: text tokens per sample (default 32)")
     p.add_argument("--image-size", type=int, help="with --models: image side in pixels (default 32)")
     p.add_argument("--checkpointing", action="store_true", help="with --models: gradient checkpointing")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per point (default 3)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per point and round (default 3)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved timing passes over the grid; min CPU time kept (default 3)"
+    )
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("predict", help="decompose a model and predict its training memory (and time)")

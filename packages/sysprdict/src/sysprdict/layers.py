@@ -38,8 +38,10 @@ __all__ = [
     "PRECISIONS",
     "Decomposition",
     "LayerRecord",
+    "OP_CLASSES",
     "classify",
     "decompose",
+    "op_class",
     "op_flops",
     "precision_setup",
 ]
@@ -113,6 +115,22 @@ _SDPA_OPS = {
 _GATHER_OPS = {"embedding", "index_select", "index", "gather"}
 _GROUPED_MM_OPS = {"_grouped_mm", "grouped_mm"}
 _HEAVY = {"mm", "addmm", "bmm", "baddbmm", "convolution", *_SDPA_OPS, *_GROUPED_MM_OPS}
+_CAST_OPS = {"_to_copy", "to", "copy_", "_autocast_to_reduced_precision", "_autocast_to_full_precision"}
+_SCATTER_OPS = {
+    "index_add",
+    "index_add_",
+    "scatter",
+    "scatter_",
+    "scatter_add",
+    "scatter_add_",
+    "index_put",
+    "index_put_",
+}
+_SELECT_OPS = {"nonzero", "where", "one_hot", "topk", "sort", "argsort", "bincount", "histc", "cumsum", "unique"}
+OP_CLASSES = ("matmul", "sdpa", "experts", "gather", "scatter", "select", "cast", "other")
+"""Op classes of `Decomposition.op_mix`: dense matmuls/convolutions, fused attention, grouped
+(routed-experts) matmuls, gathers/lookups, scatters, data-dependent selection (top-k, nonzero,
+where: routing bookkeeping), dtype casts, and every other non-view op."""
 ROUTINGS = ("balanced", "worst")
 """Token routing assumed for mixture-of-experts layers while tracing (see `decompose`)."""
 
@@ -184,6 +202,35 @@ def op_flops(name: str, args: tuple, out: object) -> int:
     return sum(t.numel() for t in _tensors(out))
 
 
+def op_class(name: str) -> str:
+    """The `OP_CLASSES` entry of an aten op name."""
+    if name in _GROUPED_MM_OPS:
+        return "experts"
+    if name in _SDPA_OPS:
+        return "sdpa"
+    if name in _HEAVY:
+        return "matmul"
+    if name in _GATHER_OPS:
+        return "gather"
+    if name in _SCATTER_OPS:
+        return "scatter"
+    if name in _SELECT_OPS:
+        return "select"
+    if name in _CAST_OPS:
+        return "cast"
+    return "other"
+
+
+def _op_dtype(name: str, args: tuple, outs: list) -> str:
+    """The dtype an op computed in: its first floating input for matmuls (the output of a cast), else
+    its first floating output; 'int' for integer-only bookkeeping."""
+    cand = _tensors(list(args)) if name in _HEAVY else outs
+    for t in cand:
+        if t.is_floating_point():
+            return str(t.dtype).replace("torch.", "")
+    return "int"
+
+
 def _tensors(x: object) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -248,6 +295,10 @@ class Decomposition:
     largest_param_bytes: int
     tokens: int
     buffer_bytes: int = 0
+    op_mix: dict = dataclasses.field(default_factory=dict)
+    """Forward work by op class and the dtype the op actually ran at (autocast casts matmuls but
+    not, e.g., grouped expert matmuls or norms): keys "<class>_<quantity>:<dtype>" with class in
+    `OP_CLASSES` and quantity count/flops/bytes; see `op_class`."""
 
     @property
     def params(self) -> int:
@@ -396,6 +447,7 @@ class _Trace:
         self.stage = ""
         self.seen_storages: set = set()
         self.param_keys = param_keys
+        self.mix: collections.Counter = collections.Counter()
         self.clock = 0  # counts non-view ops: a record's `order` is the time of its last op
         self.handles = []
         for m in module.modules():
@@ -453,6 +505,10 @@ class _Trace:
         rec.fwd_bytes += moved
         rec.bwd_bytes += 2 * moved
         rec.max_out_bytes = max(rec.max_out_bytes, max(_nbytes(t) for t in outs))
+        key = f"{op_class(name)}_%s:{_op_dtype(name, args, outs)}"
+        self.mix[key % "count"] += 1
+        self.mix[key % "flops"] += fl
+        self.mix[key % "bytes"] += moved
 
     def on_saved(self, t: torch.Tensor) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -649,6 +705,7 @@ def decompose(model: ZooModel, shape: Shape, precision: str = "fp32", routing: s
         largest_param_bytes=largest,
         tokens=shape.batch * model.total_tokens(shape),
         buffer_bytes=sum(buffers.values()),
+        op_mix=dict(tr.mix),
     )
 
 

@@ -116,7 +116,7 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
     return f
 
 
-KINDS = ("additive", "additive+trees", "loglinear")
+KINDS = ("opmix", "additive", "additive+trees", "loglinear")
 """additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
 summed (the default: it transfers to held-out families); additive+trees: the same plus boosted
 trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
@@ -143,6 +143,51 @@ def additive_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, floa
         "optimizer_work": float(d.params * (1 + states) * d.param_dtype_bytes),
         "layers": float(len(d.records)),
     }
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_MIX_TERMS = (
+    *(f"mm_flops:{t}" for t in _DTYPES),
+    *(f"mm_count:{t}" for t in _DTYPES),
+    *(f"other_bytes:{t}" for t in _DTYPES),
+    "ops",
+    "ops_autocast",
+    *(f"optimizer_bytes:{t}" for t in _DTYPES[:2]),
+    "param_tensors",
+)
+EXPERTS_MATMUL_COST: dict[str, float] = {}
+"""Cost of a grouped (routed-experts) matmul FLOP relative to a dense matmul FLOP at the same dtype,
+measured on this machine (`calibrate_experts`); 1.0 where not measured."""
+
+
+def opmix_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
+    """The step's work per op class at the dtype each op ran at (`Decomposition.op_mix`): matmul
+    FLOPs (dense, fused attention, and grouped expert matmuls weighted by their measured relative
+    cost) and matmul count per dtype, bytes moved by every other op per dtype, dispatched ops (and
+    ops dispatched through autocast, which adds a cast check to each), optimizer bytes at the
+    parameter dtype and parameter tensors (per-tensor optimizer overhead)."""
+    mix = d.op_mix
+    t = dict.fromkeys(_MIX_TERMS, 0.0)
+    for key, v in mix.items():
+        q, dt = key.split(":")
+        cls, qty = q.rsplit("_", 1)
+        dt = dt if dt in _DTYPES else "float32"
+        if qty == "count":
+            t["ops"] += v
+        if cls in ("matmul", "sdpa", "experts"):
+            if qty == "flops":
+                t[f"mm_flops:{dt}"] += v * (EXPERTS_MATMUL_COST.get(dt, 1.0) if cls == "experts" else 1.0)
+            elif qty == "count":
+                t[f"mm_count:{dt}"] += v
+        elif qty == "bytes":
+            t[f"other_bytes:{dt}"] += v
+    if d.precision in ("fp16", "mixed"):
+        t["ops_autocast"] = t["ops"]
+    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer, 1)
+    pdt = "bfloat16" if d.param_dtype_bytes == 2 else "float32"
+    t[f"optimizer_bytes:{pdt}"] = float(d.params * (1 + states) * d.param_dtype_bytes)
+    t["param_tensors"] = float(sum(1 for r in d.records if r.params)) * (1 + states)
+    return t
 
 
 def mape(pred, true) -> float:
@@ -183,6 +228,8 @@ class TimePredictor:
     def _additive_matrix(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
         """One block of additive terms per precision (precision-aware: every precision has its own
         cost per op, per FLOP, per byte) or one shared block (blind)."""
+        if self.kind == "opmix":
+            return np.array([[t[k] for k in _MIX_TERMS] for t in (opmix_terms(d, o) for d, o in zip(ds, optimizers))])
         blocks = PRECISIONS if self.precision_aware else ("any",)
         out = np.zeros((len(ds), len(blocks) * len(_ADDITIVE)))
         for i, (d, o) in enumerate(zip(ds, optimizers)):
@@ -217,7 +264,7 @@ class TimePredictor:
         opts = optimizers or ["adamw"] * len(ds)
         x = self._matrix(ds, opts)
         y = np.log(np.asarray(times_s, float))
-        if self.kind.startswith("additive"):
+        if self.kind.startswith("additive") or self.kind == "opmix":
             self._additive_fit(ds, np.asarray(times_s, float), opts)
             trend = np.log(self._additive_predict(ds, opts))
         else:
@@ -226,7 +273,11 @@ class TimePredictor:
             ]
             self._ridge = Ridge(alpha=1.0).fit(x[:, self._trend_idx], y)
             trend = self._ridge.predict(x[:, self._trend_idx])
-        self._trees = _booster(self.seed).fit(x, y - trend) if self.kind != "additive" else _NoResidual()
+        self._trees = (
+            _booster(self.seed).fit(x, y - trend)
+            if self.kind.endswith("trees") or self.kind == "loglinear"
+            else _NoResidual()
+        )
         self._ranges = {c: (float(x[:, i].min()), float(x[:, i].max())) for i, c in enumerate(self._cols)}
         return self
 
@@ -245,7 +296,7 @@ class TimePredictor:
                     f"predicting for {name} outside the training range [{math.expm1(lo):.3g}, {math.expm1(hi):.3g}]",
                     stacklevel=2,
                 )
-        if self.kind.startswith("additive"):
+        if self.kind.startswith("additive") or self.kind == "opmix":
             trend = np.log(self._additive_predict(ds, opts))
         else:
             trend = self._ridge.predict(x[:, self._trend_idx])

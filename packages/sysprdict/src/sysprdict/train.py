@@ -7,6 +7,7 @@ optimizer step + zero_grad(set_to_none), at a precision setting (see `layers.PRE
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import threading
 import time
@@ -18,7 +19,7 @@ from torch import nn
 from .layers import precision_setup
 from .zoo import Shape, ZooModel
 
-__all__ = ["OPTIMIZERS", "StepResult", "make_optimizer", "measure_training", "set_checkpointing"]
+__all__ = ["OPTIMIZERS", "StepResult", "TrainingSession", "make_optimizer", "measure_training", "set_checkpointing"]
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -94,6 +95,86 @@ def _step(zm: ZooModel, batch: dict, opt, scaler, autocast_dtype) -> tuple[objec
     return out, loss.detach()
 
 
+class TrainingSession:
+    """One model set up for training at a precision (weights cast, optimizer, grad scaler, a fixed
+    batch), warmed up, so timed steps can be taken in several rounds interleaved with other
+    sessions (`profile.profile_grid`), and one memory-tracked step taken apart."""
+
+    def __init__(
+        self,
+        zm: ZooModel,
+        shape: Shape,
+        precision: str = "fp32",
+        optimizer: str = "adamw",
+        checkpointing: bool = False,
+        warmup: int = 1,
+    ):
+        param_dtype, self.autocast_dtype = precision_setup(precision)
+        self.zm, self.checkpointing = zm, checkpointing
+        zm.module.to(param_dtype)
+        zm.module.train()
+        self._ckpt(True)
+        self.batch = zm.make_batch(shape, dtype=param_dtype)
+        self.opt = make_optimizer(optimizer, [p for p in zm.module.parameters() if p.requires_grad])
+        self.scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.loss = float("nan")
+        for _ in range(warmup):
+            self.step()
+        self._ckpt(False)
+
+    def _ckpt(self, on: bool) -> None:
+        if self.checkpointing:
+            set_checkpointing(self.zm, on)
+
+    def step(self):
+        return _step(self.zm, self.batch, self.opt, self.scaler, self.autocast_dtype)
+
+    def time_steps(self, steps: int) -> None:
+        """Take `steps` timed steps (wall and process CPU time), garbage collection paused."""
+        self._ckpt(True)
+        gc_on = gc.isenabled()
+        gc.disable()
+        try:
+            for _ in range(steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                _, loss = self.step()
+                self.times.append(time.perf_counter() - t0)
+                self.cpu.append(time.process_time() - c0)
+            self.loss = float(loss)
+        finally:
+            if gc_on:
+                gc.enable()
+            self._ckpt(False)
+
+    def measure_memory(self) -> tuple[int, dict, int]:
+        """MemTracker's peak (and its breakdown) over one step, and the peak RSS growth."""
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self._ckpt(True)
+        mt = MemTracker()
+        mt.track_external(self.zm.module, self.opt, *self.batch.values())
+        sampler = _RssSampler()
+        sampler.start()
+        with mt:
+            out, loss = self.step()
+            del out
+        rss = sampler.stop()
+        self._ckpt(False)
+        self.loss = float(loss)
+        snap = mt.get_tracker_snapshot("peak")
+        dev = next(iter(snap), None)
+        if dev is None:
+            return 0, {}, rss
+        return int(snap[dev]["Total"]), {str(getattr(k, "value", k)): int(v) for k, v in snap[dev].items()}, rss
+
+    def result(self, peak: int = 0, breakdown: dict | None = None, rss: int = 0) -> StepResult:
+        return StepResult(
+            statistics.median(self.times), list(self.times), min(self.cpu), peak, breakdown or {}, rss, self.loss
+        )
+
+
 def measure_training(
     zm: ZooModel,
     shape: Shape,
@@ -109,42 +190,9 @@ def measure_training(
     time and the smallest step's process CPU time (one thread: CPU time is the step's compute time
     even when other tenants of a shared machine stretch the wall time; the minimum is the least
     disturbed by their cache and SMT interference, as timeit reports)."""
-    param_dtype, autocast_dtype = precision_setup(precision)
-    zm.module.to(param_dtype)
-    zm.module.train()
-    set_checkpointing(zm, checkpointing) if checkpointing else None
-    batch = zm.make_batch(shape, dtype=param_dtype)
-    opt = make_optimizer(optimizer, [p for p in zm.module.parameters() if p.requires_grad])
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
-    for _ in range(warmup):
-        _step(zm, batch, opt, scaler, autocast_dtype)
-    times, cpu = [], []
-    loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        _, loss = _step(zm, batch, opt, scaler, autocast_dtype)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    peak, breakdown, rss = 0, {}, 0
-    if track_memory:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        mt = MemTracker()
-        mt.track_external(zm.module, opt, *batch.values())
-        sampler = _RssSampler()
-        sampler.start()
-        with mt:
-            out, loss = _step(zm, batch, opt, scaler, autocast_dtype)
-            del out
-        rss = sampler.stop()
-        snap = mt.get_tracker_snapshot("peak")
-        dev = next(iter(snap), None)
-        if dev is not None:
-            peak = int(snap[dev]["Total"])
-            breakdown = {str(getattr(k, "value", k)): int(v) for k, v in snap[dev].items()}
-    if checkpointing:
-        set_checkpointing(zm, False)
-    return StepResult(statistics.median(times), times, min(cpu), peak, breakdown, rss, float(loss))
+    s = TrainingSession(zm, shape, precision, optimizer, checkpointing, warmup)
+    s.time_steps(steps)
+    return s.result(*(s.measure_memory() if track_memory else ()))
 
 
 def count_params(module: nn.Module) -> int:
