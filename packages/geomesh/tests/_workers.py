@@ -98,3 +98,35 @@ def rebalanced(rank, world):
         "steps": dl.inner_steps,
         "batch": dl.batch_size,
     }
+
+
+def time_boxed(rank, world):
+    """Time-boxed phases (PhaseClock): rank r sleeps (1 + 3r) x 10 ms per step; all share one deadline."""
+    import time
+
+    from geomesh import PhaseClock, WorkerProfile
+
+    model = tiny_model(rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per = 0.01 * (1 + 3 * rank)
+    prof = WorkerProfile(f"w{rank}", 4 / per)  # a deliberately rough guess: the clock measures the rest
+    clock = PhaseClock(0.3, 4, prof, seq_len=1, target_tokens=60)
+    dl = DiLoCo(model, opt, 1 << 30, batch_size=4, phase_clock=clock, worker_name=f"w{rank}")
+    dl.start_phase()
+    step, batches = 0, []
+    while dl.outer_step < 3:
+        b = dl.batch_size
+        batches.append(b)
+        x, y = batch(rank, step, size=b)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(per * b / 4)
+        step += 1
+        dl.step(tokens=x.shape[0])
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "history": [h.to_dict() for h in dl.history],
+        "batches": batches,
+        "cycle_s": clock.cycle_s,
+    }

@@ -186,3 +186,72 @@ def test_rebalancer_replans_on_measured_sync_overhead():
     # a negative (not yet measured) overhead is ignored
     rb.observe(slow.name, slow.tokens, 1.0, -1.0)
     assert rb.overheads[slow.name] == pytest.approx(0.15 * p.phase_s)
+
+
+def _simulate_clock(clock_for, speeds, cycle, phases, jitter, seed=0):
+    """Workers whose step times jitter by +-jitter; returns each phase's end times relative to the deadline."""
+    import random
+
+    rng = random.Random(seed)
+    ends = []
+    clocks = [clock_for(i, s) for i, s in enumerate(speeds)]
+    t0 = 0.0
+    for _ in range(phases):
+        row = []
+        for c, s in zip(clocks, speeds):
+            c.begin(t0)
+            now = t0
+            while (b := c.next_batch(now)) > 0:
+                dt = (0.002 + b * 8 / (1000.0 * s)) * (1 + rng.uniform(-jitter, jitter))
+                now += dt
+                c.observe_step(b * 8, dt)
+            row.append(now - c.deadline)
+        ends.append(row)
+        t0 += cycle + 0.1
+    return ends, clocks
+
+
+def test_phase_clock_ends_phases_together_despite_jitter():
+    """Fixed (b, H) plans drift apart by the step-time jitter; the clock ends phases within a small step."""
+    from geomesh.balance import PhaseClock
+
+    speeds = (1.0, 0.7, 0.4)
+    profiles = [WorkerProfile(f"w{i}", s * 1000.0, step_overhead_s=0.002) for i, s in enumerate(speeds)]
+    p = plan(profiles, seq_len=8, target_tokens=8 * 8 * 3 * 10, max_batch=16, preferred_batch=8, preferred_steps=10)
+
+    def clock(i, s):  # the profile is off by 30%: the clock learns the real step time from its steps
+        wrong = replace(profiles[i], tokens_per_s=profiles[i].tokens_per_s * 1.3)
+        return PhaseClock(p.phase_s, p.workers[i].batch, wrong, seq_len=8)
+
+    ends, clocks = _simulate_clock(clock, speeds, p.phase_s, phases=8, jitter=0.15)
+    for row in ends[2:]:  # after a step or two of measurement
+        # past the deadline by at most the jitter of one step
+        assert all(e <= 0.15 * c.estimate(c.batch) for e, c in zip(row, clocks)), row
+        assert max(row) - min(row) < 0.03 * p.phase_s, row
+    # the same jitter under the fixed plan: phases spread by several percent of a cycle
+    import random
+
+    rng = random.Random(0)
+    fixed = [
+        sum((0.002 + w.batch * 8 / pr.tokens_per_s) * (1 + rng.uniform(-0.15, 0.15)) for _ in range(w.inner_steps))
+        for w, pr in zip(p.workers, profiles)
+    ]
+    assert (max(fixed) - min(fixed)) > 0.03 * p.phase_s
+
+
+def test_phase_clock_cycle_keeps_tokens_near_target_and_validates():
+    from geomesh.balance import PhaseClock
+
+    prof = WorkerProfile("w0", 1000.0)
+    c = PhaseClock(1.0, 8, prof, seq_len=8, target_tokens=3000, ema=1.0)
+    # three workers at 1000 / 700 / 400 tokens/s, 0.1 s of post-sync work each: (3000 + 210) / 2100
+    got = c.update([1000, 700, 400], [1.0, 1.0, 1.0], [0.1, 0.1, 0.1])
+    assert got == pytest.approx(3210 / 2100)
+    assert c.update([1000, 700, 400], [1.0, 1.0, 1.0], [0.1, -1.0, 0.1]) == got  # not measured yet: unchanged
+    c.step_s = 0.1
+    c.set_batch(4)  # the measured step time is rescaled by the profile's shape
+    assert c.estimate(4) == pytest.approx(0.05)
+    with pytest.raises(BalanceError, match="cycle_s"):
+        PhaseClock(0.0, 8, prof, seq_len=8)
+    with pytest.raises(BalanceError, match="batch"):
+        PhaseClock(1.0, 0, prof, seq_len=8)

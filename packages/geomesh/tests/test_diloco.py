@@ -82,3 +82,17 @@ def test_rebalancing_is_computed_identically_on_every_rank():
     assert (res[2]["batch"], res[2]["steps"]) == next(
         (w["batch"], w["inner_steps"]) for w in res[0]["plan"]["workers"] if w["name"] == "w2"
     )
+
+
+def test_time_boxed_phases_identical_outer_steps_and_slow_rank_does_fewer_tokens():
+    from _workers import time_boxed
+
+    res = spawn(time_boxed, 3, timeout_s=240, start_method="fork")
+    for r in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(res[0]["params"], res[r]["params"]))
+    h = res[0]["history"]
+    assert len(h) == 3
+    for s in h[1:]:  # after the first phase's measurements: per-step speed decides the tokens
+        assert s["all_tokens"][0] > s["all_tokens"][2] > 0, s["all_tokens"]
+    assert all(1 <= b <= 4 for r in res for b in r["batches"])
+    assert res[0]["cycle_s"] == res[1]["cycle_s"] == res[2]["cycle_s"]  # re-timed identically everywhere

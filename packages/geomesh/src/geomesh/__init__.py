@@ -3,6 +3,7 @@
 from .balance import (
     BalanceError,
     MemoryModel,
+    PhaseClock,
     Plan,
     Rebalancer,
     WorkerPlan,
@@ -39,6 +40,7 @@ __all__ = [
     "BalanceError",
     "MemoryModel",
     "Plan",
+    "PhaseClock",
     "Rebalancer",
     "WorkerPlan",
     "WorkerProfile",

@@ -28,6 +28,7 @@ __all__ = [
     "token_weights",
     "fit_profile",
     "Rebalancer",
+    "PhaseClock",
 ]
 
 
@@ -376,3 +377,101 @@ class Rebalancer:
         self.plan = plan(profiles, self.plan.seq_len, self.plan.target_tokens, **self.plan_kwargs)
         self.replans += 1
         return self.plan
+
+
+class PhaseClock:
+    """Time-boxed inner phases: H_i realised online, one step at a time, from measured step times.
+
+    A fixed plan's (b_i, H_i) can only be as equal as its step-time model is right and its integer
+    H_i allows: at a few steps per phase one step is 10-15% of it, and emulated or shared CPUs
+    jitter by about as much from phase to phase. Here every worker gets the same deadline, ``cycle_s``
+    after the common sync point (the instant the sync's meta all_gather releases every worker), and
+    keeps taking steps of its planned batch b_i while one is expected to end before it; the last step
+    takes the largest smaller batch that still fits. So the phases end together to within about one
+    batch-1 step whatever the jitter, and a worker's own sync work (which runs at its own speed) is
+    absorbed in its cycle. ``update`` re-times the cycle from the tokens, compute and post-sync times
+    measured on every worker, so the cluster keeps doing about ``target_tokens`` per outer step; its
+    inputs come from an all_gather, so every worker computes the same cycle.
+    """
+
+    def __init__(
+        self,
+        cycle_s: float,
+        batch: int,
+        profile: WorkerProfile,
+        seq_len: int,
+        target_tokens: int | None = None,
+        ema: float = 0.5,
+    ):
+        if not (cycle_s > 0 and math.isfinite(cycle_s)):
+            raise BalanceError(f"cycle_s: {cycle_s!r} must be a positive number of seconds")
+        if not isinstance(batch, int) or batch < 1:
+            raise BalanceError(f"batch: {batch!r} must be a positive integer")
+        if not 0 < ema <= 1:
+            raise BalanceError(f"ema: {ema!r} must be in (0, 1]")
+        self.cycle_s = float(cycle_s)
+        self.batch = batch
+        self.profile = profile
+        self.seq_len = seq_len
+        self.target_tokens = target_tokens
+        self.ema = ema
+        self.deadline = math.inf
+        self.step_s: float | None = None  # measured seconds of one step at ``batch`` (EMA)
+
+    def set_batch(self, batch: int) -> None:
+        if self.step_s is not None and batch != self.batch:
+            self.step_s *= self.profile.step_time_s(batch, self.seq_len) / self.profile.step_time_s(
+                self.batch, self.seq_len
+            )
+        self.batch = batch
+
+    def begin(self, anchor: float) -> None:
+        """Start a phase whose common deadline is ``cycle_s`` after ``anchor`` (perf_counter seconds)."""
+        self.deadline = anchor + self.cycle_s
+
+    def estimate(self, batch: int) -> float:
+        """Expected seconds of one step at ``batch``: measured at b_i, scaled by the profile's shape."""
+        model = self.profile.step_time_s(batch, self.seq_len)
+        if self.step_s is None:
+            return model
+        return self.step_s * model / self.profile.step_time_s(self.batch, self.seq_len)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        batch = max(1, round(tokens / self.seq_len))
+        if batch == self.batch:
+            t = seconds
+        else:  # a partial last step: scale to b_i with the profile's shape
+            t = (
+                seconds
+                * self.profile.step_time_s(self.batch, self.seq_len)
+                / self.profile.step_time_s(batch, self.seq_len)
+            )
+        self.step_s = t if self.step_s is None else (1 - self.ema) * self.step_s + self.ema * t
+
+    def next_batch(self, now: float) -> int:
+        """The batch of the next step (b_i, or a smaller one that fits the time left), 0: sync now."""
+        left = self.deadline - now
+        if self.estimate(self.batch) <= left:
+            return self.batch
+        for b in range(self.batch - 1, 0, -1):
+            if self.estimate(b) <= left:
+                return b
+        return 0
+
+    def update(self, tokens: Sequence[int], compute_s: Sequence[float], post_s: Sequence[float]) -> float:
+        """Re-time the cycle so the workers, at their measured rates, make ``target_tokens`` together.
+
+        ``post_s[i]``: worker i's seconds from the sync point to the start of its next phase (the
+        collective, its own codec and outer-step work); -1 where not measured yet. Identical inputs on
+        every worker give the identical cycle.
+        """
+        if self.target_tokens is None:
+            return self.cycle_s
+        rates = [t / c for t, c in zip(tokens, compute_s) if c > 0 and t > 0]
+        if len(rates) != len(tokens) or any(p < 0 for p in post_s):
+            return self.cycle_s
+        want = (self.target_tokens + sum(r * p for r, p in zip(rates, post_s))) / sum(rates)
+        self.cycle_s = (1 - self.ema) * self.cycle_s + self.ema * want
+        return self.cycle_s

@@ -37,7 +37,7 @@ class GradientAllReduce:
 
     def sync(self, tokens: int) -> SyncStats:
         compute_s = time.perf_counter() - self._phase_start
-        all_tokens, rates, wait_s, _ = exchange_meta(tokens, compute_s, self.world, self.group)
+        all_tokens, rates, wait_s, *_ = exchange_meta(tokens, compute_s, self.world, self.group)
         t0 = time.perf_counter()
         w = token_weights(all_tokens)[self.rank]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])

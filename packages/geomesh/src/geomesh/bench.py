@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import hwtopo
 
-from .balance import MemoryModel, Rebalancer, fit_profile, plan
+from .balance import MemoryModel, PhaseClock, Rebalancer, fit_profile, plan
 from .baselines import AsyncServer, GradientAllReduce
 from .diloco import DiLoCo
 from .launch import spawn
@@ -59,6 +59,9 @@ class BenchConfig:
     # dropped (it trains from the synced weights), so carrying the whole residual double-counts it
     ef_decay: float = 0.5
     balance_by: str = "batch"  # "batch": equal H, b_i absorbs speed; "steps": b near the preferred one, H_i absorbs it
+    # "deadline": H_i realised online (PhaseClock): steps of b_i until a common deadline after each sync,
+    # the last one with the batch that fits; "steps": the plan's fixed H_i, re-planned on drift/imbalance
+    phase_mode: str = "deadline"
     seed: int = 0
     text_bytes: int = 1_500_000
     val_seqs: int = 48
@@ -78,6 +81,8 @@ class BenchConfig:
                 raise ValueError(f"{name}: {v!r} must be a positive integer")
         if self.hidden % self.heads:
             raise ValueError(f"hidden: {self.hidden} must be a multiple of heads ({self.heads})")
+        if self.phase_mode not in ("deadline", "steps"):
+            raise ValueError(f"phase_mode: {self.phase_mode!r} must be 'deadline' or 'steps'")
         if self.balance_by not in ("steps", "batch"):
             raise ValueError(f"balance_by: {self.balance_by!r} must be 'steps' or 'batch'")
         if not 0 < self.cpus <= 4:
@@ -220,10 +225,22 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         worker_name=machines[rank],
     )
     tokens_done = 0
+    out["phases"] = []  # per outer step of this worker: (b_i, H_i) used and where the time went
 
-    def after_sync(st) -> None:
+    def after_sync(st, batch, steps) -> None:
         nonlocal tokens_done
         tokens_done += sum(st.all_tokens)
+        out["phases"].append(
+            {
+                "batch": batch,
+                "steps": steps,
+                "compute_s": st.compute_s,
+                "wait_s": st.wait_s,
+                "comm_s": st.comm_s,
+                "sync_cpu_s": st.sync_cpu_s,
+                "replanned": st.replanned,
+            }
+        )
         if rank == 0:
             out["snapshots"].append((time.perf_counter() - t0, tokens_done, _snapshot(model)))
 
@@ -232,12 +249,17 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         # (capped at twice a uniform worker's share of tokens, for tiny configs that run very fast)
         samples = _profile_phase(cfg, model, opt, sampler, dl, 2 * target // world)
         st = dl.sync()
-        after_sync(st)
+        after_sync(st, 0, dl.local_step)
         # share the measured step times and sync CPU time; every worker computes the same plan
-        flat = [x for pair in samples for x in pair] + [0.0] * (4 - 2 * len(samples)) + [st.sync_cpu_s]
+        deadline = cfg.phase_mode == "deadline"
+        # a fixed-H plan balances each worker's own sync CPU work (the collective is common to all);
+        # a time-boxed phase starts at the common sync point, so the whole post-sync time counts
+        post = dl._last_post_s if deadline else st.sync_cpu_s
+        flat = [x for pair in samples for x in pair] + [0.0] * (4 - 2 * len(samples)) + [post]
         mine = torch.tensor(flat, dtype=torch.float64)
         got = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(got, mine)
+        anchor = time.perf_counter()  # the gather released every worker at about this instant
         params = sum(p.numel() for p in model.parameters())
         memory = MemoryModel(fixed_bytes=16 * params, bytes_per_sample=4 * seq * cfg.hidden * cfg.layers * 16)
         profiles = []
@@ -252,19 +274,31 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         p = plan(profiles, seq, target, **kw)
         out["plan"] = p.to_dict()
         out["profile"] = [g.tolist() for g in got]
-        rb = Rebalancer(p, threshold=cfg.rebalance_threshold, ema=0.3, **kw)
+        # under time-boxed phases the clock absorbs imbalance: re-plan b_i on throughput drift only
+        thr = cfg.rebalance_threshold if cfg.rebalance_threshold is not None else (0.5 if deadline else 0.15)
+        rb = Rebalancer(p, threshold=thr, ema=0.3, imbalance_threshold=1.0 if deadline else 0.03, **kw)
         dl.rebalancer = rb
+        if deadline:
+            mine_plan = p.worker(machines[rank])
+            dl.phase_clock = PhaseClock(p.phase_s, mine_plan.batch, profiles[rank], seq, target_tokens=target)
         dl.apply_plan(p)
+        if deadline:
+            # this phase starts right after the gather, not after a sync's collective and codec work:
+            # end it earlier by the throughput-weighted post-sync time the cycle allows for
+            rates = [pr.tokens_per_s for pr in profiles]
+            lead = sum(r * pr.sync_overhead_s for r, pr in zip(rates, profiles)) / sum(rates)
+            dl.start_phase(anchor=anchor - lead)
     # geomesh runs until it has trained on as many tokens as uniform DiLoCo's outer steps (its first,
     # time-boxed phase has its own token count); the decision uses the exchanged counts, same everywhere
     while (tokens_done < cfg.outer_steps * target) if balanced else (dl.outer_step < cfg.outer_steps):
+        used = (dl.phase_clock.batch, dl.local_step + 1) if dl.phase_clock else (dl.batch_size, dl.inner_steps)
         x = sampler.next(dl.batch_size)
         _loss(model, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         st = dl.step(x.numel())
         if st is not None:
-            after_sync(st)
+            after_sync(st, *used)
     out["history"] = [s.to_dict() for s in dl.history]
     out["replans"] = rb.replans if rb else 0
 
@@ -410,6 +444,8 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
     }
     if method == "ddp":
         res["stopped_at_time_cap"] = bool(outs[0].get("capped"))
+    if "phases" in outs[0]:
+        res["phases_per_worker"] = {o["machine"]: o["phases"] for o in outs}
     if "plan" in outs[0]:
         res["plan"] = outs[0]["plan"]
         res["replans"] = outs[0]["replans"]

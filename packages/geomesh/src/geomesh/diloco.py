@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .balance import Plan, Rebalancer, token_weights
+from .balance import PhaseClock, Plan, Rebalancer, token_weights
 from .signcompress import SignCompressor
 from .wan import WanEmulator, ring_wire_bytes
 
@@ -72,15 +72,16 @@ def _comm_device(group=None) -> torch.device:
 
 
 def exchange_meta(
-    tokens: int, compute_s: float, world: int, group=None, sync_cpu_s: float = -1.0
-) -> tuple[list[int], list[float], float, list[float]]:
-    """all_gather of (tokens, compute seconds, last sync's CPU seconds): the sync point; its blocking
-    time is straggler idle.
+    tokens: int, compute_s: float, world: int, group=None, sync_cpu_s: float = -1.0, post_s: float = -1.0
+) -> tuple[list[int], list[float], float, list[float], list[float]]:
+    """all_gather of (tokens, compute seconds, last sync's CPU seconds, last sync's seconds from the sync
+    point to the next phase): the sync point; its blocking time is straggler idle.
 
-    Returns every worker's tokens, measured throughput (tokens/s), the seconds this rank waited and
-    every worker's CPU seconds of its previous outer step (-1 where not measured yet).
+    Returns every worker's tokens, measured throughput (tokens/s), the seconds this rank waited,
+    every worker's CPU seconds of its previous outer step and every worker's post-sync seconds of
+    its previous outer step (-1 where not measured yet).
     """
-    meta = torch.tensor([float(tokens), compute_s, sync_cpu_s], dtype=torch.float64, device=_comm_device(group))
+    meta = torch.tensor([float(tokens), compute_s, sync_cpu_s, post_s], dtype=torch.float64, device=_comm_device(group))
     t0 = time.perf_counter()
     if world > 1:
         got = [torch.zeros_like(meta) for _ in range(world)]
@@ -90,7 +91,7 @@ def exchange_meta(
     wait_s = time.perf_counter() - t0
     got = [g.cpu() for g in got]
     rates = [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got]
-    return [int(g[0]) for g in got], rates, wait_s, [float(g[2]) for g in got]
+    return [int(g[0]) for g in got], rates, wait_s, [float(g[2]) for g in got], [float(g[3]) for g in got]
 
 
 class DiLoCo:
@@ -114,6 +115,7 @@ class DiLoCo:
         wan: WanEmulator | None = None,
         rebalancer: Rebalancer | None = None,
         worker_name: str | None = None,
+        phase_clock: PhaseClock | None = None,
     ):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
@@ -127,6 +129,9 @@ class DiLoCo:
         self.group = group
         self.wan = wan
         self.rebalancer = rebalancer
+        # time-boxed phases: the clock decides, step by step, whether (and at which batch) another
+        # inner step fits before the common deadline; ``inner_steps`` is then not used
+        self.phase_clock = phase_clock
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -143,6 +148,8 @@ class DiLoCo:
         self.history: list[SyncStats] = []
         self._phase_start = time.perf_counter()
         self._last_sync_cpu_s = -1.0
+        self._last_post_s = -1.0
+        self._step_start = self._phase_start
         self._collective_s = 0.0
         if self.world > 1:
             self._check_same_model()
@@ -172,16 +179,34 @@ class DiLoCo:
         """Count one inner step of ``tokens`` tokens; run the outer step when H_i steps are done."""
         self.local_step += 1
         self.tokens += int(tokens)
+        if self.phase_clock is not None:
+            now = time.perf_counter()
+            self.phase_clock.observe_step(int(tokens), now - self._step_start)
+            self._step_start = now
+            nxt = self.phase_clock.next_batch(now)
+            if nxt == 0:
+                return self.sync()
+            self.batch_size = nxt
+            return None
         if self.local_step >= self.inner_steps:
             return self.sync()
         return None
+
+    def start_phase(self, anchor: float | None = None) -> None:
+        """Start a time-boxed phase now (its deadline ``phase_clock.cycle_s`` after ``anchor``, a
+        perf_counter instant common to all workers, e.g. right after a collective)."""
+        now = time.perf_counter()
+        self._phase_start = self._step_start = now
+        if self.phase_clock is not None:
+            self.phase_clock.begin(now if anchor is None else anchor)
+            self.batch_size = self.phase_clock.next_batch(now) or 1
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """Weights at the last sync minus current weights (the direction the outer step descends)."""
         return [s.detach() - p.detach().float() for s, p in zip(self.synced, self.params)]
 
-    def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float, list[float]]:
-        return exchange_meta(self.tokens, compute_s, self.world, self.group, self._last_sync_cpu_s)
+    def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float, list[float], list[float]]:
+        return exchange_meta(self.tokens, compute_s, self.world, self.group, self._last_sync_cpu_s, self._last_post_s)
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
@@ -223,8 +248,8 @@ class DiLoCo:
     def sync(self) -> SyncStats:
         """One synchronous outer step (all workers must call it the same number of times)."""
         compute_s = time.perf_counter() - self._phase_start
-        all_tokens, rates, wait_s, overheads = self._exchange_meta(compute_s)
-        t0 = time.perf_counter()
+        all_tokens, rates, wait_s, overheads, posts = self._exchange_meta(compute_s)
+        t0 = time.perf_counter()  # the sync point: the all_gather released every worker at about this instant
         self._collective_s = 0.0
         deltas = self.pseudo_gradient()
         agg, payload, wire = self._aggregate(deltas, all_tokens)
@@ -257,13 +282,16 @@ class DiLoCo:
             if new is not None:
                 self.apply_plan(new)
                 stats.replanned = True
+        if self.phase_clock is not None:
+            self.phase_clock.update(all_tokens, [t / r if r > 0 else 0.0 for t, r in zip(all_tokens, rates)], posts)
         self.history.append(stats)
         self.outer_step += 1
         self.local_step = 0
         self.tokens = 0
-        self._phase_start = time.perf_counter()
+        self.start_phase(anchor=t0)
         # own CPU work of this outer step (not the collectives): the balancer keeps it in each cycle
         self._last_sync_cpu_s = max(0.0, self._phase_start - t0 - self._collective_s)
+        self._last_post_s = self._phase_start - t0
         stats.sync_cpu_s = self._last_sync_cpu_s
         return stats
 
@@ -272,6 +300,8 @@ class DiLoCo:
         mine = plan.worker(self.worker_name)
         self.inner_steps = mine.inner_steps
         self.batch_size = mine.batch
+        if self.phase_clock is not None:
+            self.phase_clock.set_batch(mine.batch)
         log.info("worker %s: batch %d, inner steps %d", self.worker_name, mine.batch, mine.inner_steps)
 
     # --- checkpoints ----------------------------------------------------------------------------
