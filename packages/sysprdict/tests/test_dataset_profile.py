@@ -3,7 +3,7 @@ import json
 import pytest
 
 from sysprdict.dataset import DatasetError, load_rows, save_rows
-from sysprdict.profile import GridPoint, ProfileError, _run_ddp, run_point
+from sysprdict.profile import GridPoint, ProfileError, _run_ddp, profile_grid, run_point
 
 
 def _row(**kw):
@@ -56,6 +56,17 @@ def test_run_point_measures_a_real_step():
     r = run_point(GridPoint("vit-xs", 2, 16, 32, "bf16", "sgd"), steps=1)
     assert r["peak_bytes"] > 0 and r["step_cpu_s"] > 0 and r["emulated"] is False
     assert r["breakdown"]["Parameter"] > 0
+
+
+def test_profile_grid_interleaves_timing_rounds():
+    pts = [GridPoint("vit-xs", 2, 16, 32, "fp32", "sgd"), GridPoint("llama-xs", 1, 16, 32, "bf16", "adamw")]
+    rows = profile_grid(pts, steps=2, progress=False, rounds=3)
+    assert [r["model"] for r in rows] == ["vit-xs", "llama-xs"]
+    for r in rows:
+        assert r["rounds"] == 3 and len(r["step_times_s"]) == 6 and r["peak_bytes"] > 0
+        assert r["step_cpu_s"] > 0
+    with pytest.raises(ValueError, match="rounds"):
+        profile_grid(pts, rounds=0, progress=False)
 
 
 def test_grid_point_validation():

@@ -25,6 +25,20 @@ def test_moe_decomposition_has_experts_and_router_and_routing_invariant_activati
     assert worst.saved_bytes == d.saved_bytes
 
 
+def test_op_mix_records_the_dtype_each_op_ran_at():
+    # fp16 autocast casts dense matmuls and attention to fp16; grouped expert matmuls are not on
+    # autocast's list, so they run at the fp32 of their (norm-output) inputs
+    d = decompose(build("qwen2-moe-xs"), Shape(2, 16), "fp16")
+    mix = d.op_mix
+    assert mix.get("experts_flops:float32", 0) > 0 and not mix.get("experts_flops:float16")
+    assert mix.get("matmul_flops:float16", 0) > 0 and not mix.get("matmul_flops:float32")
+    assert mix.get("sdpa_flops:float16", 0) > 0 and mix.get("cast_count:float16", 0) > 0
+    assert sum(v for k, v in mix.items() if "_flops:" in k) == d.fwd_flops
+    assert sum(v for k, v in mix.items() if "_bytes:" in k) == sum(r.fwd_bytes for r in d.records)
+    pure = decompose(build("qwen2-moe-xs"), Shape(2, 16), "bf16").op_mix
+    assert pure.get("experts_flops:bfloat16", 0) == mix["experts_flops:float32"]
+
+
 def test_assumed_routing():
     bal = assumed_routing(torch.Size([6, 2]), torch.int64, 4, "balanced")
     assert torch.bincount(bal.flatten(), minlength=4).tolist() == [3, 3, 3, 3]

@@ -48,7 +48,7 @@ def synthetic_rows():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["additive", "loglinear"])
+@pytest.mark.parametrize("kind", ["opmix", "additive", "loglinear"])
 def test_precision_aware_beats_blind_on_held_out_families(synthetic_rows, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -86,3 +86,16 @@ def test_largest_batch_is_maximal_and_guard_raises():
     with pytest.raises(ValueError, match="memory"):
         largest_batch("llama-s", "lots")
     assert np.isfinite(res.margin_fraction)
+
+
+def test_calibrate_experts_measures_every_dtype():
+    from sysprdict import timepred
+
+    saved = dict(timepred.EXPERTS_MATMUL_COST)
+    try:
+        cost = timepred.calibrate_experts(repeats=2)
+        assert set(cost) == {"float32", "bfloat16", "float16"} and all(v > 0 for v in cost.values())
+        assert timepred.EXPERTS_MATMUL_COST == cost
+    finally:
+        timepred.EXPERTS_MATMUL_COST.clear()
+        timepred.EXPERTS_MATMUL_COST.update(saved)

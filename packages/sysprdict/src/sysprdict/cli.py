@@ -291,6 +291,9 @@ def cmd_bench(a) -> int:
         "single-thread step CPU time; memory ground truth is MemTracker's peak",
     }
     print(_fmt_table(["headline", "value"], _headline_rows(ev["headline"])))
+    if "data_parallel" in ev["timing"]:
+        dp = ev["timing"]["data_parallel"]
+        print(f"(not headline) data-parallel step time MAPE: {dp['mape']:.4g} over {dp['n_rows']} gloo runs")
     if a.json:
         _write_json(a.json, _bench_json(config, results, ev["headline"]))
         print(f"wrote {a.json}")

@@ -21,7 +21,7 @@ import hwtopo
 
 from .memory import TrainSetup, accelerate_style, predict_memory
 from .profile import GridPoint, default_grid, profile_grid
-from .timepred import boosting_backend, decomposition_for, evaluate_holdout_families, mape
+from .timepred import boosting_backend, calibrate_experts, decomposition_for, evaluate_holdout_families, mape
 from .train import measure_training
 from .zoo import Shape, build
 
@@ -110,6 +110,7 @@ def run_evaluation(
         rows = profile_grid(points or default_grid(quick), steps=STEPS, progress=progress, rounds=ROUNDS)
     t_profile = time.perf_counter() - t0
     mm = hwtopo.matmul_flops(256, threads=1, seconds=0.3)
+    experts_cost = calibrate_experts()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         timing = evaluate_holdout_families(rows, mm.flops)
@@ -146,6 +147,7 @@ def run_evaluation(
             "timing": f"min process CPU time over {ROUNDS} interleaved passes x {STEPS} steps per point",
             "boosting_backend": boosting_backend(),
             "matmul_flops_per_s": mm.flops,
+            "experts_matmul_cost_measured": experts_cost,
             "fp16_autocast_slowdown_median": float(np.median(slow)) if slow and ratios else None,
             "profile_wall_s": t_profile,
             "eval_wall_s": time.perf_counter() - t0 - t_profile,

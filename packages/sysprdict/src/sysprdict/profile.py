@@ -68,6 +68,9 @@ def default_grid(quick: bool = True) -> list[GridPoint]:
     for i, (fam, size, b, prec) in enumerate(itertools.product(fams, sizes, batches, precs)):
         opt = "adamw" if i % 3 else "sgd"
         pts.append(GridPoint(f"{fam}-{size}", b, 32 if size == "s" else 48, 32, prec, opt))
+    # data-parallel points (2 gloo ranks): an extra, non-headline check of compute + all-reduce
+    pts += [GridPoint("llama-s", 2, 32, 32, "fp32", "adamw", world_size=2)]
+    pts += [GridPoint("vit-s", 2, 32, 32, "bf16", "sgd", world_size=2)]
     return pts
 
 

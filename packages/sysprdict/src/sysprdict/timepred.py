@@ -32,13 +32,16 @@ from .zoo import Shape, build
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "EXPERTS_MATMUL_COST",
     "AnalyticalFlops",
     "TimePredictor",
     "allreduce_time_s",
     "boosting_backend",
+    "calibrate_experts",
     "evaluate_holdout_families",
     "features",
     "mape",
+    "opmix_terms",
 ]
 
 _TREND = ("total_flops", "ops", "optimizer_work", "tokens")  # the log-linear trend's inputs
@@ -148,6 +151,7 @@ def additive_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, floa
 _DTYPES = ("float32", "bfloat16", "float16")
 _MIX_TERMS = (
     *(f"mm_flops:{t}" for t in _DTYPES),
+    *(f"sdpa_flops:{t}" for t in _DTYPES),
     *(f"mm_count:{t}" for t in _DTYPES),
     *(f"other_bytes:{t}" for t in _DTYPES),
     "ops",
@@ -160,6 +164,57 @@ EXPERTS_MATMUL_COST: dict[str, float] = {}
 measured on this machine (`calibrate_experts`); 1.0 where not measured."""
 
 
+_EXPERT_SHAPES = ((128, 64, 128), (192, 96, 192), (128, 64, 64))
+"""(token-slots, in, out) of the calibration grouped matmuls (expert projections of a few hundred
+token-slots; not taken from any profiled model)."""
+
+
+def calibrate_experts(repeats: int = 20, experts: int = 4) -> dict[str, float]:
+    """Measure, on this machine, the forward+backward cost of a grouped (routed-experts) matmul
+    relative to a dense matmul of the same FLOPs, per dtype (geometric mean over `_EXPERT_SHAPES`,
+    minimum process CPU time over `repeats`).  Families without experts cannot teach the time
+    model this kernel's cost, so it is measured directly; the result is stored in
+    `EXPERTS_MATMUL_COST` and returned."""
+    import time
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if gmm is None:
+        return {}
+
+    def best(fn) -> float:
+        fn()
+        out = math.inf
+        for _ in range(repeats):
+            c = time.process_time()
+            fn()
+            out = min(out, time.process_time() - c)
+        return max(out, 1e-7)
+
+    g = torch.Generator().manual_seed(0)
+    res: dict[str, float] = {}
+    for name in _DTYPES:
+        dt = getattr(torch, name)
+        logs = []
+        for s, k, n in _EXPERT_SHAPES:
+            a = torch.randn(s, k, generator=g).to(dt).requires_grad_()
+            w = torch.randn(experts, n, k, generator=g).to(dt).requires_grad_()
+            dense = torch.randn(n, k, generator=g).to(dt).requires_grad_()
+            go = torch.randn(s, n, generator=g).to(dt)
+            # group sizes of a random (untrained) router: uneven, like the profiled steps' routing
+            counts = torch.bincount(torch.randint(experts, (s,), generator=g), minlength=experts)
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            t_g = best(lambda a=a, w=w, go=go, offs=offs: gmm(a, w.transpose(-2, -1), offs=offs).backward(go))
+            t_d = best(lambda a=a, dense=dense, go=go: F.linear(a, dense).backward(go))
+            logs.append(math.log(t_g / t_d))
+        res[name] = float(math.exp(sum(logs) / len(logs)))
+    EXPERTS_MATMUL_COST.clear()
+    EXPERTS_MATMUL_COST.update(res)
+    return res
+
+
 def opmix_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
     """The step's work per op class at the dtype each op ran at (`Decomposition.op_mix`): matmul
     FLOPs (dense, fused attention, and grouped expert matmuls weighted by their measured relative
@@ -167,7 +222,7 @@ def opmix_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
     ops dispatched through autocast, which adds a cast check to each), optimizer bytes at the
     parameter dtype and parameter tensors (per-tensor optimizer overhead)."""
     mix = d.op_mix
-    t = dict.fromkeys(_MIX_TERMS, 0.0)
+    t: dict[str, float] = defaultdict(float, dict.fromkeys(_MIX_TERMS, 0.0))
     for key, v in mix.items():
         q, dt = key.split(":")
         cls, qty = q.rsplit("_", 1)
@@ -175,7 +230,9 @@ def opmix_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
         if qty == "count":
             t["ops"] += v
         if cls in ("matmul", "sdpa", "experts"):
-            if qty == "flops":
+            if qty == "flops" and cls == "sdpa":  # fused attention: its own kernel, own cost per dtype
+                t[f"sdpa_flops:{dt}"] += v
+            elif qty == "flops":
                 t[f"mm_flops:{dt}"] += v * (EXPERTS_MATMUL_COST.get(dt, 1.0) if cls == "experts" else 1.0)
             elif qty == "count":
                 t[f"mm_count:{dt}"] += v
