@@ -132,3 +132,37 @@ def test_mismatched_cache_and_model_errors(dlm, task):
         diffusion.generate(dlm, torch.ones(1, 0, dtype=torch.long), mode="none")
     with pytest.raises(ValueError, match="block_length"):
         diffusion.generate(dlm, prompts, diffusion.DecodeConfig(4, 3, 4))
+
+
+def test_local_layers_forward_matches_transformers_and_drift_stays_near_the_boundary(task):
+    # Gemma3 sliding-window (local) layers: the layer-wise forward builds the bidirectional window
+    # mask itself and must match the stock forward; the prefix K/V of layer l <= local_layers (computed
+    # from local layers' outputs only) differ between two requests only within l * (window - 1)
+    # positions of the end of the shared prefix; past a global layer they drift everywhere (measured)
+    local = DiffusionLM.random(seed=1, layers=4, hidden=32, heads=2, local_layers=2, window=3)
+    reqs = task.burst(2, 8)
+    p = reqs[0].prefix_len
+    x = torch.tensor([r.prompt + [local.mask_id] * local.spec.gen_length for r in reqs])
+    with torch.no_grad():
+        assert torch.equal(local.model(input_ids=x).logits, kvcache.forward(local, x, logits_from=0))
+        cache = kvcache.prefix_cache(local, None, 0, record=True)
+        kvcache.forward(local, x, cache=cache, logits_from=x.shape[1])
+        entry, _ = kvcache.fill_entry(local, x[:1], p)
+        out = kvcache.forward(
+            local,
+            x[:1],
+            kvcache.prefix_cache(local, entry, 2),
+            start=p,
+            depth=2,
+            prefix_hidden=entry.hidden[2],
+            logits_from=p,
+        )
+    assert torch.equal(out, local.model(input_ids=x[:1]).logits[:, p:])  # own entry: exact reuse
+    for layer in range(4):
+        k = cache.layers[layer].keys[:, :, :p]
+        moved = (k[0] - k[1]).abs().amax(dim=(0, 2)) > 0
+        stable = p - layer * (local.config.sliding_window - 1)
+        if layer <= 2:
+            assert not moved[:stable].any() and (layer == 0 or moved[stable:].any())
+        else:  # the global layer: drift reaches the start of the prefix
+            assert moved[0]

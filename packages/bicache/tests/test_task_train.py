@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bicache.task import TableTask, TaskSpec, Vocab
-from bicache.train import Recipe, load_or_train, masked_diffusion_loss
+from bicache.train import Recipe, load_or_train, masked_diffusion_loss, train
 
 
 def test_layout_and_fractions():
@@ -78,3 +78,33 @@ def test_training_steps_lower_loss_and_cache_is_reused(tmp_path):
     assert maskable[:, recipe.spec.prompt_length :].all()
     loss = masked_diffusion_loss(dlm, x, maskable, torch.Generator().manual_seed(0))
     assert torch.isfinite(loss) and loss > 0
+
+
+def test_mixed_curriculum_draws_row_counts_in_range():
+    spec = TaskSpec()
+    t = TableTask(spec, seed=6)
+    x, _ = t.training_batch(64, rows=6, min_rows=2)
+    filled = [
+        sum(tok != t.vocab.pad_id for tok in seq[spec.rows_start : spec.rows_start + spec.rows * spec.row_len])
+        for seq in x.tolist()
+    ]
+    assert min(filled) >= 2 and max(filled) <= 6 and len(set(filled)) >= 3  # phases mixed, not one level
+
+
+def test_curriculum_level_advances_on_patience(tmp_path):
+    # the gate (exact match 2.0) is unreachable: only the patience rule can advance the level
+    recipe = Recipe(
+        layers=1,
+        hidden=16,
+        heads=2,
+        steps=4,
+        batch=4,
+        eval_every=1,
+        val_requests=8,
+        patience=1,
+        curriculum_gate=2.0,
+        target=2.0,
+    )
+    train(recipe, progress=False, resume_dir=tmp_path)
+    state = torch.load(tmp_path / "train-state.pt", weights_only=False)
+    assert state["step"] == 4 and state["rows"] == recipe.min_rows + 4

@@ -8,8 +8,8 @@ Cache API; :mod:`bicache.engine` and :mod:`bicache.server` serve requests with i
 """
 
 from .depth import Calibration, DepthPolicy, calibrate, choose_bound, kv_drift
-from .diffusion import MODES, DecodeConfig, DecodeStats, generate
-from .engine import Completion, Engine, PrefixStore, common_prefix_len
+from .diffusion import DECODE_MODES, DecodeConfig, DecodeStats, generate
+from .engine import MODES, Completion, Engine, PrefixStore, common_prefix_len
 from .kvcache import PassLayer, PrefixEntry, RecordingLayer, SpliceLayer, block_cache, fill_entry, prefix_cache
 from .model import DiffusionLM, load_local_dlm, tiny_config
 from .task import Request, TableTask, TaskSpec, Vocab
@@ -18,6 +18,7 @@ from .train import Recipe, cache_dir, load_or_train, train
 __version__ = "0.1.0"
 
 __all__ = [
+    "DECODE_MODES",
     "MODES",
     "Calibration",
     "Completion",

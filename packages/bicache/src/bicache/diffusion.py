@@ -24,7 +24,7 @@ from . import kvcache
 from .kvcache import PrefixEntry
 from .model import DiffusionLM
 
-MODES = ("none", "naive", "bicache", "block", "bicache+block")
+DECODE_MODES = ("none", "naive", "bicache", "block", "bicache+block")  # how one decode computes logits
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,11 @@ class DecodeStats:
 def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry) -> torch.Tensor:
     """The AR-engine prefix cache: stock forward of the suffix on a DynamicCache holding the prefix."""
     b, p = x.shape[0], entry.length
+    if "sliding_attention" in dlm.config.layer_types:
+        # the stock sliding-window cache keeps only the last window of keys; reuse every layer through
+        # the same splice cache instead (identical arithmetic to a DynamicCache holding the prefix)
+        cache = kvcache.prefix_cache(dlm, entry, dlm.num_layers)
+        return kvcache.forward(dlm, x, cache, start=p, depth=dlm.num_layers, logits_from=p)
     cache = DynamicCache(config=dlm.config)
     for i in range(dlm.num_layers):
         cache.update(entry.keys[i].expand(b, -1, -1, -1), entry.values[i].expand(b, -1, -1, -1), i)
@@ -88,8 +93,8 @@ def generate(
     fills the entry for the first ``fill_prefix`` tokens from row 0 of that pass (``stats.entry``),
     as a serving engine does for the first batch that brings a prefix.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in DECODE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
     cfg.validate()
     if prompts.dim() != 2 or prompts.shape[1] == 0:
         raise ValueError("prompts must be a non-empty (batch, length) tensor of token ids")

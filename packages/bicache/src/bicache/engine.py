@@ -25,7 +25,8 @@ from .model import DiffusionLM
 
 log = logging.getLogger(__name__)
 
-MODES = ("none", "naive", "bicache", "block", "bicache+block", "fixed")
+# every serving mode: the decode modes plus ``fixed`` (bicache at one depth for every request)
+MODES = (*diffusion.DECODE_MODES, "fixed")
 
 
 def common_prefix_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:

@@ -196,6 +196,7 @@ def forward(
     h = inner.embed_tokens(ids[:, start:end])
     pos = torch.arange(start, end, device=ids.device).unsqueeze(0)
     rope = inner.rotary_emb(h, pos, "full_attention")
+    types = dlm.config.layer_types
     for i, layer in enumerate(inner.layers):
         if reinject and i == depth:
             h = torch.cat([prefix_hidden.expand(b, -1, -1), h], dim=1)
@@ -203,12 +204,27 @@ def forward(
             rope = inner.rotary_emb(h, pos, "full_attention")
         if hidden_out is not None:
             hidden_out.append(h)
-        h = layer(h, attention_mask=None, position_embeddings=rope, position_ids=pos, cache=cache)
+        mask = None
+        if types[i] == "sliding_attention":
+            mask = window_mask(pos[0], cache.layers[i] if cache is not None else None, dlm.config.sliding_window)
+        h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos, cache=cache)
     if hidden_out is not None:
         hidden_out.append(h)
     first = pos[0, 0].item()
     h = inner.norm(h[:, logits_from - first :])
     return model.lm_head(h)
+
+
+def window_mask(q_pos: torch.Tensor, layer: CacheLayerMixin | None, window: int) -> torch.Tensor:
+    """Bidirectional sliding-window mask (1, 1, q, kv): True where ``|q - k| < window``.
+
+    The keys a layer attends to are either the computed span itself (no cache, :class:`PassLayer`)
+    or a full sequence from position 0 (a :class:`SpliceLayer` holding stored K/V).
+    """
+    q = q_pos.shape[0]
+    kv = q if layer is None else layer.get_mask_sizes(q)[0]
+    k_pos = q_pos if kv == q and (layer is None or layer.get_seq_length() == 0) else torch.arange(kv)
+    return ((q_pos[:, None] - k_pos[None, :]).abs() < window)[None, None]
 
 
 def fill_entry(dlm: DiffusionLM, ids: torch.Tensor, prefix_len: int) -> tuple[PrefixEntry, torch.Tensor]:

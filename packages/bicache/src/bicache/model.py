@@ -22,9 +22,20 @@ from .task import TaskSpec, Vocab
 
 
 def tiny_config(
-    vocab_size: int, layers: int = 4, hidden: int = 64, heads: int = 4, max_len: int = 256, attn_scalar: int = 2
+    vocab_size: int,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    max_len: int = 256,
+    attn_scalar: int = 2,
+    local_layers: int = 0,
+    window: int = 4,
 ) -> Gemma3TextConfig:
-    """A small bidirectional Gemma3 config (full attention in every layer, no soft-capping).
+    """A small bidirectional Gemma3 config (no soft-capping).
+
+    The first ``local_layers`` layers are Gemma3 ``sliding_attention`` layers (bidirectional window:
+    a token attends to tokens less than ``window`` positions away, as Gemma3 interleaves local and
+    global layers); the others use full attention.
 
     Gemma3 RMS-normalises queries and keys, so with the usual ``1/sqrt(head_dim)`` scaling a logit
     is at most ``sqrt(head_dim)`` (4 for 16 dims): too flat for a table lookup among ~100 positions.
@@ -46,8 +57,8 @@ def tiny_config(
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
         max_position_embeddings=max_len,
-        layer_types=["full_attention"] * layers,
-        sliding_window=max_len,
+        layer_types=["sliding_attention"] * local_layers + ["full_attention"] * (layers - local_layers),
+        sliding_window=window if local_layers else max_len,
         use_bidirectional_attention=True,
         final_logit_softcapping=None,
         attn_logit_softcapping=None,
@@ -66,8 +77,8 @@ class DiffusionLM:
         cfg = model.config
         if not getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("model config has use_bidirectional_attention=False; a diffusion LM needs True")
-        if any(t != "full_attention" for t in cfg.layer_types):
-            raise ValueError("every layer must use full_attention (layer_types); sliding windows are not supported")
+        if any(t not in ("full_attention", "sliding_attention") for t in cfg.layer_types):
+            raise ValueError("layer_types must be full_attention or sliding_attention")
         if cfg.vocab_size < len(vocab):
             raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the task vocabulary {len(vocab)}")
         self.model = model.eval()

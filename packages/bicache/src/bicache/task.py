@@ -230,16 +230,21 @@ class TableTask:
             )
         return out
 
-    def training_batch(self, n: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_batch(
+        self, n: int, rows: int | None = None, min_rows: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` independent full sequences (prompt + answer) and the maskable positions.
 
         Maskable: the answer and the digits of few-shot examples that ask table keys (both are
         table lookups, so a sequence carries several retrieval targets). ``rows`` (a curriculum)
-        keeps only that many table rows filled and pads the others' slots with ``<pad>``.
+        keeps only that many table rows filled and pads the others' slots with ``<pad>``; with
+        ``min_rows`` each sequence draws its own filled-row count uniformly from
+        ``[min_rows, rows]`` (a mixed curriculum: earlier phases stay in every batch).
         """
         s = self.spec
         seqs, maskable = [], []
         for _ in range(n):
+            keep = rows if rows is None or min_rows is None else self.rng.randint(min(min_rows, rows), rows)
             shared = self.rng.randrange(s.rows + 1)
             (r,) = self.burst(1, shared)
             seq = r.prompt + r.answer
@@ -248,8 +253,8 @@ class TableTask:
                 for j in range(s.shots):
                     for d in range(s.value_digits):
                         m[s.rows_start - (s.shots - j) * s.shot_len + 2 + d] = True
-            if rows is not None and rows < s.rows:
-                self._drop_rows(seq, rows)
+            if keep is not None and keep < s.rows:
+                self._drop_rows(seq, keep)
             seqs.append(seq)
             maskable.append(m)
         return torch.tensor(seqs, dtype=torch.long), torch.tensor(maskable, dtype=torch.bool)

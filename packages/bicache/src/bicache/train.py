@@ -33,16 +33,22 @@ class Recipe:
     hidden: int = 64
     heads: int = 4
     attn_scalar: int = 4  # Gemma3 query_pre_attn_scalar (head_dim 16 would be the usual 1/sqrt(d))
+    local_layers: int = 0  # the first layers use Gemma3 sliding-window (local) attention ...
+    window: int = 4  # ... of this bidirectional window
     compose_init: bool = True  # table-token embeddings start as key + digit + slot embeddings
-    steps: int = 6000  # at most; training stops early once ``target`` is reached
+    steps: int = 20000  # cap; training stops early once ``target`` is reached with every row filled
     batch: int = 32
     lr: float = 3e-3
-    warmup: int = 50
+    warmup: int = 200  # linear warmup, then constant until the curriculum reaches every row ...
+    anneal: int = 1500  # ... then a cosine decay to 5% over this many steps
     seed: int = 0
     min_rows: int = 2  # curriculum: training tables start with this many filled rows ...
     curriculum_gate: float = 0.9  # ... and gain one each time a training-batch exact match reaches this
-    target: float = 0.97  # held-out exact match (one parallel prediction), checked every ``eval_every``
+    mixed: bool = True  # each sequence draws its filled rows from [min_rows, level] (phases mixed, not staged)
+    patience: int = 1000  # a level not passed in this many steps advances anyway (0: gate only)
+    target: float = 0.97  # held-out exact match (one parallel prediction) to stop at once the anneal is done
     eval_every: int = 50
+    val_requests: int = 256  # held-out requests of the early-stopping check
     spec: TaskSpec = TaskSpec()
 
     def key(self) -> str:
@@ -133,6 +139,8 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
         hidden=recipe.hidden,
         heads=recipe.heads,
         attn_scalar=recipe.attn_scalar,
+        local_layers=recipe.local_layers,
+        window=recipe.window,
     )
     if recipe.compose_init:
         compose_table_embeddings(dlm, recipe.seed)
@@ -141,26 +149,32 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     gen = torch.Generator().manual_seed(recipe.seed + 2)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
-    def lr_at(step: int) -> float:
-        if step < recipe.warmup:
-            return (step + 1) / recipe.warmup
-        p = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     start = 0
     rows = min(recipe.min_rows, recipe.spec.rows) if recipe.curriculum_gate > 0 else recipe.spec.rows
+    anneal_from: int | None = None  # step at which the curriculum reached every row
+    level_since = 0  # step at which the curriculum reached its current level
+    best: tuple[float, dict | None] = (-1.0, None)  # (held-out accuracy, weights) at full rows
     state_path = resume_dir / "train-state.pt" if resume_dir is not None else None
     if state_path is not None and state_path.exists():
         st = torch.load(state_path, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        sched.load_state_dict(st["sched"])
         gen.set_state(st["gen"])
         task.rng.setstate(st["rng"])
-        start = st["step"]
-        rows = st.get("rows", rows)
+        start, rows, anneal_from = st["step"], st["rows"], st.get("anneal_from")
+        level_since = st.get("level_since", start)
+        best = (st.get("best_acc", -1.0), st.get("best"))
         log.info("resuming training at step %d", start)
+
+    def lr_at(step: int) -> float:
+        """Warmup, constant while the curriculum grows, cosine to 5% once every row is filled."""
+        if step < recipe.warmup:
+            return recipe.lr * (step + 1) / recipe.warmup
+        if anneal_from is None:
+            return recipe.lr
+        p = min(1.0, (step - anneal_from) / max(1, recipe.anneal))
+        return recipe.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+
     bar = None
     if progress:
         from tqdm import tqdm
@@ -168,25 +182,32 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
         bar = tqdm(total=recipe.steps, initial=start, desc="train bicache DLM", unit="step")
     t0 = time.time()
     ema = None
+    full = recipe.spec.rows
     for step in range(start, recipe.steps):
-        x, maskable = task.training_batch(recipe.batch, rows=rows)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        x, maskable = task.training_batch(recipe.batch, rows=rows, min_rows=recipe.min_rows if recipe.mixed else None)
         loss = masked_diffusion_loss(dlm, x, maskable, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{ema:.3f}")
+            bar.set_postfix(loss=f"{ema:.3f}", rows=rows)
         if (step + 1) % recipe.eval_every == 0:
-            if rows < recipe.spec.rows and batch_accuracy(dlm, task, rows) >= recipe.curriculum_gate:
-                rows += 1
-            acc = heldout_accuracy(dlm)
+            stuck = recipe.patience > 0 and step + 1 - level_since >= recipe.patience
+            if rows < full and (stuck or batch_accuracy(dlm, task, rows) >= recipe.curriculum_gate):
+                rows, level_since = rows + 1, step + 1
+                if rows == full:
+                    anneal_from = step + 1
+            acc = heldout_accuracy(dlm, n=recipe.val_requests)
+            if rows == full and acc > best[0]:
+                best = (acc, {k: v.detach().clone() for k, v in model.state_dict().items()})
             log.info("step %d rows %d loss %.4f heldout %.3f (%.0fs)", step + 1, rows, ema, acc, time.time() - t0)
             if bar is not None:
-                bar.set_postfix(loss=f"{ema:.3f}", heldout=f"{acc:.3f}")
+                bar.set_postfix(loss=f"{ema:.3f}", rows=rows, heldout=f"{acc:.3f}")
             if state_path is not None:
                 state_path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = state_path.with_suffix(".tmp")
@@ -194,17 +215,23 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
                     {
                         "model": model.state_dict(),
                         "opt": opt.state_dict(),
-                        "sched": sched.state_dict(),
                         "gen": gen.get_state(),
                         "rng": task.rng.getstate(),
                         "step": step + 1,
                         "rows": rows,
+                        "anneal_from": anneal_from,
+                        "level_since": level_since,
+                        "best_acc": best[0],
+                        "best": best[1],
                     },
                     tmp,
                 )
                 os.replace(tmp, state_path)
-            if acc >= recipe.target and rows >= recipe.spec.rows:
+            if acc >= recipe.target and anneal_from is not None and step + 1 >= anneal_from + recipe.anneal:
                 break
+    if best[1] is not None:  # early stopping: the weights with the best held-out accuracy at full rows
+        model.load_state_dict(best[1])
+        log.info("kept the weights with held-out exact match %.3f", best[0])
     if bar is not None:
         bar.close()
     model.eval()
