@@ -48,6 +48,13 @@ def test_small_bench_side_by_side():
     assert g["tokens"] >= res["results"]["diloco-fp32"]["tokens"]
     assert 0 <= h["tokens_rel_diff_vs_diloco"] < 0.6  # H=3 leaves coarse (b, H) choices
     assert res["emulated"]["wan_mode"]["mode"] == "inprocess"
+    # GeoMesh vs DiLoCo repeated at a second seed: the perplexity gap is reported per seed and as their mean
+    per = h["ppl_rel_diff_vs_diloco_per_seed"]
+    assert list(per) == ["0", "1"] and len(res["repeats"]) == 1
+    assert h["ppl_rel_diff_vs_diloco"] == pytest.approx(sum(per.values()) / 2)
+    assert per["0"] == h["ppl_rel_diff_vs_diloco_first_seed"]
+    phases = g["phases_per_worker"]
+    assert len(phases) == 3 and all(len(p) == g["syncs"] for p in phases.values())
 
 
 def test_ppl_at_tokens_interpolates_in_tokens():

@@ -63,6 +63,9 @@ class BenchConfig:
     # the last one with the batch that fits; "steps": the plan's fixed H_i, re-planned on drift/imbalance
     phase_mode: str = "deadline"
     seed: int = 0
+    # GeoMesh vs DiLoCo-fp32 repeated at seeds seed+1.. (other init, data order and timing): the
+    # perplexity gap of one short run swings by several percent, so the headline gap is their mean
+    repeat_seeds: int = 1
     text_bytes: int = 1_500_000
     val_seqs: int = 48
     profile_s: float = 0.6  # geomesh's first outer phase: time-boxed real training that profiles every worker
@@ -89,6 +92,8 @@ class BenchConfig:
             raise ValueError(f"cpus: {self.cpus!r} must be in (0, 4]")
         if self.wan not in WAN_MODES:
             raise ValueError(f"wan: {self.wan!r} is not valid; choose from {list(WAN_MODES)}")
+        if not isinstance(self.repeat_seeds, int) or self.repeat_seeds < 0:
+            raise ValueError(f"repeat_seeds: {self.repeat_seeds!r} must be an integer >= 0")
         if not 0 < self.profile_s <= 60:
             raise ValueError(f"profile_s: {self.profile_s!r} must be in (0, 60] seconds")
         bad = [m for m in self.methods if m not in METHODS + ABLATIONS]
@@ -475,23 +480,51 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     emulated["wan_mode"] = {"mode": decision.mode, "reason": decision.reason}
     if net is not None:
         emulated["wan_netns"] = net.describe()
+    repeats: list[dict] = []
     try:
         _run_methods(cfg, world, train, val, evaluator, results, emulated, net, progress)
+        pair = ("geomesh", "diloco-fp32")
+        if all(m in cfg.methods for m in pair):
+            for k in range(1, cfg.repeat_seeds + 1):
+                rcfg = replace(cfg, seed=cfg.seed + k, methods=pair)
+                rres: dict = {}
+                _run_methods(rcfg, world, train, val, build_model(rcfg), rres, {}, net, progress)
+                h = headline(rres)
+                repeats.append({"seed": rcfg.seed, "headline": h, "results": {m: _brief(r) for m, r in rres.items()}})
     finally:
         if net is not None:
             net.close()
+    head = headline(results)
+    if repeats:
+        _merge_repeats(head, cfg.seed, repeats)
     return {
         "config": {**asdict(cfg), "corpus_files": len(files), "train_tokens": len(train), "val_tokens": len(val)},
         "results": results,
-        "headline": headline(results),
+        "headline": head,
+        "repeats": repeats,
         "emulated": emulated,
     }
+
+
+def _brief(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("curve", "phases_per_worker")}
+
+
+def _merge_repeats(head: dict, seed: int, repeats: list[dict]) -> None:
+    """Per-seed values of the seed-sensitive keys; the perplexity gap's headline is their mean."""
+    for key in ("ppl_rel_diff_vs_diloco", "straggler_idle_geomesh", "ttt_ratio_vs_diloco"):
+        vals = [head.get(key)] + [r["headline"].get(key) for r in repeats]
+        head[f"{key}_per_seed"] = {str(seed + i): v for i, v in enumerate(vals)}
+    vals = list(head["ppl_rel_diff_vs_diloco_per_seed"].values())
+    if None not in vals:
+        head["ppl_rel_diff_vs_diloco_first_seed"] = head["ppl_rel_diff_vs_diloco"]
+        head["ppl_rel_diff_vs_diloco"] = sum(vals) / len(vals)
 
 
 def _run_methods(cfg, world, train, val, evaluator, results, emulated, net, progress) -> None:
     for method in cfg.methods:
         if progress:
-            progress(method)
+            progress(method if cfg.seed == 0 else f"{method} (seed {cfg.seed})")
         server = None
         if method == "async":
             import multiprocessing as mp

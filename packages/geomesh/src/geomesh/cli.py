@@ -59,6 +59,8 @@ def _fmt(v, digits=3) -> str:
         return "n/a"
     if isinstance(v, float):
         return f"{v:.{digits}g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_fmt(x, digits)}" for k, x in v.items())
     return str(v)
 
 
