@@ -117,6 +117,7 @@ def small_cfg(**kw):
         eval_batches=1,
         max_bytes=200_000,
         lr=1e-3,
+        vocab_parallel="none",
     )
     base.update(kw)
     return TrainConfig(**base)
@@ -153,6 +154,9 @@ def train_checks(rank, world, ckpt_dir):
     n_trainable = sum(p.numel() for p in lora.params)
     pp = PPTrainer(cfg, [1.0, 0.5], rank, world)
     pp_losses = [pp.step()["loss"] for _ in range(2)]
+    pp_lora = PPTrainer(lcfg, [1.0, 0.5], rank, world)
+    pp_lora_losses = [pp_lora.step()["loss"] for _ in range(3)]
+    pp_lora_trainable = sum(p.numel() for p in pp_lora.params)
     return {
         "runner": runner_checks(rank, world, ckpt_dir + "/runner"),
         "reshard": reshard_checks(rank, world),
@@ -166,6 +170,8 @@ def train_checks(rank, world, ckpt_dir):
         "lora_params": n_trainable,
         "pp": pp_losses,
         "pp_eval": pp.evaluate(),
+        "pp_lora": pp_lora_losses,
+        "pp_lora_params": pp_lora_trainable,
     }
 
 

@@ -46,6 +46,9 @@ def test_sharded_lora_matches_single_process_lora(runs):
     assert runs[0]["lora_params"] + runs[1]["lora_params"] > total  # replicated halves counted twice
     for r in runs:
         assert r["lora"] == pytest.approx(losses, rel=1e-5)
+        # the pipeline baseline runs the same LoRA fine-tune: same adapters, same losses
+        assert r["pp_lora"] == pytest.approx(losses, rel=1e-5)
+    assert runs[0]["pp_lora_params"] + runs[1]["pp_lora_params"] == total  # each stage trains its layers' adapters
 
 
 @pytest.mark.slow
@@ -68,3 +71,22 @@ def test_config_errors_name_the_field():
         small_cfg(batch=3, micro_batches=2).validate()
     with pytest.raises(ValueError, match="hidden"):
         small_cfg(hidden=0).validate()
+
+
+def test_trainer_rejects_a_bad_partition_before_building_anything(monkeypatch):
+    import xronos.train as train
+    from xronos.partition import Partition, PartitionError
+
+    built = []
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: built.append(1))
+    cfg = small_cfg()
+    with pytest.raises(PartitionError, match="the partition has 2 ranks but the world size is 1"):
+        TPTrainer(cfg, Partition(cfg.shape(), (3, 1), (5, 3)))
+    other = small_cfg(heads=4, kv_heads=4)
+    with pytest.raises(PartitionError, match="made for 4 heads"):
+        TPTrainer(cfg, even_partition(other.shape(), 1))
+    with pytest.raises(ValueError, match="one-rank partition"):
+        TPTrainer(small_cfg(lora_r=2), None)
+    with pytest.raises(ValueError, match="cannot make 3 pipeline stages"):
+        train.PPTrainer(cfg, [1.0, 1.0, 1.0], 0, 3)
+    assert built == []

@@ -21,7 +21,7 @@ from .layers import COMM
 from .partition import even_partition, partition
 from .profile import profile_group
 from .rebalance import Rebalancer
-from .train import PPTrainer, TPTrainer, TrainConfig, make_corpus
+from .train import PPTrainer, TPTrainer, TrainConfig, make_corpus, split_layers
 from .waits import segment_compute, step_waits
 
 __all__ = ["VARIANTS", "run_comparison", "summarize", "headline"]
@@ -39,6 +39,7 @@ def _worker(
     variants: list[str],
     timeline_step: int,
     rebalance_every: int,
+    rebalance_threshold: float = 0.01,
 ):
     import hwtopo
 
@@ -58,10 +59,11 @@ def _worker(
             trainers[name] = TPTrainer(cfg, parts[name], rank, None, corpus)
         elif name.startswith("pp"):
             mb = int(name.split("-m")[1]) if "-m" in name else cfg.micro_batches
-            trainers[name] = PPTrainer(dataclasses.replace(cfg, micro_batches=mb), speeds, rank, world, None, corpus)
+            pp_cfg = dataclasses.replace(cfg, micro_batches=mb)
+            trainers[name] = PPTrainer(pp_cfg, speeds, rank, world, None, corpus, local_group=solo[rank])
     rebalancer = None
     if "xronos" in trainers and rebalance_every > 0:
-        rebalancer = Rebalancer(shape, costs, every=rebalance_every, threshold=0.03)
+        rebalancer = Rebalancer(shape, costs, every=rebalance_every, threshold=rebalance_threshold)
     records = {name: [] for name in variants}
     timelines = {}
     t_start = time.perf_counter()
@@ -125,6 +127,7 @@ def run_comparison(
     timeline_step: int | None = None,
     rebalance_every: int = 4,
     cpu_share: float = 1.0,
+    rebalance_threshold: float = 0.01,
     pin: bool = True,
 ) -> list[dict]:
     """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results.
@@ -132,7 +135,9 @@ def run_comparison(
     Rank r runs at ``speeds[r] * cpu_share`` of one CPU (emulated), pinned to a CPU when the shares fit
     the machine's CPUs one CPU's worth each (:func:`xronos.launch.pin_ranks`; ``pin=False``: never).
     ``rebalance_every`` > 0 lets
-    Xronos re-profile from its measured step compute times and reshard every that many steps.
+    Xronos re-profile from its measured step compute times and reshard every that many steps, when the
+    corrected cost model predicts a layer time shorter by more than ``rebalance_threshold`` (1 %: one
+    MLP block of a slow rank is ~0.5 % of a layer, a reshard costs a few tens of ms once).
     """
     cfg.validate()
     if not 0 < cpu_share <= 1:
@@ -149,20 +154,31 @@ def run_comparison(
         )
         i = variants.index("pp")
         variants = [*variants[:i], *(f"pp-m{m}" for m in counts), *variants[i + 1 :]]
-    if any(v.startswith("pp") for v in variants) and cfg.lora_r:
-        variants = [v for v in variants if not v.startswith("pp")]
-        log.info("the pipeline baseline fine-tunes all weights; skipped with LoRA")
+    _check_before_launch(cfg, len(speeds), variants)
     ts = cfg.steps // 2 if timeline_step is None else timeline_step
     shares = [s * cpu_share for s in speeds]
     return spawn(
         _worker,
         len(speeds),
-        (cfg.to_dict(), list(speeds), list(variants), ts, rebalance_every),
+        (cfg.to_dict(), list(speeds), list(variants), ts, rebalance_every, rebalance_threshold),
         speeds=shares,
         timeout_s=timeout_s,
         pg_timeout_s=300,
         cpus=pin_ranks(shares) if pin else None,
     )
+
+
+def _check_before_launch(cfg: TrainConfig, world: int, variants) -> None:
+    """The errors a rank would hit, raised here before any process starts (one message each)."""
+    shape = cfg.shape()
+    for name in variants:
+        if name in ("xronos", "tp"):
+            even_partition(shape, world)  # heads/MLP blocks cannot be split across this many ranks
+        elif name.startswith("pp"):
+            split_layers(cfg.layers, [1.0] * world)  # fewer layers than stages
+            mb = int(name.split("-m")[1]) if "-m" in name else cfg.micro_batches
+            if cfg.batch % mb:
+                raise ValueError(f"batch ({cfg.batch}) must be a multiple of the micro-batch count {mb} ({name})")
 
 
 def summarize(results: list[dict], skip: int = 1) -> dict:

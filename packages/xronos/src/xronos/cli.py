@@ -32,6 +32,7 @@ def _speeds(text: str) -> list[float]:
 def _cfg(args, **extra):
     from .train import TrainConfig
 
+    d = TrainConfig()
     fields = dict(
         family=args.family,
         hidden=args.hidden,
@@ -39,14 +40,19 @@ def _cfg(args, **extra):
         heads=args.heads,
         kv_heads=args.kv_heads,
         intermediate=args.intermediate,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        steps=args.steps,
-        seed=args.seed,
-        data=getattr(args, "data", None),
-        vocab_parallel=args.vocab_parallel,
-        micro_batches=args.micro_batches or (4 if args.batch % 4 == 0 else args.batch),
+        mlp_block=args.mlp_block,
     )
+    if hasattr(args, "batch"):  # training commands; `partition` only describes the model
+        fields.update(
+            seq_len=args.seq_len,
+            batch=args.batch,
+            steps=args.steps,
+            seed=args.seed,
+            lr=args.lr,
+            data=getattr(args, "data", None),
+            vocab_parallel=args.vocab_parallel,
+            micro_batches=args.micro_batches or (d.micro_batches if args.batch % d.micro_batches == 0 else args.batch),
+        )
     fields.update(extra)
     cfg = TrainConfig(**fields)
     try:
@@ -59,32 +65,46 @@ def _cfg(args, **extra):
     return cfg
 
 
-def _model_args(p: argparse.ArgumentParser, steps: int) -> None:
-    g = p.add_argument_group("model and data")
-    g.add_argument("--family", default="llama", help="llama or qwen2 (tiny config built locally)")
-    g.add_argument("--hidden", type=int, default=256)
-    g.add_argument("--layers", type=int, default=4)
-    g.add_argument("--heads", type=int, default=16, help="attention heads (default 16, head_dim 16)")
+def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: bool = True) -> None:
+    """Model (and, with ``training``, data/optimisation) options; defaults come from :class:`TrainConfig`.
+
+    One source of defaults: the CLI shows and uses ``TrainConfig``'s, except ``--steps`` where a
+    command has its own (``steps``).
+    """
+    from .train import TrainConfig
+
+    d = TrainConfig()
+    g = p.add_argument_group("model and data" if training else "model")
+    g.add_argument("--family", default=d.family, help=f"llama or qwen2 (tiny config built locally; default {d.family})")
+    g.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden size (default {d.hidden})")
+    g.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers})")
+    g.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
     g.add_argument(
         "--kv-heads",
         type=int,
-        default=16,
-        help="KV heads (default 16: multi-head attention, as Llama-2; a KV group is the attention unit, so "
-        "fewer groups make the attention split coarser)",
+        default=d.kv_heads,
+        help=f"KV heads (default {d.kv_heads}; a KV group is the attention unit, so fewer groups make the "
+        "attention split coarser)",
     )
-    g.add_argument("--intermediate", type=int, default=1024)
-    g.add_argument("--seq-len", type=int, default=128)
-    g.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    g.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default 4, or --batch)")
-    g.add_argument("--steps", type=int, default=steps)
+    g.add_argument("--intermediate", type=int, default=d.intermediate, help=f"MLP width (default {d.intermediate})")
+    g.add_argument(
+        "--mlp-block", type=int, default=d.mlp_block, help=f"MLP columns per partition unit (default {d.mlp_block})"
+    )
+    if not training:
+        return
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
+    g.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
+    g.add_argument("--micro-batches", type=int, help=f"pipeline micro-batches (default {d.micro_batches}, or --batch)")
+    g.add_argument("--steps", type=int, default=d.steps if steps is None else steps)
     g.add_argument(
         "--vocab-parallel",
         choices=("none", "head", "both"),
-        default="head",
+        default=d.vocab_parallel,
         help="split the LM head (head), or the LM head and the input embedding (both), by vocabulary across "
-        "ranks in proportion to their MLP shards; none: replicated (default: head)",
+        f"ranks in proportion to their MLP shards; none: replicated (default: {d.vocab_parallel})",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr:g})")
+    g.add_argument("--seed", type=int, default=d.seed)
 
 
 def _emulation_args(p: argparse.ArgumentParser) -> None:
@@ -291,7 +311,7 @@ def cmd_bench(args) -> int:
     from .bench import emulation_info
 
     speeds = _speeds(args.speeds) if args.speeds else ([1.0, 0.5] if args.quick else [1.0, 0.7, 0.4])
-    cfg = _cfg(args)
+    cfg = _cfg(args, lora_r=args.lora_r)
     if cfg.steps < 1:
         raise UsageError(f"--steps must be >= 1 to compare step times, not {cfg.steps}")
     if not args.quiet:
@@ -450,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="2 ranks at speeds 1.0,0.5 (under 3 minutes)")
     b.add_argument("--json", help="write the results JSON here")
     b.add_argument("--speeds", help="emulated relative speed per rank (default 1.0,0.5 quick; 1.0,0.7,0.4 full)")
-    _model_args(b, steps=20)
+    b.add_argument("--lora-r", type=int, default=0, help="LoRA rank for every variant, PP included (0: full)")
+    _model_args(b)
     _emulation_args(b)
     common(b)
     t = sub.add_parser("train", help="fine-tune with checkpoints (resumes), evaluate, optionally save_pretrained")
@@ -469,13 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--emulate", action="store_true", help="with --torchrun: throttle this rank to its --speeds entry")
     t.add_argument("--threads", type=int, default=1, help="with --torchrun: torch threads per rank")
-    _model_args(t, steps=20)
+    _model_args(t)
     common(t)
     p = sub.add_parser("partition", help="print the partition for given speeds (or an hwtopo cluster spec)")
     p.add_argument("--speeds", default="1.0,0.5")
     p.add_argument("--memory", help="comma-separated memory per rank for shards, e.g. 8MiB,64MiB")
     p.add_argument("--cluster", help="hwtopo cluster spec (name or file) instead of --speeds")
-    _model_args(p, steps=0)
+    _model_args(p, training=False)
     common(p)
     return ap
 

@@ -110,11 +110,28 @@ class Rebalancer:
     (:func:`xronos.waits.segment_compute`) and each segment's cost model is corrected by its own
     factor: the two segments meet at different synchronisation points, so each must balance on its
     own. Otherwise the rank's whole compute time rescales both segments alike.
+
+    Each factor is measured against the *start-up* cost model (for the shard the rank held in that
+    window) and is the median over the last ``windows`` windows: one noisy window cannot flip the
+    partition back and forth (seen with a 4-step window: 12 <-> 11 heads every window), while a real
+    drift (another program on a device) wins the median after ``windows // 2 + 1`` windows.
     """
 
-    def __init__(self, shape: ModelShape, costs: list[RankCost], every: int = 4, threshold: float = 0.1, group=None):
-        self.shape, self.costs, self.every, self.threshold, self.group = shape, list(costs), every, threshold, group
+    def __init__(
+        self,
+        shape: ModelShape,
+        costs: list[RankCost],
+        every: int = 4,
+        threshold: float = 0.1,
+        group=None,
+        windows: int = 3,
+    ):
+        self.shape, self.every, self.threshold, self.group = shape, every, threshold, group
+        self.base = list(costs)
+        self.costs = list(costs)
+        self.windows = max(1, int(windows))
         self.window: list[tuple[float, float]] = []
+        self.ratios: list[tuple[list[float], list[float]]] = []  # per window: per-rank (attn, mlp) vs base
         self.history: list[dict] = []
 
     def observe(self, record: dict) -> None:
@@ -139,14 +156,17 @@ class Rebalancer:
         all_reduce(vec, self.group)
         part = trainer.part
         L = self.shape.num_layers
-        units = list(zip(self.costs, part.attn_units, part.mlp_units))
+        units = list(zip(self.base, part.attn_units, part.mlp_units))
         if by_segment:
             f_attn = [float(vec[2 * r]) / (L * c.attn_time(a)) for r, (c, a, _) in enumerate(units)]
             f_mlp = [float(vec[2 * r + 1]) / (L * c.mlp_time(m)) for r, (c, _, m) in enumerate(units)]
         else:
             f_attn = [float(vec[2 * r]) / (L * (c.attn_time(a) + c.mlp_time(m))) for r, (c, a, m) in enumerate(units)]
             f_mlp = f_attn
-        self.costs = [_scaled(c, fa, fm) for c, fa, fm in zip(self.costs, f_attn, f_mlp)]
+        self.ratios = [*self.ratios, (f_attn, f_mlp)][-self.windows :]
+        f_attn = [statistics.median(w[0][r] for w in self.ratios) for r in range(world)]
+        f_mlp = [statistics.median(w[1][r] for w in self.ratios) for r in range(world)]
+        self.costs = [_scaled(c, fa, fm) for c, fa, fm in zip(self.base, f_attn, f_mlp)]
         cand = partition(self.shape, self.costs)
         now = segment_objective(self.costs, part.attn_units, part.mlp_units)
         event = {

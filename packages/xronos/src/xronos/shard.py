@@ -121,9 +121,9 @@ def _copy_input_hook(group, tag: str = ""):
     return hook
 
 
-def check_partition(model, part: Partition, world_size: int) -> None:
-    """The partition must describe this model and this world size (one clear error otherwise)."""
-    shape = ModelShape.from_config(model.config, mlp_block=part.shape.mlp_block)
+def check_partition(config, part: Partition, world_size: int) -> None:
+    """The partition must describe this model config and this world size (one clear error otherwise)."""
+    shape = ModelShape.from_config(config, mlp_block=part.shape.mlp_block)
     s = part.shape
     if (s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size) != (
         shape.num_heads,
@@ -151,7 +151,7 @@ def shard_model(model, part: Partition, rank: int, group=None, vocab_parallel: s
     import torch.distributed as dist
 
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    check_partition(model, part, world)
+    check_partition(model.config, part, world)
     if vocab_parallel not in VOCAB_PARALLEL:
         raise PartitionError(f"vocab_parallel must be one of {', '.join(VOCAB_PARALLEL)}, not {vocab_parallel!r}")
     plan = tp_plan(model)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from .data import ByteCorpus, load_text
 from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
-from .partition import ModelShape, Partition
-from .shard import build_model, enable_lora, lm_loss, shard_model, tiny_config
+from .partition import ModelShape, Partition, PartitionError, even_partition
+from .shard import build_model, check_partition, enable_lora, lm_loss, shard_model, tiny_config
 
 __all__ = ["TrainConfig", "TPTrainer", "PPTrainer", "split_layers", "make_corpus", "make_optimizer"]
 
@@ -34,12 +34,12 @@ class TrainConfig:
     family: str = "llama"
     hidden: int = 256
     layers: int = 4
-    heads: int = 8
-    kv_heads: int = 4
+    heads: int = 16  # head_dim 16; with 16 KV heads (multi-head attention, as Llama-2) one head is a unit
+    kv_heads: int = 16
     intermediate: int = 1024
-    mlp_block: int = 16
+    mlp_block: int = 8  # MLP columns per partition unit (finer blocks balance closer)
     seq_len: int = 128
-    batch: int = 4
+    batch: int = 8
     micro_batches: int = 4
     steps: int = 20
     lr: float = 3e-4
@@ -51,7 +51,7 @@ class TrainConfig:
     eval_batches: int = 4
     data: str | None = None
     max_bytes: int = 2_000_000
-    vocab_parallel: str = "none"  # "none" (replicated embedding/LM head), "head" or "both" (split by vocabulary)
+    vocab_parallel: str = "head"  # "none" (replicated embedding/LM head), "head" or "both" (split by vocabulary)
 
     def validate(self) -> None:
         positive = (
@@ -125,21 +125,32 @@ class TPTrainer:
     """Tensor-parallel fine-tuning of one rank's shard (``part``), or the unsharded reference (``part=None``)."""
 
     def __init__(self, cfg: TrainConfig, part: Partition | None, rank: int = 0, group=None, corpus=None):
-        cfg.validate()
+        self.validate(cfg, part, rank, group)  # every input error before the model is built
         self.cfg, self.part, self.rank, self.group = cfg, part, rank, group
         self.corpus = corpus or make_corpus(cfg)
         model = build_model(cfg.model_config(), cfg.seed)
         if part is not None:
             shard_model(model, part, rank, group, cfg.vocab_parallel)
         if cfg.lora_r:
-            if part is None:  # the reference gets the same adapters through a one-rank "partition"
-                raise ValueError("the LoRA reference needs a one-rank partition; pass even_partition(shape, 1)")
             params = enable_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.seed)
         else:
             params = [p for p in model.parameters() if p.requires_grad]
         self.model, self.params = model, params
         self.opt = make_optimizer(params, cfg)
         self.step_idx = 0
+
+    @staticmethod
+    def validate(cfg: TrainConfig, part: Partition | None, rank: int = 0, group=None) -> None:
+        """Raise one clear error if ``cfg``/``part`` cannot train on this rank and group (nothing built yet)."""
+        cfg.validate()
+        if cfg.lora_r and part is None:  # the reference gets the same adapters through a one-rank "partition"
+            raise ValueError("the LoRA reference needs a one-rank partition; pass even_partition(shape, 1)")
+        if part is None:
+            return
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        check_partition(cfg.model_config(), part, world)
+        if not 0 <= rank < world:
+            raise PartitionError(f"rank {rank} is outside the world of {world} ranks")
 
     def step(self) -> dict:
         """One optimiser step on batch ``step_idx``; returns loss, wall seconds, collective seconds."""
@@ -232,15 +243,38 @@ def split_layers(num_layers: int, speeds: list[float]) -> list[int]:
 
 
 class PPTrainer:
-    """GPipe-style pipeline stage: all micro-batches forward, then all backward, over send/recv."""
+    """GPipe-style pipeline stage: all micro-batches forward, then all backward, over send/recv.
 
-    def __init__(self, cfg: TrainConfig, speeds: list[float], rank: int, world: int, group=None, corpus=None):
+    With ``cfg.lora_r`` the stage fine-tunes LoRA adapters on its layers' projections, initialised
+    exactly as the tensor-parallel and single-process runs initialise theirs (the whole model gets
+    the adapters of a one-rank partition, then the stage keeps its layers'), so every variant runs
+    the same fine-tune. That needs ``local_group``, a process group holding only this rank (made here,
+    collectively on every rank, when not given).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        speeds: list[float],
+        rank: int,
+        world: int,
+        group=None,
+        corpus=None,
+        local_group=None,
+    ):
         cfg.validate()
+        if len(speeds) != world:
+            raise ValueError(f"speeds lists {len(speeds)} ranks but the pipeline has {world} stages")
+        self.counts = split_layers(cfg.layers, speeds)  # raises before anything is built
         self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
         self.corpus = corpus or make_corpus(cfg)
-        self.counts = split_layers(cfg.layers, speeds)
         start = sum(self.counts[:rank])
         full = build_model(cfg.model_config(), cfg.seed)
+        if cfg.lora_r:
+            if local_group is None and dist.is_available() and dist.is_initialized():
+                local_group = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+            shard_model(full, even_partition(cfg.shape(), 1), 0, local_group)
+            lora = enable_lora(full, cfg.lora_r, cfg.lora_alpha, cfg.seed)
         base = full.model
         self.first, self.last = rank == 0, rank == world - 1
         self.embed = base.embed_tokens if self.first else None
@@ -250,8 +284,9 @@ class PPTrainer:
         self.rotary = base.rotary_emb
         mods = [m for m in (self.embed, self.layers, self.norm, self.head) if m is not None]
         self.params = [p for m in mods for p in m.parameters()]
-        if cfg.lora_r:
-            raise ValueError("the pipeline baseline fine-tunes all weights; use lora_r=0")
+        if cfg.lora_r:  # this stage's adapters; everything else stays frozen
+            mine = {id(p) for p in self.params}
+            self.params = [p for p in lora if id(p) in mine]
         self.opt = make_optimizer(self.params, cfg)
         self.step_idx = 0
 
