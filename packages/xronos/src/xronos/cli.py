@@ -171,13 +171,20 @@ def _busy_cpus(window_s: float = 1.0) -> float:
     return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / dt) if dt > 0 else 0.0
 
 
-def _cpu_share(text: str) -> float:
-    """'auto' or a number in (0, 1]. Auto: a share the loaded machine can still give each rank."""
+def _cpu_share(text: str, speeds: list[float] | None = None) -> float:
+    """'auto' or a number in (0, 1]. Auto: a share the loaded machine can still give each rank, lowered
+    (in steps of 0.05) until every rank can be pinned to a CPU without oversubscribing it (3 ranks at
+    1.0/0.7/0.4 on 2 cores: 0.9), so no rank's quota is eaten by another rank's threads."""
     if text == "auto":
+        from .launch import pin_ranks
+
         busy = _busy_cpus()
         per_cpu = busy / (os.cpu_count() or 1)
         _cpu_share.busy_cpus = busy
-        return 1.0 if per_cpu < 0.25 else 0.5 if per_cpu < 0.75 else 0.3
+        share = 1.0 if per_cpu < 0.25 else 0.5 if per_cpu < 0.75 else 0.3
+        while speeds and share > 0.1 and pin_ranks([s * share for s in speeds]) is None:
+            share = round(share - 0.05, 2)
+        return share
     try:
         v = float(text)
     except ValueError:
@@ -246,7 +253,7 @@ def _run_compare(args, cfg, speeds, variants):
     from .bench import headline, run_comparison, summarize
 
     t0 = time.perf_counter()
-    args.cpu_share = _cpu_share(args.cpu_share)
+    args.cpu_share = _cpu_share(args.cpu_share, speeds)
     if args.rebalance_every < 0:
         raise UsageError(f"--rebalance-every must be >= 0 (0 disables), not {args.rebalance_every}")
     load0 = os.getloadavg()[0]
