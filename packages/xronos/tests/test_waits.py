@@ -45,3 +45,22 @@ def test_segment_compute_charges_each_segment_to_the_sync_that_closes_it():
     assert seg == pytest.approx({"attn": 0.3 + 0.2, "mlp": 0.2 + 0.3, "other": 0.1 + 0.1 + 0.2})
     assert segment_compute(_rec(0.0, 2.0, syncs), num_layers=2) is None  # not every layer seen
     assert segment_compute(_rec(0.0, 1.0, [("send", 1, 0.1, 0.2, "pp")])) is None
+
+
+def test_segment_jitter_is_the_median_coefficient_of_variation():
+    from xronos.waits import segment_jitter
+
+    def rec(first, second):  # two compute segments, each ended by a 1 ms all-reduce
+        return {
+            "t0": 0.0,
+            "syncs": [
+                ("ar", -1, first, first + 0.001, "attn"),
+                ("ar", -1, first + 0.001 + second, first + 0.002 + second, "mlp"),
+            ],
+        }
+
+    steady = [rec(0.010, 0.020) for _ in range(4)]
+    assert segment_jitter(steady) == 0.0
+    noisy = [rec(0.010, s) for s in (0.018, 0.022, 0.018, 0.022)]
+    assert segment_jitter(noisy) == pytest.approx(0.05)  # median of CVs 0 and 0.1
+    assert segment_jitter(noisy[:2]) is None  # too few steps

@@ -22,7 +22,7 @@ from .partition import even_partition, partition
 from .profile import profile_group
 from .rebalance import Rebalancer
 from .train import PPTrainer, TPTrainer, TrainConfig, make_corpus, split_layers
-from .waits import segment_compute, step_waits
+from .waits import segment_compute, segment_jitter, step_waits
 
 __all__ = ["VARIANTS", "run_comparison", "summarize", "headline"]
 
@@ -229,6 +229,12 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
             "eval_loss": results[0]["eval_loss"][name],
             "train_losses": [r["loss"] for r in per_rank[0]],
         }
+        if name in ("xronos", "tp"):  # after the last reshard: the same shards in every step compared
+            last = max([0, *(e["step"] for e in results[0].get("rebalance_history", []) if e.get("resharded"))])
+            tail = (
+                [rec[max(last, skip) :] for rec in per_rank] if name == "xronos" else [rec[skip:] for rec in per_rank]
+            )
+            out[name]["segment_jitter_cv_per_rank"] = [segment_jitter(t) for t in tail]
         if segs and all(x is not None for rank_segs in segs for x in rank_segs):
             out[name]["segment_compute_s_per_rank"] = [
                 {k: statistics.median(x[k] for x in rank_segs) for k in ("attn", "mlp", "other")} for rank_segs in segs

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-__all__ = ["step_waits", "segment_compute"]
+__all__ = ["step_waits", "segment_compute", "segment_jitter"]
 
 
 def step_waits(records: list[dict]) -> list[dict]:
@@ -90,3 +90,27 @@ def segment_compute(record: dict, num_layers: int | None = None) -> dict | None:
         prev = s[3]
     out["other"] += max(0.0, record["t1"] - prev)
     return out
+
+
+def segment_jitter(records: list[dict], min_s: float = 0.005) -> float | None:
+    """How much one rank's compute between the same two synchronisations varies from step to step.
+
+    For every synchronisation index k the compute before it (from the previous synchronisation's exit,
+    or the step start) is collected over ``records`` (one rank's steps with the same synchronisation
+    pattern); returns the median over k of the coefficient of variation (stdev / mean), ignoring
+    segments shorter than ``min_s``. Two ranks whose segments vary by c each wait about
+    0.56 * sqrt(2) * c of a segment at every synchronisation even when perfectly balanced on
+    average: a floor under the idle ratio that no partition can remove. None if there is too little data.
+    """
+    import statistics
+
+    n = {len(r["syncs"]) for r in records}
+    if len(records) < 3 or len(n) != 1:
+        return None
+    cvs = []
+    for k in range(n.pop()):
+        segs = [r["syncs"][k][2] - (r["t0"] if k == 0 else r["syncs"][k - 1][3]) for r in records]
+        mean = statistics.fmean(segs)
+        if mean >= min_s:
+            cvs.append(statistics.pstdev(segs) / mean)
+    return statistics.median(cvs) if cvs else None
