@@ -86,3 +86,18 @@ def test_torchrun_env_rendezvous_trains_like_the_reference(tmp_path):
         ref.step()
     assert out["eval_loss"] == pytest.approx(ref.evaluate(), rel=1e-5)
     assert sum(out["partition"]["q_heads"]) == 8
+
+
+def test_cli_defaults_are_train_config_defaults_and_partition_takes_model_options_only(capsys):
+    import dataclasses
+
+    from xronos.cli import _cfg, build_parser
+    from xronos.train import TrainConfig
+
+    for cmd in (["bench"], ["train"], ["demo"]):
+        cfg = _cfg(build_parser().parse_args(cmd))
+        want = dataclasses.replace(TrainConfig(), steps=cfg.steps, lora_r=cfg.lora_r)
+        assert cfg == want, cmd
+    with pytest.raises(SystemExit) as e:
+        main(["partition", "--batch", "4"])
+    assert e.value.code == 2 and "--batch" in capsys.readouterr().err

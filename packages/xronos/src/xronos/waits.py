@@ -99,7 +99,7 @@ def segment_jitter(records: list[dict], min_s: float = 0.005) -> float | None:
     or the step start) is collected over ``records`` (one rank's steps with the same synchronisation
     pattern); returns the median over k of the coefficient of variation (stdev / mean), ignoring
     segments shorter than ``min_s``. Two ranks whose segments vary by c each wait about
-    0.56 * sqrt(2) * c of a segment at every synchronisation even when perfectly balanced on
+    0.56 * c of a segment at every synchronisation (normal jitter) even when perfectly balanced on
     average: a floor under the idle ratio that no partition can remove. None if there is too little data.
     """
     import statistics
