@@ -125,11 +125,12 @@ def run_evaluation(
         "mem_mape_all_models": memory["mape_all"],
         "oom_guard_violations": guard["violations"],
     }
-    ratios = [r["step_cpu_s"] for r in rows if r["precision"] == "fp16"]
-    fp32 = {(r["model"], r["batch"]): r["step_cpu_s"] for r in rows if r["precision"] == "fp32"}
+    single = [r for r in rows if r["world_size"] == 1]
+    ratios = [r["step_cpu_s"] for r in single if r["precision"] == "fp16"]
+    fp32 = {(r["model"], r["batch"]): r["step_cpu_s"] for r in single if r["precision"] == "fp32"}
     slow = [
         r["step_cpu_s"] / fp32[(r["model"], r["batch"])]
-        for r in rows
+        for r in single
         if r["precision"] == "fp16" and (r["model"], r["batch"]) in fp32
     ]
     return {

@@ -1,13 +1,18 @@
 """Precision-aware training-time prediction from per-layer features, plus a gradient all-reduce model.
 
-Default model (`kind="additive"`): step time = sum over precision-specific, non-negative costs of
-the step's work in natural units: dispatched ops (per-op overhead), matmul/conv/attention/expert
-FLOPs, bytes moved by every other op, optimizer bytes, and layers, each with its own cost for fp32,
-bf16, fp16 autocast and mixed.  Fit by non-negative least squares on relative error.  An additive
-model of work transfers to a held-out family, whose op mix differs, better than trees over log
-features (which the `additive+trees` and `loglinear` kinds add: a ridge trend in log space over
-per-kind features x precision, with gradient-boosted trees, xgboost or scikit-learn's histogram
-boosting, on the residuals).  Data-parallel step time = compute time of the local
+Default model (`kind="opmix"`): step time = sum of non-negative costs of the step's work per op
+class *at the dtype each op actually ran at* (`Decomposition.op_mix`; CPU autocast casts dense
+matmuls and attention but leaves grouped expert matmuls, norms and the loss in fp32): matmul FLOPs,
+fused-attention FLOPs, matmul calls and bytes moved by every other op, each per dtype, plus
+dispatched ops, ops dispatched through autocast, optimizer bytes and parameter tensors.  A kernel
+that no training family contains cannot get its cost from the data: the grouped (routed-experts)
+matmul's cost per FLOP relative to a dense matmul is measured on this machine
+(`calibrate_experts`).  Fit by non-negative least squares on relative error.  `kind="additive"`
+(the previous default) has one block of costs (per op, matmul FLOP, byte, optimizer byte, layer)
+per precision *setting*.  Additive models of work transfer to a held-out family, whose op mix
+differs, better than trees over log features (which the `additive+trees` and `loglinear` kinds
+add: a ridge trend in log space over per-kind features x precision, with gradient-boosted trees,
+xgboost or scikit-learn's histogram boosting, on the residuals).  Data-parallel step time = compute time of the local
 batch + ring all-reduce of the gradients (bytes at the gradient dtype; bandwidth and latency from an
 `hwtopo.Link`, or the bandwidth the profiler measured).
 
@@ -120,7 +125,7 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
 
 
 KINDS = ("opmix", "additive", "additive+trees", "loglinear")
-"""additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
+"""opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
 summed (the default: it transfers to held-out families); additive+trees: the same plus boosted
 trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
 _MATMUL_KINDS = ("linear", "conv", "attention", "experts")
@@ -271,7 +276,7 @@ class TimePredictor:
 
     precision_aware: bool = True
     seed: int = 0
-    kind: str = "additive"
+    kind: str = "opmix"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -321,6 +326,8 @@ class TimePredictor:
         opts = optimizers or ["adamw"] * len(ds)
         x = self._matrix(ds, opts)
         y = np.log(np.asarray(times_s, float))
+        if self.kind == "opmix" and not EXPERTS_MATMUL_COST:
+            calibrate_experts()  # once per process: the grouped expert matmul's cost on this machine
         if self.kind.startswith("additive") or self.kind == "opmix":
             self._additive_fit(ds, np.asarray(times_s, float), opts)
             trend = np.log(self._additive_predict(ds, opts))
