@@ -91,6 +91,7 @@ def _bench(cfg, quiet: bool) -> dict:
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
         "results": res["results"],
         "headline": res["headline"],
+        "repeats": res.get("repeats", []),
         "emulated": res["emulated"],
     }
 
