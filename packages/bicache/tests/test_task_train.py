@@ -65,7 +65,7 @@ def test_curriculum_pads_rows_but_keeps_the_asked_one():
 
 
 def test_training_steps_lower_loss_and_cache_is_reused(tmp_path):
-    recipe = Recipe(layers=2, hidden=32, heads=2, steps=6, batch=8, eval_every=3, target=2.0)
+    recipe = Recipe(layers=2, local_layers=1, hidden=32, heads=2, steps=6, batch=8, eval_every=3, target=2.0)
     dlm = load_or_train(recipe, progress=False, directory=tmp_path)
     path = tmp_path / f"dlm-{recipe.key()}"
     assert (path / "task.json").exists() and not (tmp_path / f"dlm-{recipe.key()}.partial").exists()
@@ -95,6 +95,7 @@ def test_curriculum_level_advances_on_patience(tmp_path):
     # the gate (exact match 2.0) is unreachable: only the patience rule can advance the level
     recipe = Recipe(
         layers=1,
+        local_layers=0,
         hidden=16,
         heads=2,
         steps=4,

@@ -41,6 +41,8 @@ def tiny_config(
     is at most ``sqrt(head_dim)`` (4 for 16 dims): too flat for a table lookup among ~100 positions.
     ``query_pre_attn_scalar = attn_scalar`` lets one position win the softmax.
     """
+    if not 0 <= local_layers <= layers:
+        raise ValueError(f"local_layers must lie in [0, layers={layers}], got {local_layers}")
     return Gemma3TextConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,

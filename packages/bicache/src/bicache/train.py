@@ -29,12 +29,12 @@ log = logging.getLogger(__name__)
 class Recipe:
     """Everything that determines the trained weights (and so the cache key)."""
 
-    layers: int = 4
+    layers: int = 6
     hidden: int = 64
     heads: int = 4
     attn_scalar: int = 4  # Gemma3 query_pre_attn_scalar (head_dim 16 would be the usual 1/sqrt(d))
-    local_layers: int = 0  # the first layers use Gemma3 sliding-window (local) attention ...
-    window: int = 4  # ... of this bidirectional window
+    local_layers: int = 4  # the first layers use Gemma3 sliding-window (local) attention ...
+    window: int = 3  # ... of this bidirectional window (a token sees its neighbours up to 2 away)
     compose_init: bool = True  # table-token embeddings start as key + digit + slot embeddings
     steps: int = 20000  # cap; training stops early once ``target`` is reached with every row filled
     batch: int = 32
