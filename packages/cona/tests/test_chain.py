@@ -1,8 +1,9 @@
 import logging
+import math
 
 import pytest
 
-from cona.chain import Chainer, goodput
+from cona.chain import Chainer, goodput, robust_choice
 from cona.gns import GradientNoiseScale
 from cona.space import Strategy
 
@@ -73,3 +74,23 @@ def test_chainer_rejects_bad_input():
     ch = Chainer([SMALL], TPUT, gns)
     with pytest.raises(ValueError, match="not among the candidates"):
         ch.decide(BIG)
+
+
+def test_robust_initial_choice_under_an_uncertain_noise_scale():
+    mid = Strategy(2, 1, 1, 8, 32)
+    tput = {SMALL: 100.0, mid: 300.0, BIG: 340.0}
+    # a narrow range at a low noise scale: the small batch is best there
+    pick, worst = robust_choice(tput, 0.5, 1.0, 8)
+    assert pick == SMALL and worst == pytest.approx(1.0)
+    # noise scale anywhere in [1, 1000]: the middle batch loses least wherever the truth lies
+    pick, worst = robust_choice(tput, 1.0, 1000.0, 8)
+    assert pick == mid and 0.5 < worst < 1.0
+    for phi in (1.0, 1000.0):  # while each end alone prefers another strategy
+        assert max(tput, key=lambda s: goodput(tput[s], s.global_batch, phi, 8)) != mid
+    gns = GradientNoiseScale(reference_batch=8)
+    ch = Chainer([SMALL, mid, BIG], tput, gns, horizon_s=3.0)
+    d = ch.decide(None, noise_range=(1.0, math.inf))
+    assert d.switched and d.chosen in (mid, BIG) and "uncertain noise scale" in d.reason
+    # no statistics yet: later decisions stay put (and say why)
+    later = ch.decide(d.chosen, step=5)
+    assert not later.switched and "no gradient statistics" in later.reason

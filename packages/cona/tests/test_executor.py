@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cona.dist import RankFailure, launch
-from cona.executor import Executor, initial_state, load_state, save_state
+from cona.executor import V_FLOOR, Executor, initial_state, load_state, save_state
 from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
 from cona.space import Strategy, StrategyError
 
@@ -39,6 +39,10 @@ def _worker(rank, world, ckpt_dir):
         r2 = ex.train_step(b1)
         out["per"][s.name] = {"loss": [r1.loss, r2.loss], "grads": g1, "state": ex.full_state(),
                               "gns": (r1.sq_small, r1.b_small, r1.sq_big, r1.b_big)}  # fmt: skip
+        pre = Executor(s, cfg, st0, lr=LR, eps=EPS, precondition=True)
+        pre.train_step(b0, gns=False)
+        rp = pre.compute_grads(b1)
+        out["per"][s.name]["pre_gns"] = (rp.sq_small, rp.b_small, rp.sq_big, rp.b_big, rp.grad_norm)
         clipped = Executor(s, cfg, st0, lr=LR, eps=EPS, clip_norm=CLIP)
         rc = clipped.train_step(b0)
         out["per"][s.name]["clip"] = {"norm": rc.grad_norm, "coef": rc.clip_coef, "grads": clipped.full_grads(),
@@ -147,6 +151,38 @@ def _sq_grad(rows):
     ids = _data().samples(0, 8)[list(rows)]
     model(input_ids=ids, labels=ids).loss.backward()
     return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+
+
+def _pre_sq(rows):
+    """|g|^2 of rows of the second batch in Adam's metric g / (sqrt(v_hat) + eps) after one step on the first."""
+    model = build_model(tiny_llama_config(), 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0)
+    ids = _data().samples(0, 8)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    ids = _data().samples(8, 8)[list(rows)]
+    model(input_ids=ids, labels=ids).loss.backward()
+    total = 0.0
+    for p in model.parameters():
+        v = opt.state[p]["exp_avg_sq"] / (1 - 0.95)
+        w = 1.0 / (v.clamp(min=V_FLOOR * float(v.mean())).sqrt() + EPS)  # floored per full tensor
+        total += float((p.grad * w).double().pow(2).sum())
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in STRATEGIES])
+def test_preconditioned_gradient_statistics_match_the_reference(results, name):
+    sq_small, b_small, sq_big, b_big, norm = results["per"][name]["pre_gns"]
+    s = next(x for x in STRATEGIES if x.name == name)
+    per = 8 // s.dp
+    first = (s.accum - 1) * s.micro_batch if s.pp > 1 else 0
+    want = sum(_pre_sq(range(d * per + first, d * per + first + s.micro_batch)) for d in range(s.dp)) / s.dp
+    assert (b_small, b_big) == (s.micro_batch, 8)
+    assert sq_small == pytest.approx(want, rel=1e-3)
+    assert sq_big == pytest.approx(_pre_sq(range(8)), rel=1e-3)
+    assert norm is not None and norm > 0  # the plain global norm is still reported
 
 
 @pytest.mark.slow

@@ -70,3 +70,17 @@ def test_noise_scale_keeps_last_value_when_g2_estimate_goes_negative():
     gns.update(20.0, 4, 1.0, 64)  # an unlucky pair: |G|^2 estimate < 0
     assert gns.grad_sq < 0
     assert gns.noise_scale == pytest.approx(4.0)
+
+
+def test_interval_covers_the_truth_and_widens_with_noise():
+    true_g2, true_s, g2s, ss, _ = _trials(400, 4, 32, seed=1)
+    gns = GradientNoiseScale(reference_batch=4)
+    for g2, s in zip(g2s, ss):
+        gns.raw.append((float(g2), float(s)))
+    lo, hi = gns.interval()
+    assert lo < true_s / true_g2 < hi
+    few = GradientNoiseScale(reference_batch=4)
+    few.raw.extend((float(g), float(s)) for g, s in zip(g2s[:3], ss[:3]))
+    lo3, hi3 = few.interval()
+    assert hi3 - lo3 > hi - lo  # three pairs bound the noise scale far less tightly
+    assert GradientNoiseScale(reference_batch=4).interval() == (0.0, float("inf"))

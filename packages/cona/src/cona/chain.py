@@ -14,13 +14,14 @@ Every decision (switch or stay) is logged with the ranking and the reason.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .gns import GradientNoiseScale
 from .space import Strategy
 
-__all__ = ["Estimate", "Decision", "Chainer", "goodput"]
+__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,35 @@ class Decision:
 ThroughputFn = Callable[[Strategy], tuple[float, str]]
 
 
+def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int,
+                  points: int = 25) -> tuple[Strategy, float]:  # fmt: skip
+    """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi]
+    (max over strategies of the min over the range of goodput / best goodput), and that worst ratio.
+
+    For a decision under an uncertain noise scale (at step 0 a few gradient pairs only bound it): a
+    point estimate from a near-zero |G|^2 can be off by orders of magnitude either way, while the
+    worst-case ratio tells how much progress a choice can lose wherever in the range the truth lies.
+    """
+    lo = max(lo, 0.0)
+    top = hi if math.isfinite(hi) else 1e9
+    bottom = max(lo, 1e-3)
+    if top <= bottom:
+        grid = [bottom]
+    else:
+        grid = [bottom * (top / bottom) ** (i / (points - 1)) for i in range(points)]
+    if lo == 0.0:
+        grid = [0.0, *grid]
+    best: tuple[float, str, Strategy] | None = None
+    table = {phi: {s: goodput(t, s.global_batch, phi, reference_batch) for s, t in tputs.items()} for phi in grid}
+    peak = {phi: max(row.values()) for phi, row in table.items()}
+    for s in tputs:
+        worst = min(table[phi][s] / peak[phi] for phi in grid)
+        key = (worst, s.name)
+        if best is None or key > best[:2]:
+            best = (worst, s.name, s)
+    return best[2], best[0]
+
+
 @dataclass
 class Chainer:
     """Online strategy chaining over a fixed candidate set.
@@ -85,7 +115,7 @@ class Chainer:
     candidates: Sequence[Strategy]
     throughput: ThroughputFn | Mapping[Strategy, float]
     gns: GradientNoiseScale
-    horizon_s: float = 10.0
+    horizon_s: float = 10.0  # how long a new choice is expected to pay off (not the re-ranking interval)
     margin: float = 0.05
     switch_cost_s: float = 0.5
     decisions: list[Decision] = field(default_factory=list)
@@ -121,13 +151,30 @@ class Chainer:
             out.append(Estimate(s, tput, eff, goodput(tput, s.global_batch, phi, self.gns.reference_batch), src))
         return sorted(out, key=lambda e: (-e.goodput, -e.throughput, e.strategy.name))
 
-    def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0) -> Decision:
-        """Choose the strategy for the next horizon; logged and appended to ``decisions``."""
+    def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0,
+               noise_range: tuple[float, float] | None = None) -> Decision:  # fmt: skip
+        """Choose the strategy for the next horizon; logged and appended to ``decisions``.
+
+        ``noise_range`` (initial choice only): the noise scale is only known to lie in this range (few
+        gradient samples), so take the strategy with the best worst-case goodput ratio over it.
+        """
         phi = self.gns.noise_scale
         ranking = tuple(self.rank(phi))
         best = ranking[0]
         cost = self.expected_switch_cost_s()
-        if current is None:
+        if current is not None and all(e.strategy != current for e in ranking):
+            raise ValueError(f"current strategy {current.name} is not among the candidates")
+        if current is None and noise_range is not None:
+            lo, hi = noise_range
+            tputs = {e.strategy: e.throughput for e in ranking}
+            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch)
+            d = Decision(step, elapsed_s, None, pick, True,
+                         f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
+                         f">= {worst:.2f} of the best goodput anywhere in that range", phi, 0.0, ranking)  # fmt: skip
+        elif current is not None and not self.gns.ready:
+            d = Decision(step, elapsed_s, current, current, False,
+                         f"stay: no gradient statistics yet for {current.name}", phi, cost, ranking)  # fmt: skip
+        elif current is None:
             d = Decision(step, elapsed_s, None, best.strategy, True,
                          f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
                          f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})", phi, 0.0, ranking)  # fmt: skip

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["launch", "RankFailure", "group", "backend", "DEFAULT_TIMEOUT_S"]
+__all__ = ["launch", "RankFailure", "group", "backend", "select_device", "current_device", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 120.0
 _GROUPS: dict[tuple[int, ...], object] = {}
@@ -32,6 +32,34 @@ class RankFailure(RuntimeError):
 
 def backend() -> str:
     return "nccl" if torch.cuda.is_available() and os.environ.get("CONA_BACKEND", "") != "gloo" else "gloo"
+
+
+def select_device(backend_name: str, env=None, cuda_count: int | None = None, rank: int = 0) -> torch.device:
+    """The device a rank computes on: the CPU under gloo; under NCCL the GPU numbered ``LOCAL_RANK``
+    (set by torchrun, and by ``launch`` for its ranks), else ``rank`` modulo the visible GPUs."""
+    if backend_name != "nccl":
+        return torch.device("cpu")
+    env = os.environ if env is None else env
+    count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    if count < 1:
+        raise RuntimeError("the nccl backend needs a CUDA device but none is visible (set CONA_BACKEND=gloo for CPU)")
+    raw = env.get("LOCAL_RANK")
+    if raw is None:
+        return torch.device("cuda", rank % count)
+    try:
+        local = int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK must be a non-negative integer, got {raw!r}") from None
+    if not 0 <= local < count:
+        raise ValueError(f"LOCAL_RANK={local} names no visible GPU (valid: 0..{count - 1})")
+    return torch.device("cuda", local)
+
+
+def current_device() -> torch.device:
+    """This process's device, from the initialised process group's backend (CPU when there is none)."""
+    if not dist.is_initialized():
+        return select_device(backend())
+    return select_device(str(dist.get_backend()), rank=dist.get_rank())
 
 
 def group(ranks: tuple[int, ...]):
@@ -54,10 +82,14 @@ def _worker(rank, world, port, out_dir, timeout_s, threads, fn, args) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     _GROUPS.clear()
+    os.environ["LOCAL_RANK"] = str(rank)  # every rank of launch runs on this machine
     result_path = Path(out_dir) / f"rank{rank}.pkl"
     try:
+        name = backend()
+        if name == "nccl":
+            torch.cuda.set_device(select_device(name, rank=rank))
         dist.init_process_group(
-            backend(),
+            name,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,

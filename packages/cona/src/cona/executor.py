@@ -36,6 +36,7 @@ __all__ = ["Executor", "StepResult", "shard_dim", "save_state", "load_state", "i
 _COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
 _ROW = ("o_proj.weight", "down_proj.weight")
 _KINDS = ("param", "exp_avg", "exp_avg_sq")
+V_FLOOR = 0.01  # preconditioned gradient statistics: v floored at this fraction of its tensor's mean
 
 
 def shard_dim(name: str) -> int | None:
@@ -137,14 +138,22 @@ class Executor:
 
     def __init__(self, strategy: Strategy, config, state: FullState, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 clip_norm: float | None = None) -> None:  # fmt: skip
+                 clip_norm: float | None = None, precondition: bool = False) -> None:  # fmt: skip
         from .model import build_model
 
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {clip_norm}")
         self.clip_norm = clip_norm
+        # gradient statistics in Adam's preconditioned metric g / (sqrt(v_hat) + eps) (Pollux's
+        # preconditioned noise scale for adaptive optimizers); before the first optimizer step v_hat
+        # comes from the squared gradients folded in by ``fold_second_moment``
+        self.precondition = precondition
+        self._eps, self._beta2 = eps, betas[1]
+        self._v0: dict[nn.Parameter, torch.Tensor] = {}
+        self._v0_n = 0
 
         world, rank = dist.get_world_size(), dist.get_rank()
+        self.device = cdist.current_device()  # cuda:LOCAL_RANK under NCCL, else the CPU
         check_strategy(strategy, ModelDims.from_config(config, 1), world)
         self.s, self.config, self.rank = strategy, config, rank
         dp, tp, pp = strategy.dp, strategy.tp, strategy.pp
@@ -168,7 +177,7 @@ class Executor:
         with torch.device("meta"):
             full = build_model(config, 0)
         model = full.model
-        self.rotary = type(model.rotary_emb)(config)
+        self.rotary = type(model.rotary_emb)(config).to(self.device)
         self.embed = model.embed_tokens if self.first else None
         self.layers = nn.ModuleList([model.layers[i] for i in range(self.lo, self.hi)])
         self.norm = model.norm if self.last else None
@@ -185,7 +194,7 @@ class Executor:
         self.params: dict[str, nn.Parameter] = {}
         for n in names:
             mod_name, attr = n.rsplit(".", 1)
-            piece = self._slice(n, state.tensors["param"][n]).clone()
+            piece = self._slice(n, state.tensors["param"][n]).clone().to(self.device)
             param = nn.Parameter(piece)
             setattr(modules[mod_name], attr, param)
             self.params[n] = param
@@ -198,8 +207,8 @@ class Executor:
             for n, p in self.params.items():
                 self.opt.state[p] = {
                     "step": torch.tensor(float(state.step)),
-                    "exp_avg": self._slice(n, state.tensors["exp_avg"][n]).clone(),
-                    "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).clone(),
+                    "exp_avg": self._slice(n, state.tensors["exp_avg"][n]).clone().to(self.device),
+                    "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).clone().to(self.device),
                 }
         self.owned = [p for n, p in self.params.items() if shard_dim(n) is not None or self.t == 0]
 
@@ -232,7 +241,7 @@ class Executor:
     # --- compute -----------------------------------------------------------------------------------
     def _stage(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.first else x
-        pos = torch.arange(h.shape[1]).unsqueeze(0)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         pe = self.rotary(h, pos)
         for layer in self.layers:
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
@@ -249,11 +258,55 @@ class Executor:
         if batch.shape[0] != s.global_batch:
             raise ValueError(f"batch has {batch.shape[0]} samples but {s.name} needs global_batch={s.global_batch}")
         per = s.global_batch // s.dp
-        mine = batch[self.d * per : (self.d + 1) * per]
+        mine = batch[self.d * per : (self.d + 1) * per].to(self.device)
         return list(mine.split(s.micro_batch))
 
-    def _sq_norm(self, scale: float = 1.0) -> float:
-        grads = [p.grad for p in self.owned if p.grad is not None]
+    def fold_second_moment(self) -> None:
+        """Add the current (averaged) gradient squared to the second-moment estimate that preconditions
+        the gradient statistics until the optimizer has its own (its first step)."""
+        for p in self.params.values():
+            if p.grad is not None:
+                sq = p.grad.detach().pow(2)
+                self._v0[p] = self._v0[p].add_(sq) if p in self._v0 else sq
+        self._v0_n += 1
+
+    def _preconditioner(self) -> list[torch.Tensor] | None:
+        """1 / (sqrt(v) + eps) of every owned parameter, or None (plain metric).
+
+        v is Adam's bias-corrected second moment (before the first step: the folded squared gradients),
+        floored per tensor at ``V_FLOOR`` x the tensor's mean: a coordinate with no gradient history yet
+        (a byte not seen so far) has v ~ 0, and 1/eps would let one such element swamp every norm, while
+        Adam's own step there is bounded because its v takes in the current gradient first. The mean is
+        over the full tensor (tensor-parallel shards all-reduced), so every layout uses the same metric.
+        """
+        if not self.precondition:
+            return None
+        vs = {}
+        for n, p in self.params.items():
+            st = self.opt.state.get(p)
+            if st and "exp_avg_sq" in st:
+                vs[n] = st["exp_avg_sq"] / (1 - self._beta2 ** float(st["step"]))
+            elif p in self._v0:
+                vs[n] = self._v0[p] / self._v0_n
+            else:
+                return None
+        names = list(vs)
+        sharded = [self.s.tp > 1 and shard_dim(n) is not None for n in names]
+        sums = torch.stack([vs[n].sum() / (1 if sh else self.s.tp) for n, sh in zip(names, sharded)]).double()
+        if self.tp_group is not None:
+            dist.all_reduce(sums, group=self.tp_group)
+        means = {n: float(t) / torch.Size(self.full_shapes[n]).numel() for n, t in zip(names, sums.tolist())}
+        by_param = {p: n for n, p in self.params.items()}
+        return [vs[by_param[p]].clamp(min=V_FLOOR * means[by_param[p]]).sqrt_().add_(self._eps).reciprocal_()
+                for p in self.owned]  # fmt: skip
+
+    def _sq_norm(self, scale: float = 1.0, weights: list[torch.Tensor] | None = None) -> float:
+        """Squared norm of the owned gradients (times ``scale``), in the metric ``weights`` if given."""
+        if weights is None:
+            grads = [p.grad for p in self.owned if p.grad is not None]
+        else:
+            pairs = [(p.grad, w) for p, w in zip(self.owned, weights) if p.grad is not None]
+            grads = torch._foreach_mul([g for g, _ in pairs], [w for _, w in pairs]) if pairs else []
         if not grads:
             return 0.0
         norms = torch.stack(torch._foreach_norm(grads)).double()
@@ -262,7 +315,7 @@ class Executor:
     def _hidden_shape(self, mb: torch.Tensor) -> tuple[int, ...]:
         return (mb.shape[0], mb.shape[1], self.config.hidden_size)
 
-    def _forward_backward(self, mbs: list[torch.Tensor], want_small: bool) -> tuple[float, float, float]:
+    def _forward_backward(self, mbs: list[torch.Tensor], want_small: bool, weights=None) -> tuple[float, float, float]:
         """Run all micro-batches; returns (sum of scaled losses, |first micro-batch grad|^2, gns seconds)."""
         accum = len(mbs)
         loss_sum, sq_small, gns_s = 0.0, 0.0, 0.0
@@ -273,7 +326,7 @@ class Executor:
                 loss_sum += float(loss.detach())
                 if k == 0 and want_small:
                     t0 = time.perf_counter()
-                    sq_small = self._sq_norm(accum)
+                    sq_small = self._sq_norm(accum, weights)
                     gns_s += time.perf_counter() - t0
             return loss_sum, sq_small, gns_s
         saved = []
@@ -281,7 +334,7 @@ class Executor:
             if self.first:
                 inp = ids
             else:
-                inp = torch.empty(self._hidden_shape(ids))
+                inp = torch.empty(self._hidden_shape(ids), device=self.device)
                 dist.recv(inp, src=self.prev_rank)
                 inp.requires_grad_(True)
             out = self._stage(inp)
@@ -304,7 +357,7 @@ class Executor:
             saved[k] = None
             if k == accum - 1 and want_small:
                 t0 = time.perf_counter()
-                sq_small = self._sq_norm(accum)
+                sq_small = self._sq_norm(accum, weights)
                 gns_s += time.perf_counter() - t0
         return loss_sum, sq_small, gns_s
 
@@ -335,21 +388,26 @@ class Executor:
             # gradient exists (the same gradient, slightly slower; the caller accounts for that)
             mbs = list(mbs[0].split((s.micro_batch + 1) // 2))
         want = gns and len(mbs) * s.dp > 1
-        loss_sum, sq_small, gns_s = self._forward_backward(mbs, want)
+        tw = time.perf_counter()
+        weights = self._preconditioner() if want else None
+        pre_s = time.perf_counter() - tw
+        loss_sum, sq_small, gns_s = self._forward_backward(mbs, want, weights)
+        gns_s += pre_s
         self._dp_allreduce()
         t1 = time.perf_counter()
         # |G_B|^2 of the whole model: each rank sums the squares of the gradient elements it owns (its
         # tensor-parallel shards; replicated tensors on tp rank 0 only; its pipeline stage), the world
         # all-reduce adds them up, and dividing by dp removes the dp identical replicas
         need_norm = want or self.clip_norm is not None
-        sq_big = self._sq_norm() if need_norm else 0.0
+        sq_plain = self._sq_norm() if need_norm else 0.0
+        sq_big = self._sq_norm(1.0, weights) if weights is not None else sq_plain
         if want:
             gns_s += time.perf_counter() - t1
         loss_part = loss_sum if (self.last and self.t == 0) else 0.0
-        red = torch.tensor([loss_part, sq_small, sq_big], dtype=torch.float64)
+        red = torch.tensor([loss_part, sq_small, sq_big, sq_plain], dtype=torch.float64, device=self.device)
         dist.all_reduce(red)
-        loss, sq_small, sq_big = (red / s.dp).tolist()
-        norm = sq_big**0.5 if need_norm else None
+        loss, sq_small, sq_big, sq_plain = (red / s.dp).tolist()
+        norm = sq_plain**0.5 if need_norm else None
         coef = self._clip(norm)
         compute_s = time.perf_counter() - t0 - gns_s
         b_small = mbs[0].shape[0] if want else s.micro_batch
@@ -382,6 +440,8 @@ class Executor:
             for g in self.opt.param_groups:
                 g["lr"] = lr
         self.opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # step times are read on the host right after
         self.step += 1
         res.compute_s += time.perf_counter() - t0
         return res
@@ -393,13 +453,13 @@ class Executor:
         if ids.shape[0] % s.dp:
             raise ValueError(f"validation set of {ids.shape[0]} samples does not split over dp={s.dp}")
         per = ids.shape[0] // s.dp
-        mine = ids[self.d * per : (self.d + 1) * per]
+        mine = ids[self.d * per : (self.d + 1) * per].to(self.device)
         total = 0.0
         for mb in mine.split(micro_batch):
             if self.first:
                 inp = mb
             else:
-                inp = torch.empty(self._hidden_shape(mb))
+                inp = torch.empty(self._hidden_shape(mb), device=self.device)
                 dist.recv(inp, src=self.prev_rank)
             out = self._stage(inp)
             if self.last:
@@ -407,7 +467,7 @@ class Executor:
             else:
                 dist.send(out.contiguous(), dst=self.next_rank)
         part = total if (self.last and self.t == 0) else 0.0
-        red = torch.tensor([part], dtype=torch.float64)
+        red = torch.tensor([part], dtype=torch.float64, device=self.device)
         dist.all_reduce(red)
         return float(red[0]) / ids.shape[0]
 
@@ -416,7 +476,7 @@ class Executor:
         """Full tensors on every rank: each element comes from exactly one rank (dp replica 0)."""
         names = list(self.full_shapes)
         sizes = [int(torch.Size(self.full_shapes[n]).numel()) for n in names]
-        flat = torch.zeros(sum(sizes))
+        flat = torch.zeros(sum(sizes), device=self.device)
         off = {}
         o = 0
         for n, k in zip(names, sizes):
@@ -436,6 +496,7 @@ class Executor:
                     w = t.shape[dim]
                     view.narrow(dim, self.t * w, w).copy_(t)
         dist.all_reduce(flat)
+        flat = flat.cpu()  # the layout-independent state lives on the CPU (no copy when it is already there)
         return {n: flat[off[n] : off[n] + k].view(self.full_shapes[n]).clone() for n, k in zip(names, sizes)}
 
     def full_state(self) -> FullState:

@@ -60,6 +60,7 @@ class GradientNoiseScale:
     updates: int = 0
     _last_phi: float = 0.0
     history: list[GnsSnapshot] = field(default_factory=list)
+    raw: list[tuple[float, float]] = field(default_factory=list)  # unsmoothed (|G|^2, tr Sigma) per update
 
     def __post_init__(self) -> None:
         if self.reference_batch <= 0:
@@ -72,6 +73,8 @@ class GradientNoiseScale:
         if b_big <= b_small or not (math.isfinite(sq_small) and math.isfinite(sq_big)):
             return False
         g2, s = unbiased_estimates(sq_small, b_small, sq_big, b_big)
+        self.raw.append((g2, s))
+        del self.raw[:-256]
         d = self.decay
         self._g2 = d * self._g2 + (1 - d) * g2
         self._s = d * self._s + (1 - d) * s
@@ -106,6 +109,22 @@ class GradientNoiseScale:
             return self._last_phi
         self._last_phi = min(s / g2, 1e9)
         return self._last_phi
+
+    def interval(self, z: float = 2.0, last: int | None = None) -> tuple[float, float]:
+        """A range of noise scales the unsmoothed estimates support: tr(Sigma) pooled over the updates
+        divided by the pooled |G|^2 plus / minus ``z`` standard errors (|G|^2 is the noisy factor: with few
+        samples it can be near zero or negative, where the point estimate is meaningless). The upper end
+        is ``math.inf`` when |G|^2 is not resolved above zero. (0, inf) before any update."""
+        pairs = self.raw[-last:] if last else self.raw
+        n = len(pairs)
+        if n == 0:
+            return 0.0, math.inf
+        g2 = sum(p[0] for p in pairs) / n
+        s = max(sum(p[1] for p in pairs) / n, 0.0)
+        se = (sum((p[0] - g2) ** 2 for p in pairs) / (n - 1) / n) ** 0.5 if n > 1 else abs(g2)
+        lo = s / (g2 + z * se) if g2 + z * se > 0 else 0.0
+        hi = s / (g2 - z * se) if g2 - z * se > 0 else math.inf
+        return lo, hi
 
     def efficiency(self, batch: float, noise_scale: float | None = None) -> float:
         """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)."""

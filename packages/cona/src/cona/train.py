@@ -62,6 +62,12 @@ class BenchConfig:
     budget_s: float = 30.0
     eval_every_s: float = 0.25
     decide_every_s: float = 1.0  # the noise scale grows ~10x in the first seconds: re-rank often (switches are cheap)
+    switch_horizon_s: float = 3.0  # how long a switch is expected to pay off (decoupled from decide_every_s)
+    gns_precondition: bool = True  # noise scale of Adam-preconditioned gradients (Pollux's for adaptive optimizers)
+    gns_decay: float = 0.8  # EMA factor per update of the running statistics: the noise scale grows fast early,
+    # a long EMA lags it (2 ranks, step 100: 0.95 read 29 while the last updates gave 74-97); 5 updates ~ 0.3 s
+    step0_warm_batches: int = 1  # step 0: batches whose squared gradients stand in for Adam's v
+    step0_batches: int = 3  # step 0: gradient pairs measured for the initial noise-scale range
     oracle_phase_s: float = 3.0
     slice_s: float = 0.5  # interleaving granularity of the side-by-side variants
     val_samples: int = 128
@@ -80,7 +86,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         self.global_batches = tuple(self.global_batches)
         self.micro_batches = tuple(self.micro_batches)
-        for name in ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl", "lr"):
+        for name in ("budget_s", "eval_every_s", "decide_every_s", "switch_horizon_s", "oracle_phase_s", "target_ppl",
+                     "lr"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.target_ppl <= 1:
@@ -112,7 +119,7 @@ def time_to_target(trace: list[tuple[float, float]], target_loss: float) -> floa
 
 def _bcast(x: float) -> float:
     """Rank 0's value on every rank (clocks and measured times drive identical decisions)."""
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=cdist.current_device())
     dist.broadcast(t, 0)
     return float(t[0])
 
@@ -228,7 +235,8 @@ class _Trainer:
         self.cost = cost if cost is not None else CostModel()
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
-        return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm)
+        return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm,
+                        precondition=self.cfg.gns_precondition)  # fmt: skip
 
     # --- throughput --------------------------------------------------------------------------------
     def probe_key(self) -> str:
@@ -293,17 +301,44 @@ class _Trainer:
             "cost_model_loo_rel_error": self.cost.relative_error(),
         }
 
-    def gns_at_step0(self, batches: int = 4) -> tuple[GradientNoiseScale, float]:
-        """Noise scale from the first batches (no optimizer step), with the strategy with most micro-batches."""
+    def gns_at_step0(self) -> tuple[GradientNoiseScale, float]:
+        """Gradient statistics from the first batches (no optimizer step): preconditioned by the squared
+        gradients of ``step0_warm_batches`` batches (what Adam's v would hold), then ``step0_batches``
+        (micro-batch, global batch) pairs from the strategy with the most micro-batches per global batch
+        (up to the reference batch x 8: a well-resolved |G|^2 needs the big batch well above the small)."""
+        cfg = self.cfg
         t0 = time.perf_counter()
-        gns = GradientNoiseScale(self.cfg.reference_batch, decay=0.95)
+        gns = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay)
         informative = [c for c in self.candidates if c.dp * c.accum > 1] or self.candidates
-        s = min(informative, key=lambda c: (c.global_batch, -c.dp * c.accum, c.tp, c.pp))
+        capped = [c for c in informative if c.global_batch <= 8 * cfg.reference_batch] or informative
+        s = min(capped, key=lambda c: (-c.dp * c.accum, c.global_batch, c.tp, c.pp, -self.cost.throughput(c)[0]))
         ex = self.executor(s, self.state0)
-        for k in range(batches):
+        k = 0
+        for _ in range(cfg.step0_warm_batches if cfg.gns_precondition else 0):
+            ex.compute_grads(self.data.samples(k * s.global_batch, s.global_batch), gns=False)
+            ex.fold_second_moment()
+            k += 1
+        for _ in range(cfg.step0_batches):
             r = ex.compute_grads(self.data.samples(k * s.global_batch, s.global_batch))
             gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=0)
+            k += 1
         return gns, _bcast(time.perf_counter() - t0)
+
+    def reshard_seconds(self) -> float:
+        """One real in-memory resharding between the two fastest layouts (the chainer's switch-cost prior)."""
+        by_layout: dict[tuple[int, int, int], Strategy] = {}
+        for c in sorted(self.candidates, key=lambda c: (-self.cost.throughput(c)[0], c.name)):
+            by_layout.setdefault((c.dp, c.tp, c.pp), c)
+        pair = list(by_layout.values())[:2]
+        if len(pair) < 2:
+            pair = sorted(self.candidates, key=lambda c: (-self.cost.throughput(c)[0], c.name))[:2]
+        if len(pair) < 2:
+            return 0.0
+        ex = self.executor(pair[0], self.state0)
+        ex.train_step(self.data.samples(0, pair[0].global_batch), gns=False)  # Adam moments exist, as mid-run
+        t0 = time.perf_counter()
+        self.executor(pair[1], ex.full_state())
+        return _bcast(time.perf_counter() - t0)
 
     # --- one variant ---------------------------------------------------------------------------------
     def variant(self, run: Run, s: Strategy, state: FullState, chainer: Chainer | None = None,
@@ -366,26 +401,31 @@ def _summary(run: Run, target_loss: float) -> dict:
     }
 
 
-def _run_seed(tr: _Trainer, best_static: Strategy) -> dict:
+def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     """Every variant of one seed, from that seed's initial weights and sample stream."""
     cfg = tr.cfg
     gns0, gns0_s = tr.gns_at_step0()
-    ch0 = Chainer(tr.candidates, tr.cost.throughput, gns0)
-    surrogate0 = ch0.rank()[0].strategy
-    step0 = {"noise_scale": gns0.noise_scale, "gns_s": gns0_s, "best_static": best_static.name,
-             "surrogate_choice": surrogate0.name}  # fmt: skip
+    lo, hi = gns0.interval()
+    # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
+    # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
+    gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay)
+    chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=cfg.margin,
+                      switch_cost_s=reshard_s)  # fmt: skip
+    first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
+    surrogate0 = first.chosen
+    step0 = {"noise_scale": gns0.noise_scale, "noise_range": [lo, hi if math.isfinite(hi) else None],
+             "gns_s": gns0_s, "best_static": best_static.name, "surrogate_choice": surrogate0.name,
+             "reason": first.reason, "switch_cost_prior_s": reshard_s}  # fmt: skip
     runs = {
         "best_static": Run("best_static"),
         "surrogate_static": Run("surrogate_static", clock=gns0_s, gns_s=gns0_s),
         "cona": Run("cona", clock=gns0_s, gns_s=gns0_s),
     }
-    chainer = Chainer(tr.candidates, tr.cost.throughput, gns0, horizon_s=cfg.decide_every_s, margin=cfg.margin,
-                      switch_cost_s=0.2)  # fmt: skip
-    runs["cona"].decisions.append(chainer.decide(None, 0, runs["cona"].clock).to_dict())
+    runs["cona"].decisions.append(first.to_dict())
     variants = [
         tr.variant(runs["best_static"], best_static, tr.state0),
         tr.variant(runs["surrogate_static"], surrogate0, tr.state0),
-        tr.variant(runs["cona"], surrogate0, tr.state0, chainer=chainer, gns=gns0),
+        tr.variant(runs["cona"], surrogate0, tr.state0, chainer=chainer, gns=gns_run),
     ]
     runs["cona"].chain[0]["why"] = runs["cona"].decisions[0]["reason"]
     t, rnd = cfg.slice_s, 0
@@ -428,10 +468,12 @@ def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
     table = {s.name: dict(zip(("samples_per_s", "source"), base.cost.throughput(s))) for s in base.candidates}
     out["throughput"] = table
     best_static = max(base.candidates, key=lambda s: (base.cost.throughput(s)[0], s.name))
+    reshard_s = base.reshard_seconds()
+    out["probe"]["reshard_s"] = reshard_s
     out["seeds"] = {}
     for seed in cfg.seed_list:
         tr = base if seed == base.seed else _Trainer(cfg, seed)
         tr.cost = CostModel(dict(measured))  # the probed table; cona's online updates stay within the seed
-        out["seeds"][seed] = _run_seed(tr, best_static)
+        out["seeds"][seed] = _run_seed(tr, best_static, reshard_s)
     out["config"] = asdict(cfg)
     return out if rank == 0 else None
