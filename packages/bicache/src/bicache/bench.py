@@ -68,7 +68,7 @@ def run_bench(
     dlm: DiffusionLM,
     quick: bool = True,
     repeats: int | None = None,
-    max_batch: int = 48,
+    max_batch: int = 96,
     progress: bool = True,
     calibration: depthmod.Calibration | None = None,
     bound: float | None = None,
@@ -77,7 +77,7 @@ def run_bench(
     """Calibrate, pick the bound, then measure every variant at every fraction, side by side."""
     torch.set_num_threads(1)
     repeats = repeats or (3 if quick else 5)
-    groups, per_group = workload or ((2, 96) if quick else (4, 96))
+    groups, per_group = workload or ((2, 192) if quick else (4, 192))
     cfg = DecodeConfig(gen_length=dlm.spec.gen_length, block_length=2, steps=dlm.spec.gen_length)
     t0 = time.perf_counter()
     if calibration is None:
