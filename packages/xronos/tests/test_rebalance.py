@@ -28,7 +28,7 @@ def test_rebalancer_moves_work_away_from_a_slowed_rank():
     cfg = small_cfg()
     shape = cfg.shape()
     costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
-    rb = Rebalancer(shape, costs, every=2, threshold=0.05)
+    rb = Rebalancer(shape, costs, every=2, threshold=0.05, total_steps=100)
 
     class Fake:  # a 2-rank trainer seen from rank 0: rank 1 measured 3x slower than modelled
         part = even_partition(shape, 2)
@@ -43,7 +43,7 @@ def test_rebalancer_moves_work_away_from_a_slowed_rank():
     calls = []
     orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
     # whole-step compute (no per-segment records): both segments of rank 1 are rescaled by 3
-    measured = [pred[0], 0.0, 3.0 * pred[1], 0.0]
+    measured = [pred[0], 0.0, 3.0 * pred[1], 0.0, 0.0, 0.0]  # + each rank's last reshard time
     rbmod.all_reduce = lambda v, g=None, **kw: v.copy_(torch.tensor(measured, dtype=torch.float64))
     rbmod.repartition = lambda trainer, p: calls.append(p)
     try:
@@ -72,13 +72,13 @@ def test_rebalancer_corrects_each_segment_on_its_own():
     cfg = small_cfg()
     shape = cfg.shape()
     costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
-    rb = Rebalancer(shape, costs, every=1, threshold=0.01)
+    rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100)
     part = even_partition(shape, 2)
     L = shape.num_layers
     pred = [(L * c.attn_time(a), L * c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)]
     # rank 1's MLP runs 2x slower than modelled, its attention as modelled: only the MLP split moves
     rb.observe(_seg_record(pred[0][0], pred[0][1], L))
-    measured = [pred[0][0], pred[0][1], pred[1][0], 2.0 * pred[1][1]]
+    measured = [pred[0][0], pred[0][1], pred[1][0], 2.0 * pred[1][1], 0.0, 0.0]
 
     class Fake:
         step_idx = 1
@@ -97,3 +97,107 @@ def test_rebalancer_corrects_each_segment_on_its_own():
     ev = rb.history[-1]
     assert ev["by_segment"] and ev["factors"][1][0] == pytest.approx(1.0) and ev["factors"][1][1] == pytest.approx(2.0)
     assert new is not None and new.attn_units == part.attn_units and new.mlp_units[0] > new.mlp_units[1]
+
+
+def test_reshard_decision_weighs_saving_against_cost():
+    from xronos.rebalance import reshard_decision
+
+    # 4 layers, 10 ms -> 9 ms a layer: 4 ms a step saved
+    assert reshard_decision(0.010, 0.009, 4, 200, 0.4)[0]  # 0.8 s saved over 200 steps > 0.4 s
+    ok, why = reshard_decision(0.010, 0.009, 4, 16, 0.4)  # 0.064 s over 16 steps < 0.4 s
+    assert not ok and "reshard cost" in why
+    assert not reshard_decision(0.010, 0.009, 4, 0, 0.0)[0]  # nothing left to save
+    assert not reshard_decision(0.010, 0.0099, 4, 10**6, 0.0, threshold=0.02)[0]  # 1 % gain under a 2 % threshold
+    assert not reshard_decision(0.0, 0.0, 4, 100, 0.0)[0]
+
+
+def test_reshard_decision_hysteresis_on_return():
+    from xronos.rebalance import reshard_decision
+
+    # a 3 % gain that pays off easily: taken for a new partition, refused back to the one just left
+    assert reshard_decision(0.010, 0.0097, 4, 10**4, 0.1, returning=False)[0]
+    ok, why = reshard_decision(0.010, 0.0097, 4, 10**4, 0.1, returning=True, hysteresis=0.05)
+    assert not ok and "hysteresis" in why
+    # noisy factors (20 % spread) raise the bar above the hysteresis; a clear 50 % gain still returns
+    assert not reshard_decision(0.010, 0.0065, 4, 10**4, 0.1, returning=True, noise=0.2, hysteresis=0.05)[0]
+    assert reshard_decision(0.010, 0.005, 4, 10**4, 0.1, returning=True, noise=0.2, hysteresis=0.05)[0]
+
+
+def _drive(rb, part, measured, steps_at):
+    """One maybe_repartition call of rank 0 with the given all-reduced vector; the partition it chose."""
+    import xronos.rebalance as rbmod
+
+    class Fake:
+        step_idx = steps_at
+
+    Fake.part = part
+    calls = []
+    orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
+    rbmod.all_reduce = lambda v, g=None, **kw: v.copy_(torch.tensor(measured, dtype=torch.float64))
+    rbmod.repartition = lambda trainer, p: calls.append(p)
+    try:
+        for _ in range(rb.every):
+            rb.observe({"step_s": 1.0, "comm_s": 0.0})
+        new = rb.maybe_repartition(Fake)
+    finally:
+        rbmod.all_reduce, rbmod.repartition = orig_all_reduce, orig_repart
+    assert calls == ([new] if new is not None else [])
+    return new
+
+
+def test_rebalancer_skips_a_reshard_that_does_not_pay_off_and_learns_the_measured_cost():
+    cfg = small_cfg()
+    shape = cfg.shape()
+    costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
+    part = even_partition(shape, 2)
+    pred = [
+        shape.num_layers * (c.attn_time(a) + c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)
+    ]
+    slow = [pred[0], 0.0, 3.0 * pred[1], 0.0]
+    # a reshard costing 1000 s never pays off in 100 steps: the partition stays
+    rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100, reshard_cost_s=1000.0)
+    assert _drive(rb, part, slow + [0.0, 0.0], 2) is None
+    assert not rb.history[-1]["resharded"] and "reshard cost" in rb.history[-1]["decision"]
+    # the same drift with a cheap reshard is worth it; a later measured reshard time (max over ranks)
+    # replaces the estimate
+    rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100, reshard_cost_s=0.001)
+    new = _drive(rb, part, slow + [0.0, 0.0], 2)
+    assert new is not None and rb.history[-1]["resharded"]
+    rb._last_reshard_s = 0.25
+    _drive(rb, new, slow + [0.25, 7.5], 3)
+    assert rb.reshard_cost_s == pytest.approx(7.5) and rb.history[-1]["reshard_cost_s"] == pytest.approx(7.5)
+
+
+def test_rebalancer_does_not_flip_back_on_noise():
+    cfg = small_cfg()
+    shape = cfg.shape()
+    costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
+    even = even_partition(shape, 2)
+    L = shape.num_layers
+
+    def vec(part, f1):  # rank 1 measured f1 x its modelled time on ``part``, rank 0 as modelled
+        c0, c1 = costs
+        return [
+            L * (c0.attn_time(part.attn_units[0]) + c0.mlp_time(part.mlp_units[0])),
+            0.0,
+            f1 * L * (c1.attn_time(part.attn_units[1]) + c1.mlp_time(part.mlp_units[1])),
+            0.0,
+            0.0,
+            0.0,
+        ]
+
+    # the tiny model's granularity: rank 1 30 % slower moves one MLP block (2.6 % predicted gain); the
+    # way back to the even split, once rank 1 measures as modelled again, predicts a 14 % gain
+    for hysteresis, returns in ((0.2, False), (0.1, True)):
+        rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=10**4, windows=1, hysteresis=hysteresis)
+        moved = _drive(rb, even, vec(even, 1.3), 1)
+        assert moved is not None and moved.mlp_units[0] > moved.mlp_units[1]
+        back = _drive(rb, moved, vec(moved, 1.0), 2)
+        ev = rb.history[-1]
+        if returns:
+            assert back is not None and back.mlp_units == even.mlp_units
+        else:
+            assert back is None and not ev["resharded"] and "hysteresis" in ev["decision"]
+    # a new partition (not one just left) needs no more than the threshold and the cost
+    rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=10**4, windows=1, hysteresis=0.99)
+    assert _drive(rb, even, vec(even, 1.3), 1) is not None

@@ -7,6 +7,12 @@ program, or mis-profiled at start, is corrected), and when a new partition would
 layer time by more than ``threshold`` it reshards: weights, LoRA adapters and AdamW moments are
 gathered to full size and re-cut along the new shard boundaries, so training continues exactly as if
 it had used the new partition from the start.
+
+Resharding is not free (it rebuilds the model and gathers every tensor: ~0.4 s for the bench's tiny
+Llama on 2 emulated ranks), so :func:`reshard_decision` reshards only when the predicted saving over
+the steps still to run (predicted step-time gain x steps left) exceeds the reshard's cost (measured on
+every reshard, max over ranks), and returns to a partition it has just left only when the predicted
+gain clearly exceeds the noise of the measurements (hysteresis).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +31,7 @@ from .shard import build_model, enable_lora, shard_model
 from .train import make_optimizer
 from .waits import segment_compute
 
-__all__ = ["repartition", "Rebalancer"]
+__all__ = ["repartition", "reshard_decision", "Rebalancer"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +109,49 @@ def _scaled(c: RankCost, f_attn: float, f_mlp: float | None = None) -> RankCost:
     )
 
 
+def reshard_decision(
+    now_layer_s: float,
+    cand_layer_s: float,
+    num_layers: int,
+    steps_left: int,
+    reshard_cost_s: float,
+    threshold: float = 0.01,
+    returning: bool = False,
+    noise: float = 0.0,
+    hysteresis: float = 0.05,
+) -> tuple[bool, str]:
+    """Whether to reshard from a partition predicted at ``now_layer_s`` to one at ``cand_layer_s``.
+
+    All inputs must be the same on every rank (the decision is taken by each rank on its own).
+    Reshard only when (1) the relative gain ``1 - cand/now`` exceeds ``threshold``; (2) the predicted
+    saving over the remaining steps, ``num_layers x (now - cand) x steps_left``, exceeds
+    ``reshard_cost_s``; (3) when ``returning`` to a partition this run just left, the relative gain
+    also exceeds ``max(hysteresis, 2 x noise)`` (``noise``: relative spread of the measured speed
+    factors), so jitter cannot flip the partition back and forth. Returns (decision, reason).
+    """
+    if not (now_layer_s > 0 and cand_layer_s >= 0):
+        return False, "no positive prediction"
+    gain = 1 - cand_layer_s / now_layer_s
+    if gain <= threshold:
+        return False, f"gain {gain:.2%} <= threshold {threshold:.2%}"
+    saving = num_layers * (now_layer_s - cand_layer_s) * max(0, steps_left)
+    if saving <= reshard_cost_s:
+        return False, f"saving {saving:.3f} s over {steps_left} steps <= reshard cost {reshard_cost_s:.3f} s"
+    if returning:
+        need = max(hysteresis, 2 * noise)
+        if gain <= need:
+            return False, f"returning to a partition just left: gain {gain:.2%} <= {need:.2%} (hysteresis/noise)"
+    return True, f"gain {gain:.2%}, saving {saving:.3f} s > reshard cost {reshard_cost_s:.3f} s"
+
+
+def _spread(values: list[float]) -> float:
+    """Relative spread (max - min) / median of one rank's factors over the windows kept."""
+    if len(values) < 2:
+        return 0.0
+    med = statistics.median(values)
+    return (max(values) - min(values)) / med if med > 0 else 0.0
+
+
 class Rebalancer:
     """Watches per-rank compute time; re-partitions when the model of a rank's speed drifts.
 
@@ -115,6 +165,12 @@ class Rebalancer:
     window) and is the median over the last ``windows`` windows: one noisy window cannot flip the
     partition back and forth (seen with a 4-step window: 12 <-> 11 heads every window), while a real
     drift (another program on a device) wins the median after ``windows // 2 + 1`` windows.
+
+    Cost-aware (:func:`reshard_decision`): ``reshard_cost_s`` is the estimated cost of one reshard
+    (replaced by the measured one, max over ranks, after every reshard); ``total_steps`` is the
+    run's length (default: the trainer's ``cfg.steps``), so the saving is counted over the steps left.
+    Returning to a partition left earlier needs a gain above ``hysteresis`` and twice the factors'
+    relative spread over the kept windows.
     """
 
     def __init__(
@@ -125,14 +181,35 @@ class Rebalancer:
         threshold: float = 0.1,
         group=None,
         windows: int = 3,
+        reshard_cost_s: float = 0.0,
+        total_steps: int | None = None,
+        hysteresis: float = 0.05,
     ):
         self.shape, self.every, self.threshold, self.group = shape, every, threshold, group
+        self.reshard_cost_s, self.total_steps, self.hysteresis = float(reshard_cost_s), total_steps, hysteresis
+        self.left: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # partitions resharded away from
+        self._last_reshard_s = 0.0
         self.base = list(costs)
         self.costs = list(costs)
         self.windows = max(1, int(windows))
         self.window: list[tuple[float, float]] = []
         self.ratios: list[tuple[list[float], list[float]]] = []  # per window: per-rank (attn, mlp) vs base
         self.history: list[dict] = []
+
+    def calibrate(self, trainer) -> float:
+        """Measure one reshard's cost (to the current partition: exact, nothing changes); collective.
+
+        Call after the first optimiser step, so the AdamW moments are gathered and re-cut as in a real
+        reshard. Sets ``reshard_cost_s`` to the slowest rank's time and returns it.
+        """
+        t0 = time.perf_counter()
+        repartition(trainer, trainer.part)
+        world = len(self.costs)
+        vec = torch.zeros(world, dtype=torch.float64)
+        vec[dist.get_rank(self.group) if _active(self.group) else 0] = time.perf_counter() - t0
+        all_reduce(vec, self.group)
+        self.reshard_cost_s = float(vec.max())
+        return self.reshard_cost_s
 
     def observe(self, record: dict) -> None:
         seg = segment_compute(record, self.shape.num_layers) if "syncs" in record else None
@@ -150,10 +227,14 @@ class Rebalancer:
         by_segment = not any(m != m for _, m in self.window)  # no NaN: segment times were measured
         local = [statistics.median(a for a, _ in self.window), statistics.median(m for _, m in self.window)]
         self.window.clear()
-        vec = torch.zeros(2 * world, dtype=torch.float64)
+        vec = torch.zeros(3 * world, dtype=torch.float64)
         rank = dist.get_rank(self.group) if _active(self.group) else 0
         vec[2 * rank], vec[2 * rank + 1] = local[0], local[1] if by_segment else 0.0
+        vec[2 * world + rank] = self._last_reshard_s  # the previous reshard's time on this rank
         all_reduce(vec, self.group)
+        if self._last_reshard_s > 0 or float(vec[2 * world :].max()) > 0:
+            self.reshard_cost_s = float(vec[2 * world :].max())  # measured: the slowest rank's
+            self._last_reshard_s = 0.0
         part = trainer.part
         L = self.shape.num_layers
         units = list(zip(self.base, part.attn_units, part.mlp_units))
@@ -169,20 +250,48 @@ class Rebalancer:
         self.costs = [_scaled(c, fa, fm) for c, fa, fm in zip(self.base, f_attn, f_mlp)]
         cand = partition(self.shape, self.costs)
         now = segment_objective(self.costs, part.attn_units, part.mlp_units)
+        total = self.total_steps if self.total_steps is not None else getattr(getattr(trainer, "cfg", None), "steps", 0)
+        steps_left = max(0, int(total) - int(trainer.step_idx))
+        noise = max(
+            [_spread([w[0][r] for w in self.ratios]) for r in range(world)]
+            + ([_spread([w[1][r] for w in self.ratios]) for r in range(world)] if by_segment else [])
+        )
+        key = (tuple(cand.attn_units), tuple(cand.mlp_units))
+        moves = key != (tuple(part.attn_units), tuple(part.mlp_units))
+        ok, reason = (
+            reshard_decision(
+                now,
+                cand.predicted_layer_s,
+                L,
+                steps_left,
+                self.reshard_cost_s,
+                self.threshold,
+                returning=key in self.left,
+                noise=noise,
+                hysteresis=self.hysteresis,
+            )
+            if moves
+            else (False, "candidate is the current partition")
+        )
         event = {
             "step": trainer.step_idx,
-            "measured_compute_s": [float(v) for v in vec],
+            "measured_compute_s": [float(v) for v in vec[: 2 * world]],
             "by_segment": by_segment,
             "factors": f_attn if not by_segment else list(zip(f_attn, f_mlp)),
             "current_layer_s": now,
             "candidate_layer_s": cand.predicted_layer_s,
+            "steps_left": steps_left,
+            "reshard_cost_s": self.reshard_cost_s,
+            "noise": noise,
+            "decision": reason,
             "resharded": False,
         }
-        if cand.predicted_layer_s < now * (1 - self.threshold) and (
-            cand.attn_units != part.attn_units or cand.mlp_units != part.mlp_units
-        ):
+        if ok:
+            self.left = [*self.left, (tuple(part.attn_units), tuple(part.mlp_units))][-4:]
+            t0 = time.perf_counter()
             repartition(trainer, cand)
-            event.update(resharded=True, partition=cand.describe())
+            self._last_reshard_s = time.perf_counter() - t0
+            event.update(resharded=True, partition=cand.describe(), reshard_s=self._last_reshard_s)
             log.info(
                 "rank %d: resharded to %s (predicted %.1f%% faster)",
                 rank,
