@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 from dist_helpers import small_cfg
@@ -5,6 +7,21 @@ from dist_helpers import small_cfg
 from xronos.partition import costs_from_speeds, even_partition
 from xronos.rebalance import Rebalancer
 from xronos.train import TPTrainer
+
+
+@contextlib.contextmanager
+def _collectives(measured):
+    """Rank 0's view of a 2-rank rebalance: all_reduce returns ``measured``; reshards are recorded."""
+    import xronos.rebalance as rbmod
+
+    calls = []
+    orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
+    rbmod.all_reduce = lambda v, g=None, **kw: v.copy_(torch.tensor(measured, dtype=torch.float64))
+    rbmod.repartition = lambda trainer, p: calls.append(p)
+    try:
+        yield calls
+    finally:
+        rbmod.all_reduce, rbmod.repartition = orig_all_reduce, orig_repart
 
 
 @pytest.mark.slow
@@ -38,21 +55,13 @@ def test_rebalancer_moves_work_away_from_a_slowed_rank():
         shape.num_layers * (c.attn_time(a) + c.mlp_time(m))
         for c, a, m in zip(costs, Fake.part.attn_units, Fake.part.mlp_units)
     ]
-    import xronos.rebalance as rbmod
-
-    calls = []
-    orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
     # whole-step compute (no per-segment records): both segments of rank 1 are rescaled by 3
     measured = [pred[0], 0.0, 3.0 * pred[1], 0.0, 0.0, 0.0]  # + each rank's last reshard time
-    rbmod.all_reduce = lambda v, g=None, **kw: v.copy_(torch.tensor(measured, dtype=torch.float64))
-    rbmod.repartition = lambda trainer, p: calls.append(p)
-    try:
+    with _collectives(measured) as calls:
         rb.observe({"step_s": 1.0, "comm_s": 0.0})
         assert rb.maybe_repartition(Fake) is None  # not enough steps yet
         rb.observe({"step_s": 1.0, "comm_s": 0.0})
         new = rb.maybe_repartition(Fake)
-    finally:
-        rbmod.all_reduce, rbmod.repartition = orig_all_reduce, orig_repart
     assert new is not None and calls == [new]
     assert new.mlp_units[0] > new.mlp_units[1] and rb.history[-1]["factors"][1] == pytest.approx(3.0)
 
@@ -84,16 +93,8 @@ def test_rebalancer_corrects_each_segment_on_its_own():
         step_idx = 1
 
     Fake.part = part
-    import xronos.rebalance as rbmod
-
-    calls = []
-    orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
-    rbmod.all_reduce = lambda v, g=None, **kw: v.copy_(torch.tensor(measured, dtype=torch.float64))
-    rbmod.repartition = lambda trainer, p: calls.append(p)
-    try:
+    with _collectives(measured):
         new = rb.maybe_repartition(Fake)
-    finally:
-        rbmod.all_reduce, rbmod.repartition = orig_all_reduce, orig_repart
     ev = rb.history[-1]
     assert ev["by_segment"] and ev["factors"][1][0] == pytest.approx(1.0) and ev["factors"][1][1] == pytest.approx(2.0)
     assert new is not None and new.attn_units == part.attn_units and new.mlp_units[0] > new.mlp_units[1]
@@ -125,22 +126,15 @@ def test_reshard_decision_hysteresis_on_return():
 
 def _drive(rb, part, measured, steps_at):
     """One maybe_repartition call of rank 0 with the given all-reduced vector; the partition it chose."""
-    import xronos.rebalance as rbmod
 
     class Fake:
         step_idx = steps_at
 
     Fake.part = part
-    calls = []
-    orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
-    rbmod.all_reduce = lambda v, g=None, **kw: v.copy_(torch.tensor(measured, dtype=torch.float64))
-    rbmod.repartition = lambda trainer, p: calls.append(p)
-    try:
+    with _collectives(measured) as calls:
         for _ in range(rb.every):
             rb.observe({"step_s": 1.0, "comm_s": 0.0})
         new = rb.maybe_repartition(Fake)
-    finally:
-        rbmod.all_reduce, rbmod.repartition = orig_all_reduce, orig_repart
     assert calls == ([new] if new is not None else [])
     return new
 
