@@ -194,7 +194,7 @@ class Executor:
         self.params: dict[str, nn.Parameter] = {}
         for n in names:
             mod_name, attr = n.rsplit(".", 1)
-            piece = self._slice(n, state.tensors["param"][n]).clone().to(self.device)
+            piece = self._slice(n, state.tensors["param"][n]).to(self.device, copy=True)
             param = nn.Parameter(piece)
             setattr(modules[mod_name], attr, param)
             self.params[n] = param
@@ -207,8 +207,8 @@ class Executor:
             for n, p in self.params.items():
                 self.opt.state[p] = {
                     "step": torch.tensor(float(state.step)),
-                    "exp_avg": self._slice(n, state.tensors["exp_avg"][n]).clone().to(self.device),
-                    "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).clone().to(self.device),
+                    "exp_avg": self._slice(n, state.tensors["exp_avg"][n]).to(self.device, copy=True),
+                    "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).to(self.device, copy=True),
                 }
         self.owned = [p for n, p in self.params.items() if shard_dim(n) is not None or self.t == 0]
 

@@ -110,12 +110,12 @@ class GradientNoiseScale:
         self._last_phi = min(s / g2, 1e9)
         return self._last_phi
 
-    def interval(self, z: float = 2.0, last: int | None = None) -> tuple[float, float]:
+    def interval(self, z: float = 2.0) -> tuple[float, float]:
         """A range of noise scales the unsmoothed estimates support: tr(Sigma) pooled over the updates
         divided by the pooled |G|^2 plus / minus ``z`` standard errors (|G|^2 is the noisy factor: with few
         samples it can be near zero or negative, where the point estimate is meaningless). The upper end
         is ``math.inf`` when |G|^2 is not resolved above zero. (0, inf) before any update."""
-        pairs = self.raw[-last:] if last else self.raw
+        pairs = self.raw
         n = len(pairs)
         if n == 0:
             return 0.0, math.inf

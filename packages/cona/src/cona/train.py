@@ -278,7 +278,7 @@ class _Trainer:
         for s in probe_plan(self.candidates):
             get(s)
         for _ in range(4):  # an offline searcher measures its pick: the model's fastest must be probed
-            top = sorted(self.candidates, key=lambda c: (-self.cost.throughput(c)[0], c.name))[: cfg.probe_verify_top]
+            top = self._by_throughput()[: cfg.probe_verify_top]
             todo = [c for c in top if c not in self.cost.measured]
             if not todo:
                 break
@@ -324,14 +324,19 @@ class _Trainer:
             k += 1
         return gns, _bcast(time.perf_counter() - t0)
 
+    def _by_throughput(self) -> list[Strategy]:
+        """Candidates, fastest first by the cost model (name breaks ties)."""
+        return sorted(self.candidates, key=lambda c: (-self.cost.throughput(c)[0], c.name))
+
     def reshard_seconds(self) -> float:
         """One real in-memory resharding between the two fastest layouts (the chainer's switch-cost prior)."""
+        ranked = self._by_throughput()
         by_layout: dict[tuple[int, int, int], Strategy] = {}
-        for c in sorted(self.candidates, key=lambda c: (-self.cost.throughput(c)[0], c.name)):
+        for c in ranked:
             by_layout.setdefault((c.dp, c.tp, c.pp), c)
         pair = list(by_layout.values())[:2]
         if len(pair) < 2:
-            pair = sorted(self.candidates, key=lambda c: (-self.cost.throughput(c)[0], c.name))[:2]
+            pair = ranked[:2]
         if len(pair) < 2:
             return 0.0
         ex = self.executor(pair[0], self.state0)
