@@ -238,11 +238,10 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
             "eval_loss": results[0]["eval_loss"][name],
             "train_losses": [r["loss"] for r in per_rank[0]],
         }
+        reshard_steps = [e["step"] for e in results[0].get("rebalance_history", []) if e.get("resharded")]
         if name in ("xronos", "tp"):  # after the last reshard: the same shards in every step compared
-            last = max([0, *(e["step"] for e in results[0].get("rebalance_history", []) if e.get("resharded"))])
-            tail = (
-                [rec[max(last, skip) :] for rec in per_rank] if name == "xronos" else [rec[skip:] for rec in per_rank]
-            )
+            start = max([skip, *reshard_steps]) if name == "xronos" else skip
+            tail = [rec[start:] for rec in per_rank]
             out[name]["segment_jitter_cv_per_rank"] = [segment_jitter(t) for t in tail]
         if segs and all(x is not None for rank_segs in segs for x in rank_segs):
             out[name]["segment_compute_s_per_rank"] = [
@@ -255,7 +254,7 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
                 out[name]["profiled_compute_s_per_rank"] = pred
         if name == "xronos":
             out[name]["rebalance_s_total"] = max(rebalance_s)
-            out[name]["reshards"] = sum(1 for e in results[0]["rebalance_history"] if e.get("resharded"))
+            out[name]["reshards"] = len(reshard_steps)
             out[name]["reshard_calibration_s"] = max(
                 (res["records"][name][0].get("reshard_calibration_s", 0.0) for res in results), default=0.0
             )

@@ -232,8 +232,9 @@ class Rebalancer:
         vec[2 * rank], vec[2 * rank + 1] = local[0], local[1] if by_segment else 0.0
         vec[2 * world + rank] = self._last_reshard_s  # the previous reshard's time on this rank
         all_reduce(vec, self.group)
-        if self._last_reshard_s > 0 or float(vec[2 * world :].max()) > 0:
-            self.reshard_cost_s = float(vec[2 * world :].max())  # measured: the slowest rank's
+        slowest_reshard_s = float(vec[2 * world :].max())  # includes this rank's own last reshard
+        if slowest_reshard_s > 0:
+            self.reshard_cost_s = slowest_reshard_s  # measured: the slowest rank's
             self._last_reshard_s = 0.0
         part = trainer.part
         L = self.shape.num_layers
