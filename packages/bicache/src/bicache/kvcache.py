@@ -223,7 +223,9 @@ def window_mask(q_pos: torch.Tensor, layer: CacheLayerMixin | None, window: int)
     """
     q = q_pos.shape[0]
     kv = q if layer is None else layer.get_mask_sizes(q)[0]
-    k_pos = q_pos if kv == q and (layer is None or layer.get_seq_length() == 0) else torch.arange(kv)
+    k_pos = (
+        q_pos if kv == q and (layer is None or layer.get_seq_length() == 0) else torch.arange(kv, device=q_pos.device)
+    )
     return ((q_pos[:, None] - k_pos[None, :]).abs() < window)[None, None]
 
 

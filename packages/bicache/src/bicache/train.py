@@ -151,7 +151,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
 
     start = 0
     rows = min(recipe.min_rows, recipe.spec.rows) if recipe.curriculum_gate > 0 else recipe.spec.rows
-    anneal_from: int | None = None  # step at which the curriculum reached every row
+    anneal_from: int | None = 0 if rows == recipe.spec.rows else None  # step the curriculum reached every row
     level_since = 0  # step at which the curriculum reached its current level
     best: tuple[float, dict | None] = (-1.0, None)  # (held-out accuracy, weights) at full rows
     state_path = resume_dir / "train-state.pt" if resume_dir is not None else None
