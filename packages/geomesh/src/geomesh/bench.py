@@ -253,8 +253,9 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
     if balanced:
         # (capped at twice a uniform worker's share of tokens, for tiny configs that run very fast)
         samples = _profile_phase(cfg, model, opt, sampler, dl, 2 * target // world)
+        steps_done = dl.local_step  # sync() resets it
         st = dl.sync()
-        after_sync(st, 0, dl.local_step)
+        after_sync(st, 0, steps_done)
         # share the measured step times and sync CPU time; every worker computes the same plan
         deadline = cfg.phase_mode == "deadline"
         # a fixed-H plan balances each worker's own sync CPU work (the collective is common to all);
@@ -280,7 +281,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         out["plan"] = p.to_dict()
         out["profile"] = [g.tolist() for g in got]
         # under time-boxed phases the clock absorbs imbalance: re-plan b_i on throughput drift only
-        thr = cfg.rebalance_threshold if cfg.rebalance_threshold is not None else (0.5 if deadline else 0.15)
+        thr = cfg.rebalance_threshold
         rb = Rebalancer(p, threshold=thr, ema=0.3, imbalance_threshold=1.0 if deadline else 0.03, **kw)
         dl.rebalancer = rb
         if deadline:
