@@ -32,6 +32,7 @@ from collections import defaultdict
 import numpy as np
 
 from .layers import PRECISIONS, Decomposition, decompose
+from .memory import OPTIMIZER_STATES
 from .zoo import Shape, build
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
     f["layers"] = float(len(d.records))
     f["tokens"] = math.log1p(d.tokens)
     f["saved"] = math.log1p(d.saved_bytes)
-    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer, 1)
+    states = OPTIMIZER_STATES.get(optimizer, 1)
     f["optimizer_states"] = float(states)
     f["optimizer_work"] = math.log1p(d.params * (1 + states))
     f["param_layers"] = float(sum(1 for r in d.records if r.params))
@@ -126,8 +127,9 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
 
 KINDS = ("opmix", "additive", "additive+trees", "loglinear")
 """opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
-summed (the default: it transfers to held-out families); additive+trees: the same plus boosted
+summed (the previous default; within run-to-run noise of opmix overall, worse on MoE); additive+trees: the same plus boosted
 trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
+_LINEAR_COST_KINDS = ("opmix", "additive", "additive+trees")  # fitted as non-negative cost terms
 _MATMUL_KINDS = ("linear", "conv", "attention", "experts")
 
 
@@ -143,7 +145,7 @@ def additive_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, floa
     """The step's work in natural units, for the additive (roofline-like) part of the predictor:
     dispatched ops (per-op overhead dominates small models on a CPU), matmul/conv/attention FLOPs,
     bytes moved by every other op, the optimizer's per-parameter work, and layers."""
-    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer, 1)
+    states = OPTIMIZER_STATES.get(optimizer, 1)
     return {
         "ops": float(sum(r.ops for r in d.records)),
         "matmul_flops": float(sum(r.fwd_flops + r.bwd_flops for r in d.records if r.kind in _MATMUL_KINDS)),
@@ -245,7 +247,7 @@ def opmix_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
             t[f"other_bytes:{dt}"] += v
     if d.precision in ("fp16", "mixed"):
         t["ops_autocast"] = t["ops"]
-    states = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer, 1)
+    states = OPTIMIZER_STATES.get(optimizer, 1)
     pdt = "bfloat16" if d.param_dtype_bytes == 2 else "float32"
     t[f"optimizer_bytes:{pdt}"] = float(d.params * (1 + states) * d.param_dtype_bytes)
     t["param_tensors"] = float(sum(1 for r in d.records if r.params)) * (1 + states)
@@ -328,7 +330,7 @@ class TimePredictor:
         y = np.log(np.asarray(times_s, float))
         if self.kind == "opmix" and not EXPERTS_MATMUL_COST:
             calibrate_experts()  # once per process: the grouped expert matmul's cost on this machine
-        if self.kind.startswith("additive") or self.kind == "opmix":
+        if self.kind in _LINEAR_COST_KINDS:
             self._additive_fit(ds, np.asarray(times_s, float), opts)
             trend = np.log(self._additive_predict(ds, opts))
         else:
@@ -360,7 +362,7 @@ class TimePredictor:
                     f"predicting for {name} outside the training range [{math.expm1(lo):.3g}, {math.expm1(hi):.3g}]",
                     stacklevel=2,
                 )
-        if self.kind.startswith("additive") or self.kind == "opmix":
+        if self.kind in _LINEAR_COST_KINDS:
             trend = np.log(self._additive_predict(ds, opts))
         else:
             trend = self._ridge.predict(x[:, self._trend_idx])
