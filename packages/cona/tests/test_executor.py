@@ -43,6 +43,10 @@ def _worker(rank, world, ckpt_dir):
         pre.train_step(b0, gns=False)
         rp = pre.compute_grads(b1)
         out["per"][s.name]["pre_gns"] = (rp.sq_small, rp.b_small, rp.sq_big, rp.b_big, rp.grad_norm)
+        ptrs = [b.data_ptr() for b in pre._pre_bufs + pre._gns_scratch]
+        rq = pre.compute_grads(b1)  # the same statistics again, in the buffers of the first call
+        out["per"][s.name]["pre_reuse"] = (ptrs == [b.data_ptr() for b in pre._pre_bufs + pre._gns_scratch],
+                                           (rq.sq_small, rq.sq_big) == (rp.sq_small, rp.sq_big))  # fmt: skip
         clipped = Executor(s, cfg, st0, lr=LR, eps=EPS, clip_norm=CLIP)
         rc = clipped.train_step(b0)
         out["per"][s.name]["clip"] = {"norm": rc.grad_norm, "coef": rc.clip_coef, "grads": clipped.full_grads(),
@@ -169,6 +173,15 @@ def _pre_sq(rows):
         w = 1.0 / (v.clamp(min=V_FLOOR * float(v.mean())).sqrt() + EPS)  # floored per full tensor
         total += float((p.grad * w).double().pow(2).sum())
     return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in STRATEGIES])
+def test_gradient_statistics_reuse_their_buffers(results, name):
+    """The preconditioner and the weighted-gradient scratch are allocated once per executor, not per step,
+    and a repeated computation gives the same statistics."""
+    same_buffers, same_values = results["per"][name]["pre_reuse"]
+    assert same_buffers and same_values
 
 
 @pytest.mark.slow

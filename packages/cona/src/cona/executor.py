@@ -151,6 +151,8 @@ class Executor:
         self._eps, self._beta2 = eps, betas[1]
         self._v0: dict[nn.Parameter, torch.Tensor] = {}
         self._v0_n = 0
+        self._pre_bufs: list[torch.Tensor] | None = None  # preconditioner and scratch, allocated once
+        self._gns_scratch: list[torch.Tensor] = []
 
         world, rank = dist.get_world_size(), dist.get_rank()
         self.device = cdist.current_device()  # cuda:LOCAL_RANK under NCCL, else the CPU
@@ -278,52 +280,75 @@ class Executor:
         (a byte not seen so far) has v ~ 0, and 1/eps would let one such element swamp every norm, while
         Adam's own step there is bounded because its v takes in the current gradient first. The mean is
         over the full tensor (tensor-parallel shards all-reduced), so every layout uses the same metric.
+
+        Written into buffers allocated once per executor, and the floors stay on the device: no new
+        parameter-sized tensors per step and no host synchronisation (the step's only one is the final
+        reduction in ``compute_grads``).
         """
         if not self.precondition:
             return None
-        vs = {}
-        for n, p in self.params.items():
+        vs: list[tuple[torch.Tensor, float]] = []  # (v or its running sum, divisor)
+        for p in self.params.values():
             st = self.opt.state.get(p)
             if st and "exp_avg_sq" in st:
-                vs[n] = st["exp_avg_sq"] / (1 - self._beta2 ** float(st["step"]))
+                vs.append((st["exp_avg_sq"], 1 - self._beta2 ** float(st["step"])))  # step lives on the CPU
             elif p in self._v0:
-                vs[n] = self._v0[p] / self._v0_n
+                vs.append((self._v0[p], float(self._v0_n)))
             else:
                 return None
-        names = list(vs)
-        sharded = [self.s.tp > 1 and shard_dim(n) is not None for n in names]
-        sums = torch.stack([vs[n].sum() / (1 if sh else self.s.tp) for n, sh in zip(names, sharded)]).double()
+        if self._pre_bufs is None:
+            names = list(self.params)
+            sharded = [self.s.tp > 1 and shard_dim(n) is not None for n in names]
+            # mean over the full tensor: a sharded tensor's local sum is all-reduced over tp; a replicated
+            # one is summed tp times by that all-reduce, hence divided by tp first
+            per = [(1 if sh else self.s.tp) * torch.Size(self.full_shapes[n]).numel() for n, sh in zip(names, sharded)]
+            self._pre_per = torch.tensor(per, dtype=torch.float64, device=self.device)
+            self._pre_bufs = [torch.empty_like(p) for p in self.owned]
+            self._gns_scratch = [torch.empty_like(p) for p in self.owned]
+            owned = {id(p) for p in self.owned}
+            self._pre_owned = [i for i, p in enumerate(self.params.values()) if id(p) in owned]
+        div = torch.tensor([d for _, d in vs], dtype=torch.float64, device=self.device)
+        sums = torch.stack([v.sum() for v, _ in vs]).double() / (div * self._pre_per)  # per-element means / tp
         if self.tp_group is not None:
             dist.all_reduce(sums, group=self.tp_group)
-        means = {n: float(t) / torch.Size(self.full_shapes[n]).numel() for n, t in zip(names, sums.tolist())}
-        by_param = {p: n for n, p in self.params.items()}
-        return [vs[by_param[p]].clamp(min=V_FLOOR * means[by_param[p]]).sqrt_().add_(self._eps).reciprocal_()
-                for p in self.owned]  # fmt: skip
+        floors = (sums * V_FLOOR).float()
+        for buf, i in zip(self._pre_bufs, self._pre_owned):
+            v, d = vs[i]
+            torch.div(v, d, out=buf)
+            torch.clamp(buf, min=floors[i], out=buf)
+            buf.sqrt_().add_(self._eps).reciprocal_()
+        return self._pre_bufs
 
-    def _sq_norm(self, scale: float = 1.0, weights: list[torch.Tensor] | None = None) -> float:
-        """Squared norm of the owned gradients (times ``scale``), in the metric ``weights`` if given."""
+    def _sq_norm(self, scale: float = 1.0, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Squared norm of the owned gradients (times ``scale``), in the metric ``weights`` if given, as a
+        float64 0-d tensor on the device (read by the caller with the step's other reductions: no host
+        sync here, which mid-backward would stall the pipeline on a GPU). The weighted gradients go into
+        a scratch buffer allocated once."""
         if weights is None:
             grads = [p.grad for p in self.owned if p.grad is not None]
         else:
-            pairs = [(p.grad, w) for p, w in zip(self.owned, weights) if p.grad is not None]
-            grads = torch._foreach_mul([g for g, _ in pairs], [w for _, w in pairs]) if pairs else []
+            grads = []
+            for p, w, buf in zip(self.owned, weights, self._gns_scratch):
+                if p.grad is not None:
+                    grads.append(torch.mul(p.grad, w, out=buf))
         if not grads:
-            return 0.0
-        norms = torch.stack(torch._foreach_norm(grads)).double()
-        return float(norms.pow(2).sum()) * scale * scale
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() * (scale * scale)
 
     def _hidden_shape(self, mb: torch.Tensor) -> tuple[int, ...]:
         return (mb.shape[0], mb.shape[1], self.config.hidden_size)
 
-    def _forward_backward(self, mbs: list[torch.Tensor], want_small: bool, weights=None) -> tuple[float, float, float]:
+    def _forward_backward(self, mbs: list[torch.Tensor], want_small: bool,
+                          weights=None) -> tuple[torch.Tensor, torch.Tensor, float]:  # fmt: skip
         """Run all micro-batches; returns (sum of scaled losses, |first micro-batch grad|^2, gns seconds)."""
         accum = len(mbs)
-        loss_sum, sq_small, gns_s = 0.0, 0.0, 0.0
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum, sq_small, gns_s = zero, zero, 0.0  # device tensors: read once, after the step's reduction
         if self.s.pp == 1:
             for k, ids in enumerate(mbs):
                 loss = self._ce(self._stage(ids), ids) / accum
                 loss.backward()
-                loss_sum += float(loss.detach())
+                loss_sum = loss_sum + loss.detach()
                 if k == 0 and want_small:
                     t0 = time.perf_counter()
                     sq_small = self._sq_norm(accum, weights)
@@ -340,7 +365,7 @@ class Executor:
             out = self._stage(inp)
             if self.last:
                 out = self._ce(out, ids) / accum
-                loss_sum += float(out.detach())
+                loss_sum = loss_sum + out.detach()
             else:
                 dist.send(out.detach().contiguous(), dst=self.next_rank)
             saved.append((inp, out))
@@ -399,12 +424,13 @@ class Executor:
         # tensor-parallel shards; replicated tensors on tp rank 0 only; its pipeline stage), the world
         # all-reduce adds them up, and dividing by dp removes the dp identical replicas
         need_norm = want or self.clip_norm is not None
-        sq_plain = self._sq_norm() if need_norm else 0.0
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq_plain = self._sq_norm() if need_norm else zero
         sq_big = self._sq_norm(1.0, weights) if weights is not None else sq_plain
         if want:
             gns_s += time.perf_counter() - t1
-        loss_part = loss_sum if (self.last and self.t == 0) else 0.0
-        red = torch.tensor([loss_part, sq_small, sq_big, sq_plain], dtype=torch.float64, device=self.device)
+        loss_part = loss_sum if (self.last and self.t == 0) else zero
+        red = torch.stack([loss_part, sq_small, sq_big, sq_plain])  # the step's one host read, after this
         dist.all_reduce(red)
         loss, sq_small, sq_big, sq_plain = (red / s.dp).tolist()
         norm = sq_plain**0.5 if need_norm else None
