@@ -166,3 +166,25 @@ def test_local_layers_forward_matches_transformers_and_drift_stays_near_the_boun
             assert not moved[:stable].any() and (layer == 0 or moved[stable:].any())
         else:  # the global layer: drift reaches the start of the prefix
             assert moved[0]
+
+
+def test_splice_layer_buffer_reuse_and_inplace_equal_concatenation():
+    torch.manual_seed(0)
+    prefix_k, prefix_v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    layer = kvcache.SpliceLayer(prefix_k.clone(), prefix_v.clone(), 5)
+    for _ in range(3):  # one layer reused over denoising steps: the prefix is copied once, the span every step
+        fk, fv = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4)
+        k, v = layer.update(fk, fv)
+        assert torch.equal(k, torch.cat([prefix_k.expand(3, -1, -1, -1), fk], 2))
+        assert torch.equal(v, torch.cat([prefix_v.expand(3, -1, -1, -1), fv], 2))
+    assert torch.equal(layer.keys, prefix_k)  # the stored entry is never written
+    k2, _ = layer.update(torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))  # another batch: a new buffer
+    assert k2.shape == (2, 2, 9, 4) and torch.equal(k2[:, :, :5], prefix_k.expand(2, -1, -1, -1))
+    # dual block cache: the refresh pass's own K/V take the block in place, the rest is untouched
+    own_k, own_v = torch.randn(3, 2, 9, 4), torch.randn(3, 2, 9, 4)
+    ref_k = own_k.clone()
+    block = kvcache.SpliceLayer(own_k, own_v, 5, inplace=True)
+    fk = torch.randn(3, 2, 2, 4)
+    k, _ = block.update(fk, torch.randn(3, 2, 2, 4))
+    assert k.data_ptr() == own_k.data_ptr()
+    assert torch.equal(k, torch.cat([ref_k[:, :, :5], fk, ref_k[:, :, 7:]], 2))

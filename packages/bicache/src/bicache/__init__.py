@@ -9,7 +9,7 @@ Cache API; :mod:`bicache.engine` and :mod:`bicache.server` serve requests with i
 
 from .depth import Calibration, DepthPolicy, calibrate, choose_bound, kv_drift
 from .diffusion import DECODE_MODES, DecodeConfig, DecodeStats, generate
-from .engine import MODES, Completion, Engine, PrefixStore, common_prefix_len
+from .engine import MODES, Completion, Engine, PrefixStore, common_prefix_len, keep_heap
 from .kvcache import PassLayer, PrefixEntry, RecordingLayer, SpliceLayer, block_cache, fill_entry, prefix_cache
 from .model import DiffusionLM, load_local_dlm, tiny_config
 from .task import Request, TableTask, TaskSpec, Vocab
@@ -44,6 +44,7 @@ __all__ = [
     "common_prefix_len",
     "fill_entry",
     "generate",
+    "keep_heap",
     "kv_drift",
     "load_local_dlm",
     "load_or_train",

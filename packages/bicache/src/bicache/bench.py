@@ -1,12 +1,17 @@
 """Side-by-side benchmark of the cache modes on the trained model (``bicache bench``).
 
 Every variant serves the same requests (same seed) through its own :class:`~bicache.engine.Engine`
-with a fresh prefix store; variants are interleaved over repeats and throughput is the median of
-the repeats. Accuracy is exact match of the generated answer.
+with a fresh prefix store. Measurement protocol: glibc keeps freed memory in the heap
+(:func:`~bicache.engine.keep_heap`), every variant runs once untimed (warm-up), then the variants
+are interleaved in rounds (each round runs every fraction; the variant order rotates from round to
+round), the garbage collector is paused inside each timed pass, and throughput is the median over
+rounds. The four variants of the headline ratios run in every round, the other baselines in the
+first ``side_repeats`` rounds. Accuracy is exact match of the generated answer.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -15,13 +20,14 @@ import torch
 
 from . import depth as depthmod
 from .diffusion import DecodeConfig
-from .engine import Engine
+from .engine import Engine, keep_heap
 from .model import DiffusionLM
 from .task import TableTask
 
 log = logging.getLogger(__name__)
 
 FRACTIONS = (0.25, 0.5, 0.75, 0.9)
+HEADLINE_VARIANTS = ("nocache", "block_cache", "bicache", "bicache+block_cache")
 
 
 def variants(dlm: DiffusionLM) -> list[tuple[str, str, int]]:
@@ -47,7 +53,14 @@ def make_workload(dlm: DiffusionLM, fractions=FRACTIONS, groups: int = 2, per_gr
 
 def run_variant(dlm, mode, fixed_depth, policy, reqs, max_batch, cfg) -> dict:
     engine = Engine(dlm, mode=mode, policy=policy, max_batch=max_batch, fixed_depth=fixed_depth, cfg=cfg)
-    done = engine.run([r.prompt for r in reqs])
+    gc.collect()
+    paused = gc.isenabled()
+    gc.disable()  # a collection inside a timed pass would land on whichever variant runs then
+    try:
+        done = engine.run([r.prompt for r in reqs])
+    finally:
+        if paused:
+            gc.enable()
     correct = sum(int(c.tokens == r.answer) for c, r in zip(done, reqs))
     s = engine.stats.summary()
     depths = sorted({c.depth for c in done})
@@ -73,10 +86,17 @@ def run_bench(
     calibration: depthmod.Calibration | None = None,
     bound: float | None = None,
     workload: tuple[int, int] | None = None,
+    side_repeats: int = 2,
 ) -> dict:
-    """Calibrate, pick the bound, then measure every variant at every fraction, side by side."""
+    """Calibrate, pick the bound, then measure every variant at every fraction, side by side.
+
+    ``repeats`` rounds for the headline variants (``HEADLINE_VARIANTS``), ``side_repeats`` of them
+    for the other baselines; medians over the rounds each variant ran.
+    """
     torch.set_num_threads(1)
-    repeats = repeats or (3 if quick else 5)
+    heap_kept = keep_heap()
+    repeats = repeats or (5 if quick else 7)
+    side_repeats = max(1, min(side_repeats, repeats))
     groups, per_group = workload or ((2, 192) if quick else (4, 192))
     cfg = DecodeConfig(gen_length=dlm.spec.gen_length, block_length=2, steps=dlm.spec.gen_length)
     t0 = time.perf_counter()
@@ -92,18 +112,29 @@ def run_bench(
     vs = variants(dlm)
     runs: dict[str, dict[float, list[dict]]] = {name: {f: [] for f in work} for name, _, _ in vs}
     bar = None
+    side = [v for v in vs if v[0] not in HEADLINE_VARIANTS]
+    head_vs = [v for v in vs if v[0] in HEADLINE_VARIANTS]
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=repeats * len(vs) * len(work), desc="bench", unit="run")
-    for _ in range(repeats):
+        total = len(vs) + (repeats * len(head_vs) + side_repeats * len(side)) * len(work)
+        bar = tqdm(total=total, desc="bench", unit="run")
+    warm = work[max(work)][: 2 * max_batch]  # a fill batch and a reuse batch
+    for _name, mode, d in vs:  # warm-up: first-call costs and heap growth, untimed
+        run_variant(dlm, mode, d, policy, warm, max_batch, cfg)
+        if bar is not None:
+            bar.update(1)
+    for r in range(repeats):
+        order = head_vs + (side if r < side_repeats else [])
+        order = order[r % len(order) :] + order[: r % len(order)]
         for f, reqs in work.items():
-            for name, mode, d in vs:
+            for name, mode, d in order:
                 runs[name][f].append(run_variant(dlm, mode, d, policy, reqs, max_batch, cfg))
                 if bar is not None:
                     bar.update(1)
     if bar is not None:
         bar.close()
+    rounds = _round_ratios(runs, work)
     results: dict[str, dict] = {}
     for name, per_f in runs.items():
         res = {}
@@ -118,6 +149,11 @@ def run_bench(
                 "median_cpu_seconds": round(cpu, 5),
                 "median_seconds": round(secs, 5),
                 "latency_p50_s": round(statistics.median(r["latency_p50_s"] for r in rs), 5),
+                "rounds": len(rs),
+                "cpu_seconds_min_max": [
+                    round(min(r["cpu_seconds"] for r in rs), 5),
+                    round(max(r["cpu_seconds"] for r in rs), 5),
+                ],
                 "token_layers_computed": rs[0]["token_layers_computed"],
                 "depths": rs[0]["depths"],
             }
@@ -127,6 +163,11 @@ def run_bench(
         "config": {
             "quick": quick,
             "repeats": repeats,
+            "side_repeats": side_repeats,
+            "headline_variants": list(HEADLINE_VARIANTS),
+            "protocol": "warm-up pass per variant; rounds interleave variants (order rotates per round), gc paused "
+            "in timed passes; medians over rounds",
+            "allocator": "glibc mallopt: freed memory kept in the heap" if heap_kept else "default",
             "fractions": list(FRACTIONS),
             "requests_per_fraction": groups * per_group,
             "groups_per_fraction": groups,
@@ -149,6 +190,23 @@ def run_bench(
         "bound_search": bound_report,
         "results": results,
         "headline": headline,
+        "round_ratios": rounds,
+    }
+
+
+def _round_ratios(runs: dict, work: dict) -> dict:
+    """The pooled (fractions >= 0.5) CPU-time ratios of each round on its own: the spread of the headline."""
+    high = [f for f in work if f >= 0.5]
+
+    def ratio(fast: str, base: str, i: int) -> float:
+        t_base = sum(runs[base][f][i]["cpu_seconds"] for f in high)
+        t_fast = sum(runs[fast][f][i]["cpu_seconds"] for f in high)
+        return round(t_base / t_fast, 3)
+
+    n = len(runs["nocache"][high[0]]) if high else 0
+    return {
+        "vs_nocache": [ratio("bicache", "nocache", i) for i in range(n)],
+        "vs_block_cache": [ratio("bicache+block_cache", "block_cache", i) for i in range(n)],
     }
 
 

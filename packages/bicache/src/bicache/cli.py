@@ -99,10 +99,12 @@ def cmd_bench(args) -> int:
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
         "results": out["results"],
         "headline": out["headline"],
+        "round_ratios": out["round_ratios"],
         "emulated": False,
         "calibration": out["calibration"],
         "policy": out["policy"],
-        "note": "CPU wall-clock, measured side by side in one run; the machine may be shared/loaded",
+        "note": "CPU time of the decoding thread (and wall-clock, *_wall), variants interleaved in rounds of one "
+        "run; the machine may be shared/loaded",
     }
     if args.json:
         _write_json(args.json, doc)
@@ -178,9 +180,10 @@ def _plot_drift(cal, bound: float, out_dir: Path) -> list[Path]:
 
 
 def cmd_serve(args) -> int:
-    from .engine import Engine
+    from .engine import Engine, keep_heap
     from .server import serve
 
+    keep_heap()
     dlm = _model(args)
     policy = _policy(dlm, args) if args.mode in ("bicache", "bicache+block") else None
     engine = Engine(dlm, mode=args.mode, policy=policy, max_batch=args.max_batch)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
 from . import kvcache
 from .kvcache import PrefixEntry
@@ -62,13 +62,17 @@ class DecodeStats:
     entry: PrefixEntry | None = None  # the prefix entry filled by this call (``fill_prefix``)
 
 
-def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry) -> torch.Tensor:
-    """The AR-engine prefix cache: stock forward of the suffix on a DynamicCache holding the prefix."""
+def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry, cache: Cache | None = None) -> torch.Tensor:
+    """The AR-engine prefix cache: stock forward of the suffix on a DynamicCache holding the prefix.
+
+    ``cache``: for models with local layers, a splice cache from an earlier step of the same batch
+    (``kvcache.prefix_cache(dlm, entry, N)``) to reuse its buffers.
+    """
     b, p = x.shape[0], entry.length
     if "sliding_attention" in dlm.config.layer_types:
         # the stock sliding-window cache keeps only the last window of keys; reuse every layer through
         # the same splice cache instead (identical arithmetic to a DynamicCache holding the prefix)
-        cache = kvcache.prefix_cache(dlm, entry, dlm.num_layers)
+        cache = cache if cache is not None else kvcache.prefix_cache(dlm, entry, dlm.num_layers)
         return kvcache.forward(dlm, x, cache, start=p, depth=dlm.num_layers, logits_from=p)
     cache = DynamicCache(config=dlm.config)
     for i in range(dlm.num_layers):
@@ -125,6 +129,7 @@ def generate(
     p = (entry.length if entry is not None else fill_prefix) if uses_prefix else 0
     x = torch.cat([prompts, torch.full((b, cfg.gen_length), dlm.mask_id, dtype=prompts.dtype)], dim=1)
     block_mode = mode in ("block", "bicache+block")
+    reuse: Cache | None = None  # the prefix splice cache, built once per batch: its buffers hold the prefix K/V
     with torch.no_grad():
         for blk in range(cfg.gen_length // cfg.block_length):
             b0 = tp + blk * cfg.block_length
@@ -145,10 +150,14 @@ def generate(
                     stats.tokens_computed += n * total
                     recorded = cache
                 elif mode == "naive":
-                    logits = naive_logits(dlm, x, entry)[:, b0 - p :]
+                    if reuse is None and "sliding_attention" in dlm.config.layer_types:
+                        reuse = kvcache.prefix_cache(dlm, entry, n)
+                    logits = naive_logits(dlm, x, entry, reuse)[:, b0 - p :]
                     stats.tokens_computed += n * (total - p)
                 elif mode == "bicache" or (mode == "bicache+block" and step == 0):
-                    cache = kvcache.prefix_cache(dlm, entry, depth, record=block_mode)
+                    if reuse is None:
+                        reuse = kvcache.prefix_cache(dlm, entry, depth, record=block_mode)
+                    cache = reuse
                     hid = entry.hidden[depth] if 0 < depth < n else None
                     start = p if depth > 0 else 0
                     logits = kvcache.forward(dlm, x, cache, start=start, depth=depth, prefix_hidden=hid, logits_from=b0)

@@ -26,23 +26,32 @@ from .model import DiffusionLM
 
 
 class SpliceLayer(CacheLayerMixin):
-    """Stored K/V (batch 1 or B) with the fresh span's K/V spliced in at ``start``."""
+    """Stored K/V (batch 1 or B) with the fresh span's K/V spliced in at ``start``.
+
+    The first update builds a ``(B, H, L, D)`` buffer holding the stored positions; every update
+    writes only the fresh span into it and returns it. One layer reused over the denoising steps of
+    a batch therefore copies the shared prefix once per batch, not once per step (the returned K/V
+    are valid until the next update). ``inplace=True`` is for stored K/V that belong to this batch
+    alone (a block-cache refresh pass's own K/V, batch B): the fresh span is written into them
+    directly, with no copy of the unchanged positions at all.
+    """
 
     is_sliding = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int, inplace: bool = False) -> None:
         super().__init__()
         if keys.shape != values.shape or keys.dim() != 4:
             raise ValueError("stored keys and values must both have shape (batch, heads, length, head_dim)")
         if not 0 <= start <= keys.shape[-2]:
             raise ValueError(f"splice start {start} outside the stored length {keys.shape[-2]}")
-        self.keys, self.values, self.start = keys, values, start
+        self.keys, self.values, self.start, self.inplace = keys, values, start, inplace
+        self._buffers: list[torch.Tensor | None] = [None, None]
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # stored at construction
         return None
 
-    def _splice(self, stored: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    def _splice(self, which: int, stored: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
         b, h, n, d = fresh.shape
         if stored.shape[1] != h or stored.shape[3] != d:
             raise ValueError(
@@ -51,14 +60,23 @@ class SpliceLayer(CacheLayerMixin):
             )
         if stored.shape[0] not in (1, b):
             raise ValueError(f"cached K/V batch {stored.shape[0]} does not match the request batch {b}")
-        stored = stored.expand(b, -1, -1, -1)
-        parts = [stored[:, :, : self.start], fresh]
-        if self.start + n < stored.shape[2]:
-            parts.append(stored[:, :, self.start + n :])
-        return torch.cat(parts, dim=2)
+        end = self.start + n
+        if self.inplace and stored.shape[0] == b and end <= stored.shape[2]:
+            stored[:, :, self.start : end] = fresh
+            return stored
+        length = max(stored.shape[2], end)
+        buf = self._buffers[which]
+        if buf is None or buf.shape != (b, h, length, d) or buf.dtype != fresh.dtype or buf.device != fresh.device:
+            buf = fresh.new_empty((b, h, length, d))
+            buf[:, :, : self.start] = stored[:, :, : self.start]  # batch-1 entries broadcast
+            if end < stored.shape[2]:
+                buf[:, :, end:] = stored[:, :, end:]
+            self._buffers[which] = buf
+        buf[:, :, self.start : end] = fresh
+        return buf
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return self._splice(self.keys, key_states), self._splice(self.values, value_states)
+        return self._splice(0, self.keys, key_states), self._splice(1, self.values, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return max(self.keys.shape[-2], self.start + query_length), 0
@@ -154,13 +172,17 @@ def prefix_cache(dlm: DiffusionLM, entry: PrefixEntry | None, depth: int, record
 
 
 def block_cache(recorded: Cache, start: int, keep_suffix: bool = True) -> Cache:
-    """Fast-dLLM style cache from a refresh pass: dual (prefix + suffix) or prefix only."""
+    """Fast-dLLM style cache from a refresh pass: dual (prefix + suffix) or prefix only.
+
+    The dual cache writes each step's fresh block K/V into the refresh pass's own K/V (they belong to
+    this batch and are refreshed at the next block), so a block step copies only the block.
+    """
     layers = []
     for layer in recorded.layers:
         k, v = layer.keys, layer.values
         if not keep_suffix:
             k, v = k[:, :, :start], v[:, :, :start]
-        layers.append(SpliceLayer(k, v, start))
+        layers.append(SpliceLayer(k, v, start, inplace=keep_suffix))
     return Cache(layers=layers)
 
 
