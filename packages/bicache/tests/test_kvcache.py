@@ -102,7 +102,7 @@ def test_block_cache_refresh_and_dual_steps(dlm, task):
     assert out.shape == (prompts.shape[0], 4)
     assert stats.forwards == 4
     full = dlm.num_layers * x.shape[1]
-    assert stats.tokens_computed == 2 * full + 2 * dlm.num_layers * 2
+    assert stats.tokens_computed == prompts.shape[0] * (2 * full + 2 * dlm.num_layers * 2)  # over the batch
     # a block cache holding exact K/V gives the exact logits for the block
     with torch.no_grad():
         rec = kvcache.prefix_cache(dlm, None, 0, record=True)
@@ -188,3 +188,18 @@ def test_splice_layer_buffer_reuse_and_inplace_equal_concatenation():
     k, _ = block.update(fk, torch.randn(3, 2, 2, 4))
     assert k.data_ptr() == own_k.data_ptr()
     assert torch.equal(k, torch.cat([ref_k[:, :, :5], fk, ref_k[:, :, 7:]], 2))
+
+
+def test_a_new_prefix_is_filled_from_the_first_request_alone(dlm, task):
+    reqs, prompts, x = _batch(dlm, task)
+    p = reqs[0].prefix_len
+    stats = diffusion.DecodeStats()
+    out = diffusion.generate(dlm, prompts, mode="bicache", depth=2, stats=stats, fill_prefix=p)
+    with torch.no_grad():
+        ref_entry, _ = kvcache.fill_entry(dlm, x[:1], p)  # the first request, answer masked, on its own
+    assert stats.entry.tokens == ref_entry.tokens
+    for a, b in zip(stats.entry.keys + stats.entry.hidden, ref_entry.keys + ref_entry.hidden):
+        assert torch.equal(a, b)
+    # every step of the batch, the first included, then reuses it: the same as decoding with the entry given
+    assert torch.equal(out, diffusion.generate(dlm, prompts, mode="bicache", depth=2, entry=ref_entry))
+    assert stats.forwards == 1 + 4

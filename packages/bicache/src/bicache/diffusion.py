@@ -58,7 +58,7 @@ class DecodeConfig:
 @dataclass
 class DecodeStats:
     forwards: int = 0
-    tokens_computed: int = 0  # token-layer products computed (a FLOP proxy)
+    tokens_computed: int = 0  # token-layer products computed over the batch (a FLOP proxy)
     entry: PrefixEntry | None = None  # the prefix entry filled by this call (``fill_prefix``)
 
 
@@ -93,9 +93,12 @@ def generate(
 ) -> torch.Tensor:
     """Decode ``cfg.gen_length`` tokens for a batch of equal-length prompts; returns the answers.
 
-    With ``fill_prefix > 0`` and no ``entry``, a prefix mode computes its first step in full and
-    fills the entry for the first ``fill_prefix`` tokens from row 0 of that pass (``stats.entry``),
-    as a serving engine does for the first batch that brings a prefix.
+    With ``fill_prefix > 0`` and no ``entry``, a prefix mode first runs the batch's first request
+    alone through the full forward (its answer still masked) and fills the entry for the first
+    ``fill_prefix`` tokens from it (``stats.entry``), as a serving engine prefills a new prefix once
+    for the first request that brings it; every row of the batch then decodes with reuse from its
+    first step (one request's full forward instead of the whole batch's). The depth calibration
+    fills its entries the same way.
     """
     if mode not in DECODE_MODES:
         raise ValueError(f"mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
@@ -131,29 +134,28 @@ def generate(
     block_mode = mode in ("block", "bicache+block")
     reuse: Cache | None = None  # the prefix splice cache, built once per batch: its buffers hold the prefix K/V
     with torch.no_grad():
+        if uses_prefix and entry is None:  # the batch brings a new prefix: its first request fills the entry
+            cache = kvcache.prefix_cache(dlm, None, 0, record=True)
+            hidden: list[torch.Tensor] = []
+            kvcache.forward(dlm, x[:1], cache=cache, logits_from=total, hidden_out=hidden)
+            entry = stats.entry = kvcache.entry_from(dlm, x[:1], cache, hidden, p)
+            stats.forwards += 1
+            stats.tokens_computed += n * total
         for blk in range(cfg.gen_length // cfg.block_length):
             b0 = tp + blk * cfg.block_length
             b1 = b0 + cfg.block_length
             recorded = None
             for step, k in enumerate(cfg.schedule()):
-                if uses_prefix and entry is None:  # first step of the batch that brings the prefix
-                    cache = kvcache.prefix_cache(dlm, None, 0, record=True)
-                    hidden: list[torch.Tensor] = []
-                    logits = kvcache.forward(dlm, x, cache=cache, logits_from=b0, end=total, hidden_out=hidden)
-                    entry = kvcache.entry_from(dlm, x, cache, hidden, p)
-                    stats.entry = entry
-                    stats.tokens_computed += n * total
-                    recorded = cache
-                elif mode == "none" or (mode == "block" and step == 0):
+                if mode == "none" or (mode == "block" and step == 0):
                     cache = kvcache.prefix_cache(dlm, None, 0, record=block_mode)
                     logits = kvcache.forward(dlm, x, cache=cache, logits_from=b0, end=total)
-                    stats.tokens_computed += n * total
+                    stats.tokens_computed += b * n * total
                     recorded = cache
                 elif mode == "naive":
                     if reuse is None and "sliding_attention" in dlm.config.layer_types:
                         reuse = kvcache.prefix_cache(dlm, entry, n)
                     logits = naive_logits(dlm, x, entry, reuse)[:, b0 - p :]
-                    stats.tokens_computed += n * (total - p)
+                    stats.tokens_computed += b * n * (total - p)
                 elif mode == "bicache" or (mode == "bicache+block" and step == 0):
                     if reuse is None:
                         reuse = kvcache.prefix_cache(dlm, entry, depth, record=block_mode)
@@ -161,12 +163,12 @@ def generate(
                     hid = entry.hidden[depth] if 0 < depth < n else None
                     start = p if depth > 0 else 0
                     logits = kvcache.forward(dlm, x, cache, start=start, depth=depth, prefix_hidden=hid, logits_from=b0)
-                    stats.tokens_computed += depth * (total - start) + (n - depth) * total
+                    stats.tokens_computed += b * (depth * (total - start) + (n - depth) * total)
                     recorded = cache
                 else:  # a block-cache step inside the block
                     cache = kvcache.block_cache(recorded, b0)
                     logits = kvcache.forward(dlm, x, cache, start=b0, end=b1, logits_from=b0)
-                    stats.tokens_computed += n * (b1 - b0)
+                    stats.tokens_computed += b * n * (b1 - b0)
                 stats.forwards += 1
                 _unmask(x, logits[:, : b1 - b0], b0, k, dlm.mask_id)
     return x[:, tp:]
