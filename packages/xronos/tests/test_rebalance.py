@@ -10,13 +10,19 @@ from xronos.train import TPTrainer
 
 
 @contextlib.contextmanager
-def _collectives(measured):
-    """Rank 0's view of a 2-rank rebalance: all_reduce returns ``measured``; reshards are recorded."""
+def _collectives(measured, reshard_s=None):
+    """Rank 0's view of a 2-rank rebalance: all_reduce returns ``measured`` (and ``reshard_s``, the
+    ranks' times of a calibrating reshard, for a vector of that length); reshards are recorded."""
     import xronos.rebalance as rbmod
 
     calls = []
     orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
-    rbmod.all_reduce = lambda v, g=None, **kw: v.copy_(torch.tensor(measured, dtype=torch.float64))
+
+    def fake_all_reduce(v, g=None, **kw):
+        src = reshard_s if reshard_s is not None and len(v) == len(reshard_s) else measured
+        return v.copy_(torch.tensor(src, dtype=torch.float64))
+
+    rbmod.all_reduce = fake_all_reduce
     rbmod.repartition = lambda trainer, p: calls.append(p)
     try:
         yield calls
@@ -98,6 +104,42 @@ def test_rebalancer_corrects_each_segment_on_its_own():
     ev = rb.history[-1]
     assert ev["by_segment"] and ev["factors"][1][0] == pytest.approx(1.0) and ev["factors"][1][1] == pytest.approx(2.0)
     assert new is not None and new.attn_units == part.attn_units and new.mlp_units[0] > new.mlp_units[1]
+
+
+def test_calibration_starts_from_the_partition_the_observed_steps_give():
+    cfg = small_cfg()
+    shape = cfg.shape()
+    costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
+    part = even_partition(shape, 2)
+    L = shape.num_layers
+    pred = [(L * c.attn_time(a), L * c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)]
+
+    class Fake:
+        step_idx = 2
+
+    Fake.part = part
+    # nothing observed (or correct=False): a reshard to the same partition, which only measures the cost
+    rb = Rebalancer(shape, costs, every=4, total_steps=100)
+    with _collectives([], reshard_s=[0.2, 0.3]) as calls:
+        assert rb.calibrate(Fake) == pytest.approx(0.3)
+    assert calls == [part] and rb.reshard_cost_s == pytest.approx(0.3) and rb.history == []
+    # rank 1's MLP measured 2x slower than profiled in the observed steps: the calibrating reshard goes to
+    # the corrected partition (even though a 0.3 s reshard would not pay for itself on its own)
+    rb = Rebalancer(shape, costs, every=4, total_steps=3, reshard_cost_s=1e3)
+    rb.observe(_seg_record(pred[0][0], pred[0][1], L))
+    measured = [pred[0][0], pred[0][1], pred[1][0], 2.0 * pred[1][1], 0.0, 0.0]
+    with _collectives(measured, reshard_s=[0.2, 0.3]) as calls:
+        assert rb.calibrate(Fake, correct=True) == pytest.approx(0.3)
+    ev = rb.history[-1]
+    assert ev["calibration"] and ev["resharded"] and ev["reshard_s"] == pytest.approx(0.3)
+    assert len(calls) == 1 and calls[0].attn_units == part.attn_units and calls[0].mlp_units[0] > calls[0].mlp_units[1]
+    assert rb.left == [(tuple(part.attn_units), tuple(part.mlp_units))] and not rb.window
+    # measured as profiled: the calibration confirms the start-up partition
+    rb = Rebalancer(shape, costs, every=4, total_steps=100)
+    rb.observe(_seg_record(pred[0][0], pred[0][1], L))
+    with _collectives([pred[0][0], pred[0][1], pred[1][0], pred[1][1], 0.0, 0.0], reshard_s=[0.1, 0.1]) as calls:
+        rb.calibrate(Fake, correct=True)
+    assert calls == [part] and not rb.history[-1]["resharded"] and rb.left == []
 
 
 def test_reshard_decision_weighs_saving_against_cost():

@@ -40,6 +40,7 @@ def _worker(
     timeline_step: int,
     rebalance_every: int,
     rebalance_threshold: float = 0.01,
+    calibrate_after: int = 2,
 ):
     import hwtopo
 
@@ -81,9 +82,13 @@ def _worker(
             records[name].append(trainers[name].step())
             if name == "xronos" and rebalancer is not None:
                 t_rb = time.perf_counter()
-                if step == 0:  # measure what one reshard costs (to the same partition: exact, a no-op)
-                    records[name][-1]["reshard_calibration_s"] = rebalancer.calibrate(trainers[name])
-                else:
+                if 0 < step <= calibrate_after:
+                    rebalancer.observe(records[name][-1])  # step 0 warms up (first allocations)
+                if step == calibrate_after:
+                    # one reshard, which measures what a reshard costs and starts from the partition the
+                    # observed steps give (the start-up profile timed shard computations in isolation)
+                    records[name][-1]["reshard_calibration_s"] = rebalancer.calibrate(trainers[name], correct=True)
+                elif step > calibrate_after:
                     rebalancer.observe(records[name][-1])
                     rebalancer.maybe_repartition(trainers[name])
                 records[name][-1]["rebalance_s"] = time.perf_counter() - t_rb
@@ -134,6 +139,7 @@ def run_comparison(
     cpu_share: float = 1.0,
     rebalance_threshold: float = 0.01,
     pin: bool = True,
+    calibrate_after: int = 2,
 ) -> list[dict]:
     """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results.
 
@@ -143,6 +149,9 @@ def run_comparison(
     Xronos re-profile from its measured step compute times and reshard every that many steps, when the
     corrected cost model predicts a layer time shorter by more than ``rebalance_threshold`` (1 %: one
     MLP block of a slow rank is ~0.5 % of a layer, a reshard costs a few tens of ms once).
+    After step ``calibrate_after`` (steps 1.. observed, step 0 is a warm-up) Xronos reshards once to the
+    partition its measured steps give, which also measures what a reshard costs
+    (:meth:`xronos.rebalance.Rebalancer.calibrate`).
     """
     cfg.validate()
     if not 0 < cpu_share <= 1:
@@ -165,7 +174,15 @@ def run_comparison(
     return spawn(
         _worker,
         len(speeds),
-        (cfg.to_dict(), list(speeds), list(variants), ts, rebalance_every, rebalance_threshold),
+        (
+            cfg.to_dict(),
+            list(speeds),
+            list(variants),
+            ts,
+            rebalance_every,
+            rebalance_threshold,
+            max(0, min(calibrate_after, cfg.steps - 1)),
+        ),
         speeds=shares,
         timeout_s=timeout_s,
         pg_timeout_s=300,
@@ -256,7 +273,7 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
             out[name]["rebalance_s_total"] = max(rebalance_s)
             out[name]["reshards"] = len(reshard_steps)
             out[name]["reshard_calibration_s"] = max(
-                (res["records"][name][0].get("reshard_calibration_s", 0.0) for res in results), default=0.0
+                (rec.get("reshard_calibration_s", 0.0) for res in results for rec in res["records"][name]), default=0.0
             )
             out[name]["rebalance_history"] = results[0]["rebalance_history"]
             if "xronos_final" in results[0]["partitions"]:

@@ -316,6 +316,7 @@ def cmd_bench(args) -> int:
     import hwtopo
 
     from .bench import emulation_info
+    from .launch import worker_env
 
     speeds = _speeds(args.speeds) if args.speeds else ([1.0, 0.5] if args.quick else [1.0, 0.7, 0.4])
     cfg = _cfg(args, lora_r=args.lora_r)
@@ -336,6 +337,7 @@ def cmd_bench(args) -> int:
             "quick": bool(args.quick),
             "wall_s": wall,
             "note": "measured on a shared, loaded machine; ratios are from one interleaved run",
+            "worker_env": worker_env(),  # what spawn adds to every rank's environment (all variants alike)
         },
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
         "results": {**summary, "profiles": [r["profile"] for r in results]},

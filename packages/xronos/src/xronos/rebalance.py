@@ -196,19 +196,50 @@ class Rebalancer:
         self.ratios: list[tuple[list[float], list[float]]] = []  # per window: per-rank (attn, mlp) vs base
         self.history: list[dict] = []
 
-    def calibrate(self, trainer) -> float:
-        """Measure one reshard's cost (to the current partition: exact, nothing changes); collective.
+    def calibrate(self, trainer, correct: bool = False) -> float:
+        """Measure one reshard's cost; collective. Sets ``reshard_cost_s`` to the slowest rank's time.
 
-        Call after the first optimiser step, so the AdamW moments are gathered and re-cut as in a real
-        reshard. Sets ``reshard_cost_s`` to the slowest rank's time and returns it.
+        Call after the first optimiser step(s), so the AdamW moments are gathered and re-cut as in a
+        real reshard. Without ``correct`` (or with no step observed yet) the reshard goes to the current
+        partition: exact, nothing changes. With ``correct`` the steps observed so far (:meth:`observe`)
+        first correct the start-up cost model as :meth:`maybe_repartition` does and, when the corrected
+        model predicts a layer time shorter by more than ``hysteresis``, the calibrating reshard goes to
+        the partition it gives: the start-up profile times shard computations
+        in isolation, the observed steps are the run itself (under the same emulation), and the reshard
+        is paid for either way. Returns the slowest rank's reshard time.
         """
+        part = trainer.part
+        target = part
+        if correct and self.window:
+            m = self._measure(trainer)
+            now, cand_s = m["current_layer_s"], m["candidate_layer_s"]
+            gain = 1 - cand_s / now if now > 0 else 0.0
+            # a few steps' factors carry the segments' jitter and the affine model extrapolates them to
+            # other shard sizes: move only for a predicted gain above the hysteresis margin, not on noise
+            moved = m["key"] != (tuple(part.attn_units), tuple(part.mlp_units)) and gain > self.hysteresis
+            target = m["cand"] if moved else part
+            event = {k: v for k, v in m.items() if k not in ("cand", "key")}
+            event.update(
+                calibration=True,
+                decision=f"calibration: predicted gain {gain:.2%} > {self.hysteresis:.0%}, start from the partition "
+                "the observed steps give"
+                if moved
+                else f"calibration: keep the start-up partition (predicted gain {gain:.2%} <= {self.hysteresis:.0%})",
+                resharded=moved,
+            )
+            if moved:
+                self.left = [*self.left, (tuple(part.attn_units), tuple(part.mlp_units))][-4:]
+                event["partition"] = target.describe()
+            self.history.append(event)
         t0 = time.perf_counter()
-        repartition(trainer, trainer.part)
+        repartition(trainer, target)
         world = len(self.costs)
         vec = torch.zeros(world, dtype=torch.float64)
         vec[dist.get_rank(self.group) if _active(self.group) else 0] = time.perf_counter() - t0
         all_reduce(vec, self.group)
         self.reshard_cost_s = float(vec.max())
+        if self.history and self.history[-1].get("calibration"):
+            self.history[-1]["reshard_s"] = self.reshard_cost_s
         return self.reshard_cost_s
 
     def observe(self, record: dict) -> None:
@@ -219,10 +250,8 @@ class Rebalancer:
         else:
             self.window.append((seg["attn"], seg["mlp"]))
 
-    def maybe_repartition(self, trainer) -> Partition | None:
-        """Every ``every`` steps: share the ranks' compute medians, refit, reshard if worth it."""
-        if len(self.window) < self.every:
-            return None
+    def _measure(self, trainer) -> dict:
+        """Share the ranks' window medians (collective), refit the cost models, find the best partition."""
         world = len(self.costs)
         by_segment = not any(m != m for _, m in self.window)  # no NaN: segment times were measured
         local = [statistics.median(a for a, _ in self.window), statistics.median(m for _, m in self.window)]
@@ -250,14 +279,34 @@ class Rebalancer:
         f_mlp = [statistics.median(w[1][r] for w in self.ratios) for r in range(world)]
         self.costs = [_scaled(c, fa, fm) for c, fa, fm in zip(self.base, f_attn, f_mlp)]
         cand = partition(self.shape, self.costs)
-        now = segment_objective(self.costs, part.attn_units, part.mlp_units)
         total = self.total_steps if self.total_steps is not None else getattr(getattr(trainer, "cfg", None), "steps", 0)
-        steps_left = max(0, int(total) - int(trainer.step_idx))
         noise = max(
             [_spread([w[0][r] for w in self.ratios]) for r in range(world)]
             + ([_spread([w[1][r] for w in self.ratios]) for r in range(world)] if by_segment else [])
         )
-        key = (tuple(cand.attn_units), tuple(cand.mlp_units))
+        return {
+            "step": trainer.step_idx,
+            "measured_compute_s": [float(v) for v in vec[: 2 * world]],
+            "by_segment": by_segment,
+            "factors": f_attn if not by_segment else list(zip(f_attn, f_mlp)),
+            "current_layer_s": segment_objective(self.costs, part.attn_units, part.mlp_units),
+            "candidate_layer_s": cand.predicted_layer_s,
+            "steps_left": max(0, int(total) - int(trainer.step_idx)),
+            "reshard_cost_s": self.reshard_cost_s,
+            "noise": noise,
+            "cand": cand,
+            "key": (tuple(cand.attn_units), tuple(cand.mlp_units)),
+        }
+
+    def maybe_repartition(self, trainer) -> Partition | None:
+        """Every ``every`` steps: share the ranks' compute medians, refit, reshard if worth it."""
+        if len(self.window) < self.every:
+            return None
+        part = trainer.part
+        m = self._measure(trainer)
+        rank = dist.get_rank(self.group) if _active(self.group) else 0
+        L = self.shape.num_layers
+        cand, key, now, steps_left, noise = m["cand"], m["key"], m["current_layer_s"], m["steps_left"], m["noise"]
         moves = key != (tuple(part.attn_units), tuple(part.mlp_units))
         ok, reason = (
             reshard_decision(
@@ -274,19 +323,8 @@ class Rebalancer:
             if moves
             else (False, "candidate is the current partition")
         )
-        event = {
-            "step": trainer.step_idx,
-            "measured_compute_s": [float(v) for v in vec[: 2 * world]],
-            "by_segment": by_segment,
-            "factors": f_attn if not by_segment else list(zip(f_attn, f_mlp)),
-            "current_layer_s": now,
-            "candidate_layer_s": cand.predicted_layer_s,
-            "steps_left": steps_left,
-            "reshard_cost_s": self.reshard_cost_s,
-            "noise": noise,
-            "decision": reason,
-            "resharded": False,
-        }
+        event = {k: v for k, v in m.items() if k not in ("cand", "key")}
+        event.update(decision=reason, resharded=False)
         if ok:
             self.left = [*self.left, (tuple(part.attn_units), tuple(part.mlp_units))][-4:]
             t0 = time.perf_counter()
