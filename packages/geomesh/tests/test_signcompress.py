@@ -122,3 +122,81 @@ def test_ef_decay_zero_is_plain_sign_and_bad_decay_rejected():
         SignCompressor([(4,)], ef_decay=1.5)
     with pytest.raises(ValueError, match="scale"):
         SignCodec([(4,)], scale="max")
+
+
+def test_rotation_is_orthogonal_and_invertible():
+    shapes = [(3, 5), (64,), (100,), (8, 256), (1030,)]
+    codec = SignCodec(shapes, chunk_size=1024, scale="rms", rotate=True, seed=3)
+    xs = [torch.randn(s) for s in shapes]
+    coded = codec.to_coded(xs)
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    assert not torch.allclose(coded, flat)  # the power-of-two blocks are rotated
+    assert float(coded.norm()) == pytest.approx(float(flat.norm()), rel=1e-5)  # orthogonal
+    for a, b in zip(xs, codec.from_coded(coded)):
+        assert torch.allclose(a, b, atol=1e-5)
+    # the (3, 5) and (100,) tensors have no power-of-two block: only D's signs touch them
+    assert torch.equal(coded[:15].abs(), flat[:15].abs())
+    assert torch.equal(coded[15 + 64 : 15 + 64 + 100].abs(), flat[15 + 64 : 15 + 64 + 100].abs())
+    # the buffer's signs are the signs of the rotated values; the layout and size do not change
+    buf = codec.encode(xs, tokens=9)
+    assert buf.numel() == SignCodec(shapes, chunk_size=1024).nbytes
+    dec_coded, tokens = codec.decode_coded(buf)
+    assert tokens == 9 and torch.equal(dec_coded >= 0, coded >= 0)
+    # another seed is another rotation; a non-power-of-two chunk cannot be a Hadamard block
+    assert not torch.equal(SignCodec(shapes, 1024, rotate=True, seed=4).to_coded(xs), coded)
+    with pytest.raises(ValueError, match="power of two"):
+        SignCodec(shapes, chunk_size=1000, rotate=True)
+
+
+def test_rotation_codes_heavy_tailed_chunks_better():
+    """Sign coding of a heavy-tailed chunk gives every near-zero entry the chunk's magnitude; after
+    the rotation the coordinates are near-Gaussian and the decoded vector points closer to the input."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, generator=g) ** 3
+    cos = {}
+    for rotate in (False, True):
+        codec = SignCodec([(8192,)], chunk_size=1024, scale="mean", rotate=rotate)
+        d = codec.decode(codec.encode([x]))[0][0]
+        cos[rotate] = float((d * x).sum() / (d.norm() * x.norm()))
+    assert cos[False] < 0.5 < 0.75 < cos[True]
+
+
+def test_decode_mean_is_the_weighted_sum_of_decodes():
+    shapes = [(64, 16), (33,)]
+    for rotate in (False, True):
+        codec = SignCodec(shapes, chunk_size=256, scale="rms", rotate=rotate)
+        bufs = [codec.encode([torch.randn(s) for s in shapes], tokens=t) for t in (10, 30, 60)]
+        assert [codec.tokens_of(b) for b in bufs] == [10, 30, 60]
+        w = [0.1, 0.3, 0.6]
+        got = codec.decode_mean(bufs, w)
+        want = [sum(wk * codec.decode(b)[0][i] for wk, b in zip(w, bufs)) for i in range(len(shapes))]
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-6)
+        again = codec.decode_mean([b.clone() for b in bufs], w)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))  # bit-identical on every worker
+
+
+def test_rotated_error_feedback_bounds_running_sum_and_state_is_exact():
+    torch.manual_seed(1)
+    shapes = [(32, 32), (40,)]
+    comp = SignCompressor(shapes, chunk_size=256, scale="rms", rotate=True)
+    true_sum = [torch.zeros(s) for s in shapes]
+    ef_sum = [torch.zeros(s) for s in shapes]
+    bias = [torch.randn(s) * 0.05 for s in shapes]
+    max_g, gaps = 0.0, []
+    for _ in range(200):
+        g = [torch.randn(s) + b for s, b in zip(shapes, bias)]
+        max_g = max(max_g, math.sqrt(sum(float((x * x).sum()) for x in g)))
+        d, _ = comp.decode(comp.compress(g))
+        for i in range(len(shapes)):
+            true_sum[i] += g[i]
+            ef_sum[i] += d[i]
+        gaps.append(math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(true_sum, ef_sum))))
+    resid = math.sqrt(sum(float((e * e).sum()) for e in comp.errors))
+    assert gaps[-1] == pytest.approx(resid, rel=1e-3)  # the gap is the carried residual
+    assert max(gaps) < 3 * max_g
+    assert 0.5 < comp.last_stats["cosine"] <= 1.0
+    other = SignCompressor(shapes, chunk_size=256, scale="rms", rotate=True)
+    other.load_state_dict(comp.state_dict())
+    g = [torch.randn(s) for s in shapes]
+    assert torch.equal(other.compress(g), comp.compress(g))  # resumed residual is bit-exact

@@ -58,6 +58,9 @@ class BenchConfig:
     # damped error feedback: each worker's next inner phase already re-discovers much of what the sign
     # dropped (it trains from the synced weights), so carrying the whole residual double-counts it
     ef_decay: float = 0.5
+    # signs taken in a randomized-Hadamard basis per chunk (same bytes): late pseudo-gradients are
+    # heavy-tailed per chunk, and coordinate-wise signs give every near-zero entry the chunk's magnitude
+    rotate: bool = True
     balance_by: str = "batch"  # "batch": equal H, b_i absorbs speed; "steps": b near the preferred one, H_i absorbs it
     # "deadline": H_i realised online (PhaseClock): steps of b_i until a common deadline after each sync,
     # the last one with the batch that fits; "steps": the plan's fixed H_i, re-planned on drift/imbalance
@@ -225,6 +228,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         scale=cfg.scale,
         error_feedback=cfg.error_feedback,
         ef_decay=cfg.ef_decay,
+        rotate=cfg.rotate,
         batch_size=b,
         wan=wan,
         worker_name=machines[rank],
@@ -244,6 +248,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
                 "comm_s": st.comm_s,
                 "sync_cpu_s": st.sync_cpu_s,
                 "replanned": st.replanned,
+                "codec": st.codec,
             }
         )
         if rank == 0:
@@ -491,7 +496,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
                 rres: dict = {}
                 _run_methods(rcfg, world, train, val, build_model(rcfg), rres, {}, net, progress)
                 h = headline(rres)
-                repeats.append({"seed": rcfg.seed, "headline": h, "results": {m: _brief(r) for m, r in rres.items()}})
+                repeats.append({"seed": rcfg.seed, "headline": h, "results": rres})  # with curves and phases
     finally:
         if net is not None:
             net.close()
@@ -505,10 +510,6 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "repeats": repeats,
         "emulated": emulated,
     }
-
-
-def _brief(r: dict) -> dict:
-    return {k: v for k, v in r.items() if k not in ("curve", "phases_per_worker")}
 
 
 def _merge_repeats(head: dict, seed: int, repeats: list[dict]) -> None:

@@ -54,6 +54,7 @@ class SyncStats:
     rates: list[float] = field(default_factory=list)  # measured tokens/s of every worker
     sync_cpu_s: float = 0.0  # this worker's own CPU work in this outer step (codec, averaging, outer step)
     replanned: bool = False
+    codec: dict = field(default_factory=dict)  # sign payload: SignCompressor.last_stats of this step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +111,7 @@ class DiLoCo:
         scale: str = "mean",
         error_feedback: bool = True,
         ef_decay: float = 1.0,
+        rotate: bool = False,
         batch_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         wan: WanEmulator | None = None,
@@ -140,7 +142,9 @@ class DiLoCo:
         self.outer_optimizer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=True)
         shapes = [p.shape for p in self.params]
         self.compressor = (
-            SignCompressor(shapes, chunk_size, error_feedback, scale, ef_decay) if compression == "sign" else None
+            SignCompressor(shapes, chunk_size, error_feedback, scale, ef_decay, rotate=rotate)
+            if compression == "sign"
+            else None
         )
         self.local_step = 0
         self.outer_step = 0
@@ -221,12 +225,9 @@ class DiLoCo:
             if self.wan is not None:
                 self.wan.wait("all_gather", buf.numel(), t0)
             self._collective_s += time.perf_counter() - t0
-            decoded = [self.compressor.decode(b) for b in bufs]
-            weights = token_weights([tok for _, tok in decoded])
-            agg = [torch.zeros_like(d) for d in deltas]
-            for (tensors, _), w in zip(decoded, weights):  # rank order: identical on every worker
-                for a, t in zip(agg, tensors):
-                    a.add_(t, alpha=w)
+            weights = token_weights([self.compressor.codec.tokens_of(b) for b in bufs])
+            # summed in rank order (identical on every worker), in the coded basis: one inverse rotation
+            agg = [a.to(d.device) for a, d in zip(self.compressor.decode_mean(bufs, weights), deltas)]
             return agg, buf.numel(), ring_wire_bytes("all_gather", buf.numel(), self.world)
         dtype = torch.float32 if self.compression == "fp32" else torch.float16
         w = token_weights(all_tokens)[self.rank]
@@ -272,6 +273,7 @@ class DiLoCo:
             payload_bytes=int(payload),
             wire_bytes=float(wire),
             rates=rates,
+            codec=dict(self.compressor.last_stats) if self.compressor is not None else {},
         )
         if self.rebalancer is not None:
             names = [p.name for p in self.rebalancer.plan.profiles]
