@@ -72,10 +72,10 @@ def _run_config(args, quick: bool):
     return cfg
 
 
-# The workloads (one place, so README, demo and bench agree). The gradient noise scale of the tiny
-# model grows from ~3 samples at step 0 to ~50 by the target perplexity, while throughput keeps growing
-# with the global batch up to the largest candidate (256): the batch that uses samples best grows
-# during training and stays below the throughput-optimal one, the regime of the paper's claim.
+# The workloads (one place, so README, demo and bench agree). The preconditioned gradient noise scale
+# of the tiny model grows from ~20-40 samples at step 0 to ~250 by the target perplexity, while
+# throughput keeps growing with the global batch up to the largest candidate (256): the batch that uses
+# samples best grows during training and stays below the throughput-optimal one.
 QUICK = {"world": 2, "target_ppl": 6.5, "budget_s": 40.0, "seeds": 3}
 FULL = {"world": 4, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1}
 
