@@ -36,6 +36,8 @@ def test_wan_emulator_times_follow_the_slowest_ring_link():
 def test_cli_usage_errors_exit_2(capsys, tmp_path):
     assert main(["bench", "--quick", "--outer-steps", "0"]) == 2
     assert "outer_steps" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--seeds", "0"]) == 2
+    assert "--seeds" in capsys.readouterr().err
     assert main(["bench", "--quick", "--methods", "geomesh,sgd"]) == 2
     assert "methods" in capsys.readouterr().err
     bad = tmp_path / "c.json"

@@ -13,7 +13,7 @@ import hwtopo
 
 from . import __version__
 
-QUICK = {"outer_steps": 12}
+QUICK = {"outer_steps": 12, "repeat_seeds": 2}  # GeoMesh vs DiLoCo-fp32 at 3 seeds
 FULL = {"outer_steps": 20, "hidden": 96, "text_bytes": 3_000_000}
 
 
@@ -41,6 +41,10 @@ def _config(args, quick: bool):
     kw = dict(QUICK if quick else FULL)
     if args.outer_steps is not None:
         kw["outer_steps"] = args.outer_steps
+    if args.seeds is not None:
+        if args.seeds < 1:
+            raise UsageError(f"--seeds: {args.seeds} must be >= 1 (seeds of the GeoMesh vs DiLoCo-fp32 comparison)")
+        kw["repeat_seeds"] = args.seeds - 1
     if args.methods:
         kw["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     kw["cluster"] = args.cluster
@@ -191,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="hwtopo cluster spec (bundled name or file); one worker per machine",
         )
         p.add_argument("--outer-steps", type=int, default=None, help="outer steps per method")
+        p.add_argument(
+            "--seeds",
+            type=int,
+            default=None,
+            help="seeds of the GeoMesh vs DiLoCo-fp32 comparison; the perplexity gap is their mean (3 with --quick)",
+        )
         p.add_argument("--methods", default=None, help="comma list of geomesh,diloco-fp32,diloco-fp16,ddp,async")
         p.add_argument(
             "--wan",
