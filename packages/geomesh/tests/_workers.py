@@ -21,7 +21,9 @@ def batch(rank: int, step: int, size: int = 4):
 def train(rank, world, compression, outer_steps, inner_steps_by_rank, ckpt=None, save_at=None, resume=False):
     model = tiny_model(seed=rank)  # different inits: DiLoCo must start everyone from rank 0's weights
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dl = DiLoCo(model, opt, inner_steps_by_rank[rank], compression=compression, chunk_size=16)
+    rotate = compression == "sign-rot"  # the sign payload in the randomized-Hadamard basis
+    comp = "sign" if rotate else compression
+    dl = DiLoCo(model, opt, inner_steps_by_rank[rank], compression=comp, chunk_size=16, rotate=rotate)
     step = 0
     if resume:
         step = dl.load(os.path.join(ckpt, f"rank{rank}.pt"))["step"]
@@ -43,7 +45,7 @@ def train(rank, world, compression, outer_steps, inner_steps_by_rank, ckpt=None,
 
 def all_variants(rank, world):
     out = {}
-    for comp in ("sign", "fp32", "fp16"):
+    for comp in ("sign", "sign-rot", "fp32", "fp16"):
         out[comp] = train(rank, world, comp, outer_steps=3, inner_steps_by_rank=[2, 3, 5][:world])
     return out
 

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 def test_outer_step_identical_across_workers_with_heterogeneous_inner_steps():
     res = spawn(all_variants, 3, timeout_s=240, start_method="fork")
-    for comp in ("sign", "fp32", "fp16"):
+    for comp in ("sign", "sign-rot", "fp32", "fp16"):
         p0 = res[0][comp]["params"]
         for r in (1, 2):
             assert all(torch.equal(a, b) for a, b in zip(p0, res[r][comp]["params"])), (comp, r)
@@ -28,11 +28,16 @@ def test_outer_step_identical_across_workers_with_heterogeneous_inner_steps():
     n = sum(p.numel() for p in init)
     assert fp32_b == 4 * n and res[0]["fp16"]["history"][0]["payload_bytes"] == 2 * n
     assert sign_b == 8 + 4 * len(init) + (n + 7) // 8 + 4 * sum((p.numel() - 1) // 16 for p in init)
+    # the rotated basis: same bytes, another outer step (its signs are those of the rotated values)
+    assert res[0]["sign-rot"]["history"][0]["payload_bytes"] == sign_b
+    assert not all(torch.equal(a, b) for a, b in zip(res[0]["sign"]["params"], res[0]["sign-rot"]["params"]))
+    assert 0.0 < res[0]["sign-rot"]["history"][0]["codec"]["cosine"] <= 1.0
 
 
-def test_resume_from_checkpoint_is_bit_identical(tmp_path):
-    full = spawn(train, 2, ("sign", 4, [2, 3], str(tmp_path), 2), timeout_s=240, start_method="fork")
-    resumed = spawn(train, 2, ("sign", 4, [2, 3], str(tmp_path), None, True), timeout_s=240, start_method="fork")
+@pytest.mark.parametrize("comp", ["sign", "sign-rot"])
+def test_resume_from_checkpoint_is_bit_identical(tmp_path, comp):
+    full = spawn(train, 2, (comp, 4, [2, 3], str(tmp_path), 2), timeout_s=240, start_method="fork")
+    resumed = spawn(train, 2, (comp, 4, [2, 3], str(tmp_path), None, True), timeout_s=240, start_method="fork")
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(full[r]["params"], resumed[r]["params"]))
     assert len(resumed[0]["history"]) == 2
