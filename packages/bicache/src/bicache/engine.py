@@ -34,9 +34,9 @@ def keep_heap(top_pad: int = 64 << 20) -> bool:
 
     With glibc's default (dynamic) mmap and trim thresholds, the large activations of a
     full-sequence forward are handed back to the OS when freed and page-faulted in again on the next
-    allocation: in the quick bench the no-cache variant took ~136k minor page faults and ~0.25 s of
-    system time per pass (over a third of its CPU time, and its noisiest part), more than the
-    variants with smaller tensors. Raising the thresholds lets every variant reuse heap memory; a
+    allocation: in the quick bench (profiled under load) the no-cache variant took ~136k minor
+    page faults and ~0.25 s of system time per pass (over a third of its CPU time, and its noisiest
+    part), more than the variants with smaller tensors. Raising the thresholds lets every variant reuse heap memory; a
     serving process wants the same. Process-wide, so the CLI (bench, serve) calls it, not the library.
     """
     import ctypes
