@@ -53,6 +53,10 @@ def test_small_bench_side_by_side():
     assert list(per) == ["0", "1"] and len(res["repeats"]) == 1
     assert h["ppl_rel_diff_vs_diloco"] == pytest.approx(sum(per.values()) / 2)
     assert per["0"] == h["ppl_rel_diff_vs_diloco_first_seed"]
+    for key in ("straggler_idle_geomesh", "straggler_idle_diloco", "ttt_ratio_vs_diloco"):
+        per = h[f"{key}_per_seed"]
+        if None not in per.values():
+            assert h[key] == pytest.approx(sum(per.values()) / 2) and per["0"] == h[f"{key}_first_seed"]
     phases = g["phases_per_worker"]
     assert len(phases) == 3 and all(len(p) == g["syncs"] for p in phases.values())
 
