@@ -81,7 +81,7 @@ def run_bench(
     dlm: DiffusionLM,
     quick: bool = True,
     repeats: int | None = None,
-    max_batch: int = 96,
+    max_batch: int = 192,
     progress: bool = True,
     calibration: depthmod.Calibration | None = None,
     bound: float | None = None,
