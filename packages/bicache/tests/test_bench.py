@@ -7,7 +7,9 @@ from bicache.bench import run_bench, variants
 @pytest.mark.slow
 def test_bench_runs_every_variant_side_by_side(dlm):
     cal = depth.calibrate(dlm, shared_rows=[0, 3, 6, 7], requests_per_fraction=2, groups=1)
-    out = run_bench(dlm, repeats=1, max_batch=4, progress=False, calibration=cal, bound=0.05, workload=(1, 4))
+    out = run_bench(
+        dlm, repeats=1, max_batch=4, progress=False, calibration=cal, bound=0.05, workload=(1, 4), heap=False
+    )
     names = [v[0] for v in variants(dlm)]
     assert list(out["results"]) == names
     for name in names:

@@ -87,14 +87,16 @@ def run_bench(
     bound: float | None = None,
     workload: tuple[int, int] | None = None,
     side_repeats: int = 2,
+    heap: bool = True,
 ) -> dict:
     """Calibrate, pick the bound, then measure every variant at every fraction, side by side.
 
     ``repeats`` rounds for the headline variants (``HEADLINE_VARIANTS``), ``side_repeats`` of them
-    for the other baselines; medians over the rounds each variant ran.
+    for the other baselines; medians over the rounds each variant ran. ``heap`` applies
+    :func:`~bicache.engine.keep_heap` (process-wide) so that no variant pays page faults.
     """
     torch.set_num_threads(1)
-    heap_kept = keep_heap()
+    heap_kept = keep_heap() if heap else False
     repeats = repeats or (5 if quick else 7)
     side_repeats = max(1, min(side_repeats, repeats))
     groups, per_group = workload or ((2, 192) if quick else (4, 192))
@@ -119,7 +121,7 @@ def run_bench(
 
         total = len(vs) + (repeats * len(head_vs) + side_repeats * len(side)) * len(work)
         bar = tqdm(total=total, desc="bench", unit="run")
-    warm = work[max(work)][: 2 * max_batch]  # a fill batch and a reuse batch
+    warm = work[max(work)][: 2 * max_batch]  # two batches (at the default limit: one per prefix group)
     for _name, mode, d in vs:  # warm-up: first-call costs and heap growth, untimed
         run_variant(dlm, mode, d, policy, warm, max_batch, cfg)
         if bar is not None:

@@ -46,6 +46,7 @@ class SpliceLayer(CacheLayerMixin):
             raise ValueError(f"splice start {start} outside the stored length {keys.shape[-2]}")
         self.keys, self.values, self.start, self.inplace = keys, values, start, inplace
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._spans: list[int | None] = [None, None]  # the fresh span's end each buffer was built for
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:  # stored at construction
@@ -66,12 +67,19 @@ class SpliceLayer(CacheLayerMixin):
             return stored
         length = max(stored.shape[2], end)
         buf = self._buffers[which]
-        if buf is None or buf.shape != (b, h, length, d) or buf.dtype != fresh.dtype or buf.device != fresh.device:
+        if (
+            buf is None
+            or buf.shape != (b, h, length, d)
+            or self._spans[which] != end  # a shorter span would leave stale entries after it
+            or buf.dtype != fresh.dtype
+            or buf.device != fresh.device
+        ):
             buf = fresh.new_empty((b, h, length, d))
             buf[:, :, : self.start] = stored[:, :, : self.start]  # batch-1 entries broadcast
             if end < stored.shape[2]:
                 buf[:, :, end:] = stored[:, :, end:]
             self._buffers[which] = buf
+            self._spans[which] = end
         buf[:, :, self.start : end] = fresh
         return buf
 
