@@ -200,3 +200,15 @@ def test_rotated_error_feedback_bounds_running_sum_and_state_is_exact():
     other.load_state_dict(comp.state_dict())
     g = [torch.randn(s) for s in shapes]
     assert torch.equal(other.compress(g), comp.compress(g))  # resumed residual is bit-exact
+
+
+def test_residual_survives_a_change_of_chunk_size():
+    """A residual saved in one rotated basis and loaded into a codec with another chunk size is
+    carried over as the same coordinate-basis error, not as the raw coded vector."""
+    shapes = [(64, 32)]
+    a = SignCompressor(shapes, chunk_size=1024, scale="rms", rotate=True)
+    a.compress([torch.randn(s) for s in shapes])
+    b = SignCompressor(shapes, chunk_size=256, scale="rms", rotate=True)
+    b.load_state_dict(a.state_dict())
+    for ea, eb in zip(a.errors, b.errors):
+        assert torch.allclose(ea, eb, atol=1e-5)

@@ -229,6 +229,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         error_feedback=cfg.error_feedback,
         ef_decay=cfg.ef_decay,
         rotate=cfg.rotate,
+        rotate_seed=cfg.seed,  # one rotation per run, the same on every worker; each repeated seed draws its own
         batch_size=b,
         wan=wan,
         worker_name=machines[rank],
@@ -521,9 +522,8 @@ def _merge_repeats(head: dict, seed: int, repeats: list[dict]) -> None:
     for key in ("ppl_rel_diff_vs_diloco", "straggler_idle_geomesh", "straggler_idle_diloco", "ttt_ratio_vs_diloco"):
         vals = [head.get(key)] + [r["headline"].get(key) for r in repeats]
         head[f"{key}_per_seed"] = {str(seed + i): v for i, v in enumerate(vals)}
-        if None not in vals:
-            head[f"{key}_first_seed"] = head[key]
-            head[key] = sum(vals) / len(vals)
+        head[f"{key}_first_seed"] = head.get(key)
+        head[key] = None if None in vals else sum(vals) / len(vals)  # a seed without a value: no mean
 
 
 def _run_methods(cfg, world, train, val, evaluator, results, emulated, net, progress) -> None:

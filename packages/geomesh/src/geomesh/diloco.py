@@ -112,6 +112,7 @@ class DiLoCo:
         error_feedback: bool = True,
         ef_decay: float = 1.0,
         rotate: bool = False,
+        rotate_seed: int = 0,
         batch_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         wan: WanEmulator | None = None,
@@ -142,7 +143,7 @@ class DiLoCo:
         self.outer_optimizer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=True)
         shapes = [p.shape for p in self.params]
         self.compressor = (
-            SignCompressor(shapes, chunk_size, error_feedback, scale, ef_decay, rotate=rotate)
+            SignCompressor(shapes, chunk_size, error_feedback, scale, ef_decay, rotate=rotate, seed=rotate_seed)
             if compression == "sign"
             else None
         )

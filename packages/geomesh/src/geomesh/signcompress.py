@@ -354,7 +354,8 @@ class SignCompressor:
         errors = state["errors"]
         if [tuple(e.shape) for e in errors] != [tuple(s) for s in self.codec.shapes]:
             raise ValueError("error-feedback state does not match this model's parameter shapes")
-        same_basis = (state.get("rotate", False), state.get("seed", 0)) == (self.codec.rotate, self.codec.seed)
+        basis = (state.get("rotate", False), state.get("seed", 0), state.get("chunk_size", self.codec.chunk_size))
+        same_basis = basis == (self.codec.rotate, self.codec.seed, self.codec.chunk_size)
         if "residual" in state and same_basis:
             self.residual = state["residual"].clone().float()  # bit-exact
         else:
