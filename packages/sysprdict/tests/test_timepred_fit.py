@@ -99,3 +99,17 @@ def test_calibrate_experts_measures_every_dtype():
     finally:
         timepred.EXPERTS_MATMUL_COST.clear()
         timepred.EXPERTS_MATMUL_COST.update(saved)
+
+
+def test_opmix_predictions_keep_the_expert_cost_of_their_fit(monkeypatch):
+    """A fitted predictor prices grouped expert matmuls at the cost it was fitted with, even when
+    the process's calibration changes afterwards."""
+    from sysprdict import timepred
+
+    monkeypatch.setattr(timepred, "EXPERTS_MATMUL_COST", {"float32": 2.0, "bfloat16": 2.0, "float16": 2.0})
+    ds = [decompose(build(m), Shape(b, 16), "fp32") for m in ("llama-xs", "qwen2-moe-xs") for b in (1, 2, 3)]
+    tp = TimePredictor(kind="opmix").fit(ds, [0.01, 0.02, 0.03, 0.015, 0.03, 0.045])
+    before = tp.predict(ds)
+    timepred.EXPERTS_MATMUL_COST["float32"] = 50.0  # a later recalibration in the same process
+    np.testing.assert_allclose(tp.predict(ds), before)
+    assert tp._experts_cost["float32"] == 2.0

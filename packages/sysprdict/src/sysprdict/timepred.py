@@ -222,12 +222,16 @@ def calibrate_experts(repeats: int = 20, experts: int = 4) -> dict[str, float]:
     return res
 
 
-def opmix_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
+def opmix_terms(
+    d: Decomposition, optimizer: str = "adamw", experts_cost: dict[str, float] | None = None
+) -> dict[str, float]:
     """The step's work per op class at the dtype each op ran at (`Decomposition.op_mix`): matmul
     FLOPs (dense, fused attention, and grouped expert matmuls weighted by their measured relative
     cost) and matmul count per dtype, bytes moved by every other op per dtype, dispatched ops (and
     ops dispatched through autocast, which adds a cast check to each), optimizer bytes at the
-    parameter dtype and parameter tensors (per-tensor optimizer overhead)."""
+    parameter dtype and parameter tensors (per-tensor optimizer overhead). `experts_cost` is the grouped
+    matmul's relative cost per dtype (default: the process's `EXPERTS_MATMUL_COST`)."""
+    cost = EXPERTS_MATMUL_COST if experts_cost is None else experts_cost
     mix = d.op_mix
     t: dict[str, float] = defaultdict(float, dict.fromkeys(_MIX_TERMS, 0.0))
     for key, v in mix.items():
@@ -240,7 +244,7 @@ def opmix_terms(d: Decomposition, optimizer: str = "adamw") -> dict[str, float]:
             if qty == "flops" and cls == "sdpa":  # fused attention: its own kernel, own cost per dtype
                 t[f"sdpa_flops:{dt}"] += v
             elif qty == "flops":
-                t[f"mm_flops:{dt}"] += v * (EXPERTS_MATMUL_COST.get(dt, 1.0) if cls == "experts" else 1.0)
+                t[f"mm_flops:{dt}"] += v * (cost.get(dt, 1.0) if cls == "experts" else 1.0)
             elif qty == "count":
                 t[f"mm_count:{dt}"] += v
         elif qty == "bytes":
@@ -288,12 +292,14 @@ class TimePredictor:
         self._trees = None
         self._add = None
         self._ranges: dict[str, tuple[float, float]] = {}
+        self._experts_cost: dict[str, float] = {}  # the grouped-matmul cost the fit used, kept for predict
 
     def _additive_matrix(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
         """One block of additive terms per precision (precision-aware: every precision has its own
         cost per op, per FLOP, per byte) or one shared block (blind)."""
         if self.kind == "opmix":
-            return np.array([[t[k] for k in _MIX_TERMS] for t in (opmix_terms(d, o) for d, o in zip(ds, optimizers))])
+            terms = (opmix_terms(d, o, self._experts_cost) for d, o in zip(ds, optimizers))
+            return np.array([[t[k] for k in _MIX_TERMS] for t in terms])
         blocks = PRECISIONS if self.precision_aware else ("any",)
         out = np.zeros((len(ds), len(blocks) * len(_ADDITIVE)))
         for i, (d, o) in enumerate(zip(ds, optimizers)):
@@ -330,6 +336,8 @@ class TimePredictor:
         y = np.log(np.asarray(times_s, float))
         if self.kind == "opmix" and not EXPERTS_MATMUL_COST:
             calibrate_experts()  # once per process: the grouped expert matmul's cost on this machine
+        # predictions use the cost this fit saw, even if the process recalibrates later
+        self._experts_cost = dict(EXPERTS_MATMUL_COST)
         if self.kind in _LINEAR_COST_KINDS:
             self._additive_fit(ds, np.asarray(times_s, float), opts)
             trend = np.log(self._additive_predict(ds, opts))
