@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -25,7 +26,7 @@ from .balance import MemoryModel, PhaseClock, Rebalancer, fit_profile, plan
 from .baselines import AsyncServer, GradientAllReduce
 from .diloco import DiLoCo
 from .launch import spawn
-from .netns import WAN_MODES, NetnsError, NetnsWan, wan_mode
+from .netns import WAN_MODES, NetnsError, NetnsWan, netns_prerequisites, wan_mode
 from .wan import WanEmulator
 
 __all__ = ["BenchConfig", "METHODS", "run_bench", "load_corpus", "build_model", "headline"]
@@ -474,14 +475,16 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     evaluator = build_model(cfg)
     results: dict = {}
     emulated: dict = {}
-    decision = wan_mode(cfg.wan)
+    # the real namespaces are built next and a failure falls back (or raises for "netns"), so only
+    # the cheap prerequisites are checked here instead of building a test pair first
+    decision = wan_mode(cfg.wan, support=netns_prerequisites)
     net = None
     if decision.mode == "netns":
         try:
             net = NetnsWan(cluster, cluster.names[:world]).setup()
-        except NetnsError as e:
+        except (NetnsError, OSError, subprocess.SubprocessError) as e:
             if cfg.wan == "netns":
-                raise
+                raise NetnsError(f"wan: 'netns' is not possible here: {e}") from e
             log.warning("network namespaces unavailable, WAN emulated in-process: %s", e)
             decision = type(decision)("inprocess", f"fallback: {e}")
     emulated["wan_mode"] = {"mode": decision.mode, "reason": decision.reason}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import hwtopo
 
-__all__ = ["NetnsWan", "NetnsError", "WAN_MODES", "WanDecision", "wan_mode", "netns_support"]
+__all__ = ["NetnsWan", "NetnsError", "WAN_MODES", "WanDecision", "wan_mode", "netns_support", "netns_prerequisites"]
 
 log = logging.getLogger(__name__)
 WAN_MODES = ("auto", "netns", "inprocess")
@@ -48,8 +48,9 @@ def _run(args: Sequence[str]) -> None:
         raise NetnsError(f"{' '.join(args)}: {(r.stderr or r.stdout).strip() or f'exit {r.returncode}'}")
 
 
-def netns_support() -> tuple[bool, str]:
-    """(True, "") when namespaces, veths, a bridge and tbf can be made here, else (False, why)."""
+def netns_prerequisites() -> tuple[bool, str]:
+    """(True, "") when Linux, root, ``ip`` and ``tc`` are there, else (False, why). Cheap: builds
+    nothing; a caller that then builds its namespaces must handle NetnsError itself."""
     if os.name != "posix" or not hasattr(os, "geteuid"):
         return False, "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -57,6 +58,14 @@ def netns_support() -> tuple[bool, str]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"'{tool}' (iproute2) is not on PATH"
+    return True, ""
+
+
+def netns_support() -> tuple[bool, str]:
+    """(True, "") when namespaces, veths, a bridge and tbf can be made here, else (False, why)."""
+    ok, why = netns_prerequisites()
+    if not ok:
+        return ok, why
     try:
         probe = NetnsWan.__new__(NetnsWan)
         probe._init(["a", "b"], [[None, 1e6], [1e6, None]], tag=f"gmp{os.getpid() % 100000}")
