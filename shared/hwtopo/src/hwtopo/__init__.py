@@ -6,14 +6,19 @@ machine, light measurements, and emulation of slower CPUs and links on one machi
 
 from .emulate import (
     CpuThrottle,
+    Dilation,
     LinkShaper,
     ShapedWriter,
     TokenBucket,
     cgroup_available,
     cleanup_stale,
+    current_dilation,
+    dilate,
     pid_alive,
     remove_cgroup,
+    sync_point,
     throttle,
+    undilate,
 )
 from .measure import DiskResult, MatmulResult, attach, disk_bandwidth, matmul_flops, memcpy_bandwidth
 from .model import Accelerator, Cluster, Disk, Link, Machine, NumaNode
@@ -31,12 +36,13 @@ from .units import (
     parse_flops,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "Accelerator",
     "Cluster",
     "CpuThrottle",
+    "Dilation",
     "Disk",
     "DiskResult",
     "Link",
@@ -51,6 +57,8 @@ __all__ = [
     "attach",
     "cgroup_available",
     "cleanup_stale",
+    "current_dilation",
+    "dilate",
     "disk_bandwidth",
     "dumps",
     "format_bandwidth",
@@ -72,8 +80,10 @@ __all__ = [
     "probe_cluster",
     "remove_cgroup",
     "save",
+    "sync_point",
     "throttle",
     "to_dict",
+    "undilate",
     "usable_cpus",
     "__version__",
 ]

@@ -6,6 +6,13 @@ duty-cycle throttle: a small watchdog process alternates SIGSTOP/SIGCONT. ``CpuT
 says which was used. Every cgroup created is removed on close, at exit, and by
 ``cleanup_stale()`` (called on every new throttle) once the process that made it has died.
 
+Compute dilation (``Dilation``, ``dilate``, ``sync_point``): a process emulating relative ``speed``
+computes at full speed and, at each synchronisation point it marks, sleeps ``(1/speed - 1)`` x the CPU
+time its thread used since the previous point. Every compute segment then takes ``compute / speed``
+of wall time, steady at millisecond scale (a CPU quota enforced per period makes short segments of a
+slow process jittery), and the core is free while it sleeps, like a slower device leaving cycles
+unused. Time the thread spends blocked (waiting for a peer) uses no CPU and is not dilated.
+
 Links: ``LinkShaper`` delays a transfer by the link's latency plus a token-bucket wait at its
 bandwidth, for in-process shaping of messages or collectives; ``ShapedWriter`` wraps a file-like.
 """
@@ -36,6 +43,11 @@ __all__ = [
     "LinkShaper",
     "ShapedWriter",
     "EMULATED",
+    "Dilation",
+    "dilate",
+    "undilate",
+    "current_dilation",
+    "sync_point",
 ]
 
 log = logging.getLogger(__name__)
@@ -270,6 +282,143 @@ def _close_all() -> None:
         live = list(_live.values())
     for t in live:
         t.close()
+
+
+def _check_speed(speed) -> float:
+    try:
+        v = float(speed)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not (0.0 < v <= 1.0):  # also rejects NaN
+        raise ValueError(f"speed must be a relative speed in (0, 1] (1.0 = this CPU), not {speed!r}")
+    return v
+
+
+class Dilation:
+    """Emulate a CPU ``speed`` times as fast by dilating compute at synchronisation points.
+
+    Call :meth:`sync_point` (from the thread that created it) right before every point where the
+    process meets another (a collective, a send/receive, the end of a timed region). It sleeps
+    ``(1/speed - 1)`` x the thread CPU time (``clock``, default ``time.thread_time``) used since the
+    previous call, so a compute segment of c CPU-seconds takes c / speed of wall time. Debts shorter
+    than ``min_sleep_s`` are carried to the next point; a sleep that overshoots (timer slack) is
+    credited against the next debt, at most ``max_credit_s``, so being descheduled by another program
+    is not paid back with undilated compute. ``clock``, ``sleep`` and ``wall`` are injectable for tests.
+    Labelled emulated: ``describe()["method"] == "dilation"``.
+    """
+
+    method = "dilation"
+
+    def __init__(
+        self,
+        speed: float,
+        min_sleep_s: float = 1e-4,
+        max_credit_s: float = 1e-3,
+        clock=time.thread_time,
+        sleep=time.sleep,
+        wall=time.perf_counter,
+    ) -> None:
+        self.speed = _check_speed(speed)
+        if not min_sleep_s >= 0:
+            raise ValueError(f"min_sleep_s must be >= 0 seconds, not {min_sleep_s!r}")
+        if not max_credit_s >= 0:
+            raise ValueError(f"max_credit_s must be >= 0 seconds, not {max_credit_s!r}")
+        self.factor = 1.0 / self.speed - 1.0
+        self.min_sleep_s, self.max_credit_s = float(min_sleep_s), float(max_credit_s)
+        self._clock, self._sleep, self._wall = clock, sleep, wall
+        self.thread_id = threading.get_ident()
+        self.debt_s = 0.0  # sleep owed (negative: credit from an overshooting sleep)
+        self.cpu_s = 0.0  # thread CPU seconds seen at sync points
+        self.slept_s = 0.0
+        self.points = 0
+        self.closed = False
+        self._mark = clock()
+
+    def sync_point(self) -> float:
+        """Pay the dilation owed for the CPU used since the last point; returns the seconds slept."""
+        if self.closed or threading.get_ident() != self.thread_id:
+            return 0.0
+        now = self._clock()
+        used = max(0.0, now - self._mark)
+        self.cpu_s += used
+        self.points += 1
+        self.debt_s += used * self.factor
+        self._mark = now
+        if self.debt_s < self.min_sleep_s:
+            return 0.0
+        t0 = self._wall()
+        self._sleep(self.debt_s)
+        slept = max(0.0, self._wall() - t0)
+        self.debt_s = max(self.debt_s - slept, -self.max_credit_s)
+        self.slept_s += slept
+        self._mark = self._clock()  # the sleep call's own CPU is not compute to dilate
+        return slept
+
+    def reset(self) -> None:
+        """Forget the CPU used since the last point (e.g. after set-up that should not be dilated)."""
+        self._mark = self._clock()
+        self.debt_s = 0.0
+
+    def describe(self) -> dict:
+        return {
+            "emulated": True,
+            "method": self.method,
+            "speed": self.speed,
+            "cpu_s": self.cpu_s,
+            "slept_s": self.slept_s,
+            "sync_points": self.points,
+        }
+
+    def close(self) -> None:
+        """Stop dilating; uninstalls it if it is the process-wide dilation."""
+        global _dilation
+        self.closed = True
+        with _lock:
+            if _dilation is self:
+                _dilation = None
+
+    def __enter__(self) -> Dilation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_dilation: Dilation | None = None
+
+
+def dilate(speed: float, **kwargs) -> Dilation:
+    """Install a process-wide :class:`Dilation` at ``speed`` (replacing any), measured on the calling thread.
+
+    Use as a context manager or ``close()`` it. :func:`sync_point` anywhere in the process then pays
+    its debts; with no dilation installed :func:`sync_point` does nothing.
+    """
+    global _dilation
+    d = Dilation(speed, **kwargs)
+    with _lock:
+        old, _dilation = _dilation, d
+    if old is not None:
+        old.closed = True
+    return d
+
+
+def undilate() -> Dilation | None:
+    """Remove the process-wide dilation; returns it (None if there was none)."""
+    d = _dilation
+    if d is not None:
+        d.close()
+    return d
+
+
+def current_dilation() -> Dilation | None:
+    """The installed process-wide dilation, or None."""
+    return _dilation
+
+
+def sync_point() -> float:
+    """Mark a synchronisation point: the installed dilation sleeps what it owes (a no-op without one)."""
+    d = _dilation
+    return 0.0 if d is None else d.sync_point()
 
 
 class TokenBucket:
