@@ -1,13 +1,18 @@
-"""Measured batch-size efficiency from one checkpoint vs what the noise-scale model predicts.
+"""Measured batch-size efficiency from one checkpoint vs what the surrogate's efficiency models predict.
 
 One process, one thread, the bench's model, data, learning-rate rule (square root from the reference
-batch 8), clipping and AdamW settings. Trains global batch 64 to a checkpoint, measures the gradient
-noise scale there (plain and Adam-preconditioned, from many micro-batch / batch pairs), then branches
-each requested batch (optionally at a multiple of its learning rate, ``64x2``) from the same weights and
-Adam state and prints the validation perplexity every 4096 samples. The README's "why no switch" figures
-come from this script:
+batch 8), clipping and AdamW settings. For every seed (init and data order) and checkpoint, trains
+global batch 64 to the checkpoint, measures the gradient noise scale there (plain and
+Adam-preconditioned, from many micro-batch / batch pairs), then branches each requested batch
+(optionally at a multiple of its learning rate, ``64x2``) from the same weights and Adam state and
+evaluates the validation loss every ``--every`` samples. It then counts, for loss levels every branch
+reaches, the samples each batch needs relative to gb64 (interpolated between evaluations) and sets
+them against the ratios the two efficiency models of ``cona.gns.batch_efficiency`` predict from the
+measured preconditioned noise scale: "tuned" (Pollux, LR tuned per batch) and "sqrt" (Adam under the
+square-root rule the bench uses). Samples, not time. The README's figures come from:
 
-    python experiments/batch_efficiency.py --checkpoint 16384 --horizon 16384 --branches 64,128,256,64x2,64x0.5
+    python experiments/batch_efficiency.py --seeds 0,1,2 --checkpoints 1024,16384 --horizon 8192 \
+        --branches 32,64,128,256 --json /tmp/cona-eff.json
 """
 
 from __future__ import annotations
@@ -20,31 +25,55 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cona.gns import unbiased_estimates
+from cona.gns import batch_efficiency, unbiased_estimates
 from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
+
+
+def samples_to(curve: list[tuple[int, float]], level: float) -> float | None:
+    """First sample count at which the loss curve reaches ``level`` (linear between evaluations)."""
+    for (u0, v0), (u1, v1) in zip(curve, curve[1:]):
+        if v1 <= level:
+            return u1 if v0 <= level or v0 == v1 else u0 + (u1 - u0) * (v0 - level) / (v0 - v1)
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", type=int, default=16384, help="samples trained at batch 64 before branching")
+    ap.add_argument("--seeds", default="0", help="init / data-order seeds, comma separated")
+    ap.add_argument("--checkpoints", default="16384", help="samples trained at batch 64 before branching")
     ap.add_argument("--horizon", type=int, default=16384, help="samples per branch")
-    ap.add_argument("--branches", default="64,128,256,64x2,64x0.5", help="batch[xLR multiple], comma separated")
-    ap.add_argument("--val", type=int, default=512, help="validation windows")
+    ap.add_argument("--every", type=int, default=1024, help="evaluate every this many samples")
+    ap.add_argument("--branches", default="32,64,128,256", help="batch[xLR multiple], comma separated")
+    ap.add_argument("--val", type=int, default=256, help="validation windows")
     ap.add_argument("--pairs", type=int, default=24, help="(16, 256) gradient pairs for the noise scale")
-    ap.add_argument("--json", help="write the curves here")
+    ap.add_argument("--levels", type=int, default=4, help="loss levels compared per checkpoint")
+    ap.add_argument("--json", help="write the curves and ratios here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = tiny_llama_config(2, 32, 4, 2, 96)
-    data = TextData(stdlib_tokens(1_000_000), 32, 0)
+    tokens = stdlib_tokens(1_000_000)
+    out: dict = {"runs": []}
+    for seed in [int(x) for x in args.seeds.split(",")]:
+        for ckpt in [int(x) for x in args.checkpoints.split(",")]:
+            r = one(cfg, tokens, seed, ckpt, args)
+            out["runs"].append(r)
+    summarize(out, args.levels)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
+    data = TextData(tokens, 32, seed)
     val = data.validation(args.val)
 
     def ce(m, ids):
         lg = m(ids).logits
         return F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1))
 
-    def ppl(m) -> float:
+    def loss(m) -> float:
         with torch.no_grad():
-            return math.exp(float(sum(ce(m, v) * v.shape[0] for v in val.split(32)) / val.shape[0]))
+            return float(sum(ce(m, v) * v.shape[0] for v in val.split(64)) / val.shape[0])
 
     def adam(params, lr):
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
@@ -58,10 +87,10 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0)
         opt.step()
 
-    model = build_model(cfg, 0)
+    model = build_model(cfg, seed)
     opt = adam(model.parameters(), lr_for(64))
     used = 0
-    while used < args.checkpoint:
+    while used < checkpoint:
         step(model, opt, data.samples(used, 64))
         used += 64
     # noise scale at the checkpoint: plain and in Adam's metric g / (sqrt(v_hat) + eps), v floored as cona does
@@ -87,8 +116,9 @@ def main() -> None:
     for p in ps:
         p.grad = None
     phi = {k: sum(s for _, s in e) / sum(g for g, _ in e) for k, e in est.items()}
-    out = {"checkpoint_samples": used, "checkpoint_ppl": ppl(model), "noise_scale": phi, "branches": {}}
-    print(f"checkpoint {used} samples, perplexity {out['checkpoint_ppl']:.3f}, noise scale {phi}", flush=True)
+    l0 = loss(model)
+    r = {"seed": seed, "checkpoint_samples": used, "checkpoint_loss": l0, "noise_scale": phi, "branches": {}}
+    print(f"seed {seed} checkpoint {used} samples, perplexity {math.exp(l0):.3f}, noise scale {phi}", flush=True)
     for spec in args.branches.split(","):
         gb_text, _, mult_text = spec.partition("x")
         gb, mult = int(gb_text), float(mult_text or 1)
@@ -97,17 +127,51 @@ def main() -> None:
         o.load_state_dict(opt.state_dict())
         for g in o.param_groups:
             g["lr"] = lr_for(gb) * mult
-        curve, u = [], 0
+        curve, u = [(0, l0)], 0
         while u < args.horizon:
             step(m, o, data.samples(used + u, gb))
             u += gb
-            if u % 4096 == 0:
-                curve.append((u, ppl(m)))
-        out["branches"][spec] = curve
-        print(f"  batch {gb} lr x{mult:g}: " + ", ".join(f"+{a}: {b:.3f}" for a, b in curve), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            if u % args.every == 0:
+                curve.append((u, loss(m)))
+        r["branches"][spec] = curve
+        print(
+            f"  batch {gb} lr x{mult:g}: " + ", ".join(f"+{a}: {math.exp(b):.3f}" for a, b in curve[1::4]), flush=True
+        )
+    return r
+
+
+def summarize(out: dict, n_levels: int) -> None:
+    """Samples each batch needs relative to gb64 at loss levels all branches reach, against both models."""
+    for r in out["runs"]:
+        br = {k: v for k, v in r["branches"].items() if "x" not in k}
+        if "64" not in br:
+            continue
+        worst = max(min(v for _, v in c[1:]) for c in br.values())  # the level every branch reaches
+        l0 = r["checkpoint_loss"]
+        levels = [l0 - (l0 - worst) * (i + 1) / n_levels for i in range(n_levels)]
+        phi = r["noise_scale"]["preconditioned"]
+        r["ratios"] = {}
+        for k, c in br.items():
+            gb = int(k)
+            meas = [samples_to(c, lv) / samples_to(br["64"], lv) for lv in levels]
+            pred = {m: batch_efficiency(64, phi, 8, m) / batch_efficiency(gb, phi, 8, m) for m in ("tuned", "sqrt")}
+            r["ratios"][k] = {"measured": meas, "predicted": pred}
+        print(f"seed {r['seed']} ckpt {r['checkpoint_samples']} (ppl {math.exp(l0):.2f}, preconditioned phi "
+              f"{phi:.0f}): samples vs gb64 at ppl " + ", ".join(f"{math.exp(x):.2f}" for x in levels))  # fmt: skip
+        for k, q in r["ratios"].items():
+            print(f"  gb{k}: measured " + ", ".join(f"{x:.2f}" for x in q["measured"])
+                  + f" | tuned {q['predicted']['tuned']:.2f}, sqrt {q['predicted']['sqrt']:.2f}")  # fmt: skip
+    # log error of each model over every (run, batch, level)
+    err: dict[str, list[float]] = {"tuned": [], "sqrt": []}
+    for r in out["runs"]:
+        for k, q in r.get("ratios", {}).items():
+            if k == "64":
+                continue
+            m = sum(math.log(x) for x in q["measured"]) / len(q["measured"])
+            for name in err:
+                err[name].append(abs(math.log(q["predicted"][name]) - m))
+    out["mean_abs_log_error"] = {k: sum(v) / len(v) for k, v in err.items() if v}
+    print("mean |log(predicted / measured)| over runs and batches:", out["mean_abs_log_error"], flush=True)
 
 
 if __name__ == "__main__":

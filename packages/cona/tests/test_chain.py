@@ -20,7 +20,30 @@ def _set_phi(gns, phi, g2=1.0):
 
 def test_goodput_formula():
     assert goodput(100.0, 8, 2.0, 8) == pytest.approx(100.0)
-    assert goodput(200.0, 64, 2.0, 8) == pytest.approx(200 * 10 / 66)
+    assert goodput(200.0, 64, 2.0, 8, "tuned") == pytest.approx(200 * 10 / 66)
+    assert goodput(200.0, 64, 2.0, 8) == pytest.approx(200 * math.sqrt(10 / 66))  # square-root LR rule (default)
+
+
+def test_initial_choice_follows_the_lr_rule_training_uses():
+    """The bench's measured throughputs (2 ranks, samples/s) and step-0 noise-scale range (22..44): Pollux's
+    tuned-LR model credits gb32 with 1.4-1.6x gb64's per-sample progress and starts there; under the
+    square-root LR rule every variant trains with, gb32 is worth only 1.2-1.3x, less than gb64's 1.44x
+    throughput, and the chainer starts on gb64 (measured in samples from one checkpoint: gb32 needs
+    about as many samples as gb64 there)."""
+    gb = {b: Strategy(2, 1, 1, m, b) for b, m in ((16, 8), (32, 16), (64, 32), (128, 32), (256, 32))}
+    tput = {gb[16]: 1502.0, gb[32]: 2720.0, gb[64]: 3909.0, gb[128]: 4466.0, gb[256]: 4929.0}
+    assert robust_choice(tput, 22.0, 44.0, 8, lr_scaling="tuned")[0] == gb[32]
+    pick, worst = robust_choice(tput, 22.0, 44.0, 8)
+    assert pick == gb[64] and worst == pytest.approx(1.0)
+    gns = GradientNoiseScale(reference_batch=8)
+    d = Chainer(list(tput), tput, gns, horizon_s=3.0).decide(None, noise_range=(22.0, 44.0))
+    assert d.chosen == gb[64] and d.to_dict()["efficiency_model"] == "sqrt"
+    # the late move to a bigger batch: gb128 beats gb64 by the 5% margin only at a noise scale ~285 and up
+    _set_phi(gns, 400.0)
+    d = Chainer(list(tput), tput, gns, horizon_s=3.0, switch_cost_s=0.015).decide(gb[64], step=1)
+    assert d.switched and d.chosen.global_batch > 64
+    _set_phi(gns, 200.0)
+    assert not Chainer(list(tput), tput, gns, horizon_s=3.0, switch_cost_s=0.015).decide(gb[64], step=2).switched
 
 
 def test_chainer_switches_on_schedule_and_logs_reasons(caplog):
@@ -80,14 +103,14 @@ def test_robust_initial_choice_under_an_uncertain_noise_scale():
     mid = Strategy(2, 1, 1, 8, 32)
     tput = {SMALL: 100.0, mid: 300.0, BIG: 340.0}
     # a narrow range at a low noise scale: the small batch is best there
-    pick, worst = robust_choice(tput, 0.5, 1.0, 8)
+    pick, worst = robust_choice(tput, 0.5, 1.0, 8, lr_scaling="tuned")
     assert pick == SMALL and worst == pytest.approx(1.0)
     # noise scale anywhere in [1, 1000]: the middle batch loses least wherever the truth lies
-    pick, worst = robust_choice(tput, 1.0, 1000.0, 8)
+    pick, worst = robust_choice(tput, 1.0, 1000.0, 8, lr_scaling="tuned")
     assert pick == mid and 0.5 < worst < 1.0
     for phi in (1.0, 1000.0):  # while each end alone prefers another strategy
-        assert max(tput, key=lambda s: goodput(tput[s], s.global_batch, phi, 8)) != mid
-    gns = GradientNoiseScale(reference_batch=8)
+        assert max(tput, key=lambda s: goodput(tput[s], s.global_batch, phi, 8, "tuned")) != mid
+    gns = GradientNoiseScale(reference_batch=8, lr_scaling="tuned")
     ch = Chainer([SMALL, mid, BIG], tput, gns, horizon_s=3.0)
     d = ch.decide(None, noise_range=(1.0, math.inf))
     assert d.switched and d.chosen in (mid, BIG) and "uncertain noise scale" in d.reason

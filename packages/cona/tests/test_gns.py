@@ -1,7 +1,9 @@
+import math
+
 import numpy as np
 import pytest
 
-from cona.gns import GradientNoiseScale, unbiased_estimates
+from cona.gns import GradientNoiseScale, batch_efficiency, unbiased_estimates
 
 
 def _trials(n_trials, b, B, d=50, seed=0):
@@ -44,9 +46,13 @@ def test_ema_tracks_noise_scale_and_efficiency():
     phi = (sd**2).sum() / (G @ G)
     assert gns.noise_scale == pytest.approx(phi, rel=0.25)
     assert gns.efficiency(8) == pytest.approx(1.0)
-    assert gns.efficiency(64) == pytest.approx((gns.noise_scale + 8) / (gns.noise_scale + 64))
+    # default efficiency model: Adam under the square-root LR rule (the bench's), sqrt of Pollux's ratio
+    assert gns.lr_scaling == "sqrt"
+    assert gns.efficiency(64) == pytest.approx(math.sqrt((gns.noise_scale + 8) / (gns.noise_scale + 64)))
     assert gns.gain(64) == pytest.approx(8 * gns.efficiency(64))
     assert 1.0 < gns.gain(64) < 8.0
+    tuned = GradientNoiseScale(reference_batch=8, lr_scaling="tuned")
+    assert tuned.efficiency(64, gns.noise_scale) == pytest.approx((gns.noise_scale + 8) / (gns.noise_scale + 64))
     state = gns.state_dict()
     other = GradientNoiseScale(reference_batch=1)
     other.load_state_dict(state)
@@ -84,3 +90,24 @@ def test_interval_covers_the_truth_and_widens_with_noise():
     lo3, hi3 = few.interval()
     assert hi3 - lo3 > hi - lo  # three pairs bound the noise scale far less tightly
     assert GradientNoiseScale(reference_batch=4).interval() == (0.0, float("inf"))
+
+
+def test_sqrt_lr_efficiency_model():
+    """Under square-root LR scaling Adam's per-sample progress is batch-independent far below the noise
+    scale and falls as 1/sqrt(M) far above it; Pollux's tuned-LR model (per-sample progress ~ 1/M above
+    the noise scale) over-rates small batches by the square of that. With the measured preconditioned
+    noise scale ~200 at a late checkpoint, gb256 needs 1.31x gb64's samples (measured 1.15-1.2x; the
+    tuned model says 1.72x)."""
+    assert batch_efficiency(256, 1e6, 8) == pytest.approx(1.0, abs=1e-3)
+    assert batch_efficiency(256, 1e6, 8, "tuned") == pytest.approx(1.0, abs=1e-3)
+    for m in (64, 256):  # far above the noise scale: 1/sqrt(M) per sample vs 1/M
+        assert batch_efficiency(m, 0.0, 8) == pytest.approx(math.sqrt(8 / m))
+        assert batch_efficiency(m, 0.0, 8, "tuned") == pytest.approx(8 / m)
+    sqrt_ratio = batch_efficiency(64, 200, 8) / batch_efficiency(256, 200, 8)
+    tuned_ratio = batch_efficiency(64, 200, 8, "tuned") / batch_efficiency(256, 200, 8, "tuned")
+    assert sqrt_ratio == pytest.approx(math.sqrt(tuned_ratio))
+    assert 1.25 < sqrt_ratio < 1.35 and tuned_ratio > 1.7
+    with pytest.raises(ValueError, match="lr_scaling must be one of sqrt, tuned"):
+        batch_efficiency(64, 10, 8, "linear")
+    with pytest.raises(ValueError, match="lr_scaling"):
+        GradientNoiseScale(reference_batch=8, lr_scaling="adam")

@@ -1,9 +1,10 @@
 """Surrogate and chaining, the paper's core: rank strategies by expected loss decrease per second.
 
 The surrogate of a strategy is its goodput: measured (or cost-model) throughput in samples/s times
-the statistical efficiency of its global batch under the current gradient noise scale, i.e. the
-reference-batch-equivalent samples it processes per second; the expected validation-loss decrease
-per second is proportional to it. The chainer re-ranks the candidates during training and switches
+the statistical efficiency of its global batch under the current gradient noise scale and the
+learning-rate rule training actually uses (``gns.batch_efficiency``: square-root scaling for Adam by
+default, Pollux's "tuned" model on request), i.e. the reference-batch-equivalent samples it processes
+per second; the expected validation-loss decrease per second is proportional to it. The chainer re-ranks the candidates during training and switches
 only when the best one beats the current one by a hysteresis margin after paying the switch cost:
 
     switch  iff  goodput_best * (horizon - switch_cost) > goodput_current * horizon * (1 + margin)
@@ -16,9 +17,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .gns import GradientNoiseScale
+from .gns import GradientNoiseScale, batch_efficiency
 from .space import Strategy
 
 __all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice"]
@@ -26,9 +27,11 @@ __all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice"]
 log = logging.getLogger(__name__)
 
 
-def goodput(throughput_samples_per_s: float, batch: int, noise_scale: float, reference_batch: int) -> float:
-    """Reference-batch-equivalent samples per second (Pollux goodput)."""
-    return throughput_samples_per_s * (noise_scale + reference_batch) / (noise_scale + batch)
+def goodput(throughput_samples_per_s: float, batch: int, noise_scale: float, reference_batch: int,
+            lr_scaling: str = "sqrt") -> float:  # fmt: skip
+    """Reference-batch-equivalent samples per second (Pollux goodput) under the learning-rate rule
+    ``lr_scaling`` ("sqrt": Adam at lr0 sqrt(M/M0); "tuned": Pollux's per-batch tuned LR)."""
+    return throughput_samples_per_s * batch_efficiency(batch, noise_scale, reference_batch, lr_scaling)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Decision:
     noise_scale: float
     switch_cost_s: float
     ranking: tuple[Estimate, ...]
+    efficiency_model: str = "sqrt"  # the learning-rate rule the efficiency of the ranking assumes
 
     def to_dict(self) -> dict:
         return {
@@ -66,6 +70,7 @@ class Decision:
             "reason": self.reason,
             "noise_scale": self.noise_scale,
             "switch_cost_s": self.switch_cost_s,
+            "efficiency_model": self.efficiency_model,
             "ranking": [e.to_dict() for e in self.ranking[:5]],
         }
 
@@ -74,7 +79,7 @@ ThroughputFn = Callable[[Strategy], tuple[float, str]]
 
 
 def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int,
-                  points: int = 25) -> tuple[Strategy, float]:  # fmt: skip
+                  points: int = 25, lr_scaling: str = "sqrt") -> tuple[Strategy, float]:  # fmt: skip
     """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi]
     (max over strategies of the min over the range of goodput / best goodput), and that worst ratio.
 
@@ -92,7 +97,8 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     if lo == 0.0:
         grid = [0.0, *grid]
     best: tuple[float, str, Strategy] | None = None
-    table = {phi: {s: goodput(t, s.global_batch, phi, reference_batch) for s, t in tputs.items()} for phi in grid}
+    table = {phi: {s: goodput(t, s.global_batch, phi, reference_batch, lr_scaling) for s, t in tputs.items()}
+             for phi in grid}  # fmt: skip
     peak = {phi: max(row.values()) for phi, row in table.items()}
     for s in tputs:
         worst = min(table[phi][s] / peak[phi] for phi in grid)
@@ -148,7 +154,7 @@ class Chainer:
         for s in self.candidates:
             tput, src = self._throughput(s)
             eff = self.gns.efficiency(s.global_batch, phi)
-            out.append(Estimate(s, tput, eff, goodput(tput, s.global_batch, phi, self.gns.reference_batch), src))
+            out.append(Estimate(s, tput, eff, tput * eff, src))
         return sorted(out, key=lambda e: (-e.goodput, -e.throughput, e.strategy.name))
 
     def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0,
@@ -167,7 +173,7 @@ class Chainer:
         if current is None and noise_range is not None:
             lo, hi = noise_range
             tputs = {e.strategy: e.throughput for e in ranking}
-            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch)
+            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=self.gns.lr_scaling)
             d = Decision(step, elapsed_s, None, pick, True,
                          f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
                          f">= {worst:.2f} of the best goodput anywhere in that range", phi, 0.0, ranking)  # fmt: skip
@@ -202,6 +208,7 @@ class Chainer:
                         f"over {self.horizon_s:.1f}s (noise scale {phi:.1f})"
                     )
                 d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
+        d = replace(d, efficiency_model=self.gns.lr_scaling)
         self.decisions.append(d)
         log.info("step %d: %s", step, d.reason)
         return d

@@ -48,7 +48,7 @@ def _run_config(args, quick: bool):
 
     kw = dict(QUICK if quick else FULL)
     for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches", "seeds",
-                 "seed"):  # fmt: skip
+                 "seed", "efficiency_model"):  # fmt: skip
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -358,11 +358,12 @@ def cmd_simulate(args) -> int:
     found = enumerate_strategies(dims, world, list(args.global_batches), list(args.micro_batches), cluster=cluster)
     budget = rank_memory_budget(cluster, world)
     sims = [simulate_step(s, dims, cluster, mfu=args.mfu) for s in found]
-    sims.sort(key=lambda x: -goodput(x.throughput, x.strategy.global_batch, args.noise_scale, args.reference_batch))
+    sims.sort(key=lambda x: -goodput(x.throughput, x.strategy.global_batch, args.noise_scale, args.reference_batch,
+                                     args.lr_scaling))  # fmt: skip
     print(f"# simulated (not measured): {args.model} on {cluster.name}, {world} ranks, "
           f"{hwtopo.format_bytes(budget)}/rank, mfu {args.mfu:g}, noise scale {args.noise_scale:g}")  # fmt: skip
     for x in sims[: args.top]:
-        g = goodput(x.throughput, x.strategy.global_batch, args.noise_scale, args.reference_batch)
+        g = goodput(x.throughput, x.strategy.global_batch, args.noise_scale, args.reference_batch, args.lr_scaling)
         print(f"{x.strategy.name}\tstep={x.step_s * 1e3:.1f}ms\tsamples/s={x.throughput:.1f}\tgoodput={g:.1f}")
     return 0
 
@@ -387,6 +388,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-probe-cache", action="store_true",
                         help="measure every probe afresh and do not write the probe cache")  # fmt: skip
         sp.add_argument("--no-clip", action="store_true", help="no gradient clipping (default: global norm 1.0)")
+        sp.add_argument("--efficiency-model", choices=("sqrt", "tuned"),
+                        help="LR rule cona's efficiency model assumes: sqrt (default; the rule every variant trains "
+                             "with) or tuned (Pollux: each batch at its own tuned LR, for comparison)")  # fmt: skip
 
     b = sub.add_parser("bench", help="cona vs best static, surrogate-at-step-0 static and oracle, side by side")
     b.add_argument("--quick", action="store_true", help="2 ranks, 3 seeds (full: 4 ranks, 1 seed)")
@@ -419,6 +423,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the peak")
     m.add_argument("--noise-scale", type=float, default=1000.0, help="gradient noise scale for the goodput ranking")
     m.add_argument("--reference-batch", type=int, default=32)
+    m.add_argument("--lr-scaling", choices=("sqrt", "tuned"), default="sqrt",
+                   help="how the LR follows the batch: sqrt (Adam, square root) or tuned (Pollux/AdaScale)")  # fmt: skip
     m.add_argument("--global-batches", type=_ints, default=(32, 64, 128, 256, 512))
     m.add_argument("--micro-batches", type=_ints, default=(1, 2, 4, 8))
     m.add_argument("--top", type=int, default=10)

@@ -7,10 +7,22 @@ E|g_b|^2 = |G|^2 + tr(Sigma)/b (McCandlish et al. 2018, appendix A):
     |G|^2 ~ (B |g_B|^2 - b |g_b|^2) / (B - b)          (unbiased)
     tr(Sigma) ~ (|g_b|^2 - |g_B|^2) / (1/b - 1/B)       (unbiased, per-sample variance)
 
-Both are smoothed with a bias-corrected EMA; the noise scale is their ratio. Statistical efficiency
-of a global batch M relative to the reference batch M0 follows Pollux/AdaScale: one step at batch M
-makes the progress of ``gain(M) = M (phi + M0) / (M0 (phi + M))`` steps at M0, i.e.
-``efficiency(M) = (phi + M0) / (phi + M)`` per sample.
+Both are smoothed with a bias-corrected EMA; the noise scale is their ratio.
+
+Statistical efficiency (progress per sample of a global batch M relative to the reference batch M0,
+at which the learning rate was tuned) depends on how the learning rate follows the batch
+(``batch_efficiency``, ``lr_scaling``):
+
+- ``"tuned"`` (Pollux/AdaScale: every batch runs at its own gain-scaled, well-tuned LR): one step at M
+  makes the progress of ``gain(M) = M (phi + M0) / (M0 (phi + M))`` steps at M0, i.e.
+  ``efficiency(M) = (phi + M0) / (phi + M)``.
+- ``"sqrt"`` (Adam with the fixed square-root rule lr(M) = lr0 sqrt(M / M0), the rule the bench uses):
+  Adam divides the step by sqrt(v) with v ~ |G|^2 + tr(Sigma)/M per coordinate (in the preconditioned
+  metric), so a step's expected first-order progress is lr(M) |G|^2 / sqrt(|G|^2 + tr(Sigma)/M), and
+  per sample, with lr(M) ~ sqrt(M), it is proportional to 1 / sqrt(M + phi):
+  ``efficiency(M) = sqrt((phi + M0) / (phi + M))``. Per-sample progress is batch-independent while
+  M << phi (the SDE regime in which square-root scaling is exact for Adam, Malladi et al. 2022) and
+  falls as M approaches and passes phi, half as steeply (in log) as the "tuned" model says.
 """
 
 from __future__ import annotations
@@ -18,7 +30,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["unbiased_estimates", "GradientNoiseScale", "GnsSnapshot"]
+__all__ = ["unbiased_estimates", "batch_efficiency", "LR_SCALINGS", "GradientNoiseScale", "GnsSnapshot"]
+
+LR_SCALINGS = ("sqrt", "tuned")
 
 
 def unbiased_estimates(sq_small: float, b_small: float, sq_big: float, b_big: float) -> tuple[float, float]:
@@ -30,6 +44,15 @@ def unbiased_estimates(sq_small: float, b_small: float, sq_big: float, b_big: fl
     g2 = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
     s = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
     return g2, s
+
+
+def batch_efficiency(batch: float, noise_scale: float, reference_batch: float, lr_scaling: str = "sqrt") -> float:
+    """Per-sample progress of global batch ``batch`` relative to ``reference_batch`` at noise scale
+    ``noise_scale`` when the learning rate follows ``lr_scaling`` (see the module docstring)."""
+    if lr_scaling not in LR_SCALINGS:
+        raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {lr_scaling!r}")
+    ratio = (noise_scale + reference_batch) / (noise_scale + batch)
+    return math.sqrt(ratio) if lr_scaling == "sqrt" else ratio
 
 
 @dataclass(frozen=True)
@@ -48,12 +71,14 @@ class GradientNoiseScale:
     """Online estimator of |G|^2, tr(Sigma) and the noise scale phi = tr(Sigma)/|G|^2.
 
     ``decay`` is the EMA factor per update (0.9: about the last 10 steps). ``reference_batch`` is
-    M0, the batch size at which the learning rate was tuned. The estimator belongs to the training
-    run, not to a strategy, so it survives strategy switches.
+    M0, the batch size at which the learning rate was tuned; ``lr_scaling`` how the learning rate follows
+    the batch from there (``"sqrt"`` or ``"tuned"``), which sets the efficiency model. The estimator
+    belongs to the training run, not to a strategy, so it survives strategy switches.
     """
 
     reference_batch: int
     decay: float = 0.9
+    lr_scaling: str = "sqrt"
     _g2: float = 0.0
     _s: float = 0.0
     _w: float = 0.0  # EMA bias-correction weight
@@ -67,6 +92,8 @@ class GradientNoiseScale:
             raise ValueError(f"reference_batch must be a positive batch size, got {self.reference_batch}")
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
 
     def update(self, sq_small: float, b_small: float, sq_big: float, b_big: float, step: int = -1) -> bool:
         """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small."""
@@ -127,12 +154,14 @@ class GradientNoiseScale:
         return lo, hi
 
     def efficiency(self, batch: float, noise_scale: float | None = None) -> float:
-        """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)."""
+        """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)
+        under this run's learning-rate rule (``lr_scaling``)."""
         phi = self.noise_scale if noise_scale is None else noise_scale
-        return (phi + self.reference_batch) / (phi + batch)
+        return batch_efficiency(batch, phi, self.reference_batch, self.lr_scaling)
 
     def gain(self, batch: float, noise_scale: float | None = None) -> float:
-        """Progress of one step at ``batch`` in reference-batch steps (the AdaScale gain; scales the LR)."""
+        """Progress of one step at ``batch`` in reference-batch steps (with ``lr_scaling="tuned"`` the AdaScale
+        gain, by which AdaScale scales the LR)."""
         return batch / self.reference_batch * self.efficiency(batch, noise_scale)
 
     def snapshot(self, step: int = -1) -> GnsSnapshot:
@@ -140,10 +169,11 @@ class GradientNoiseScale:
 
     def state_dict(self) -> dict:
         return {"reference_batch": self.reference_batch, "decay": self.decay, "g2": self._g2, "s": self._s,
-                "w": self._w, "updates": self.updates}  # fmt: skip
+                "w": self._w, "updates": self.updates, "lr_scaling": self.lr_scaling}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.reference_batch = int(state["reference_batch"])
         self.decay = float(state["decay"])
         self._g2, self._s, self._w = float(state["g2"]), float(state["s"]), float(state["w"])
         self.updates = int(state["updates"])
+        self.lr_scaling = str(state.get("lr_scaling", self.lr_scaling))

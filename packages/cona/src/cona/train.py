@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import dist as cdist
 from .chain import Chainer
 from .executor import Executor, FullState, initial_state, load_state, save_state
-from .gns import GradientNoiseScale
+from .gns import LR_SCALINGS, GradientNoiseScale
 from .model import TextData, stdlib_tokens, tiny_llama_config
 from .probe import CostModel, ProbeCache, probe_key, probe_plan, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
@@ -63,6 +63,8 @@ class BenchConfig:
     eval_every_s: float = 0.25
     decide_every_s: float = 1.0  # the noise scale grows ~10x in the first seconds: re-rank often (switches are cheap)
     switch_horizon_s: float = 3.0  # how long a switch is expected to pay off (decoupled from decide_every_s)
+    efficiency_model: str = "sqrt"  # the LR rule the surrogate's efficiency assumes: "sqrt" is the one every
+    # variant trains with (lr_for); "tuned" is Pollux's (each batch at its own tuned LR), kept for comparison
     gns_precondition: bool = True  # noise scale of Adam-preconditioned gradients (Pollux's for adaptive optimizers)
     gns_decay: float = 0.8  # EMA factor per update of the running statistics: the noise scale grows fast early,
     # a long EMA lags it (2 ranks, step 100: 0.95 read 29 while the last updates gave 74-97); 5 updates ~ 0.3 s
@@ -94,6 +96,8 @@ class BenchConfig:
             raise ValueError(f"target_ppl must be > 1, got {self.target_ppl}")
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
+        if self.efficiency_model not in LR_SCALINGS:
+            raise ValueError(f"efficiency_model must be one of {', '.join(LR_SCALINGS)}, got {self.efficiency_model!r}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -308,7 +312,7 @@ class _Trainer:
         (up to the reference batch x 8: a well-resolved |G|^2 needs the big batch well above the small)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        gns = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay)
+        gns = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
         informative = [c for c in self.candidates if c.dp * c.accum > 1] or self.candidates
         capped = [c for c in informative if c.global_batch <= 8 * cfg.reference_batch] or informative
         s = min(capped, key=lambda c: (-c.dp * c.accum, c.global_batch, c.tp, c.pp, -self.cost.throughput(c)[0]))
@@ -413,7 +417,7 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     lo, hi = gns0.interval()
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
-    gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay)
+    gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
     chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=cfg.margin,
                       switch_cost_s=reshard_s)  # fmt: skip
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
