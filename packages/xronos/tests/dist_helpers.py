@@ -241,3 +241,25 @@ def vocab_parity(rank, world, sizes):
     repartition(tr, even_partition(shape, 2))  # reshard the split embedding/head too, exactly
     out["after_reshard"] = [tr.step()["loss"] for _ in range(2)]
     return out
+
+
+def dilation_at_syncs(rank, world):
+    """A few all-reduces and a send/receive with compute in between; what the rank's dilation saw."""
+    import torch.distributed as dist
+
+    import hwtopo
+    from xronos.layers import all_reduce
+    from xronos.train import PPTrainer
+
+    x = torch.randn(64, 64)
+    t = torch.zeros(8)
+    for _ in range(3):
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+        all_reduce(t)
+    if rank == 0:
+        PPTrainer._p2p(dist.send, t, 1)
+    else:
+        PPTrainer._p2p(dist.recv, t, 0)
+    d = hwtopo.current_dilation()
+    return None if d is None else d.describe()

@@ -16,7 +16,9 @@ import time
 
 import torch.distributed as dist
 
-from .launch import pin_ranks, spawn, throttle_period_us
+from hwtopo import sync_point
+
+from .launch import emulation_label, pin_ranks, spawn, throttle_period_us
 from .layers import COMM
 from .partition import even_partition, partition
 from .profile import profile_group
@@ -76,6 +78,7 @@ def _worker(
                 if rank == 0:
                     records[name].append(trainers[name].step())
                 continue
+            sync_point()  # emulated dilation of the untimed work between steps, before the barrier
             dist.barrier()
             record = step == timeline_step and name in parts
             COMM.events = [] if record else None
@@ -108,10 +111,12 @@ def _worker(
                 evals[name] = trainers[name].evaluate()
         else:
             evals[name] = trainers[name].evaluate()
+    dil = hwtopo.current_dilation()
     return {
         "rank": rank,
         "speed": speeds[rank],
         "machine_method": hwtopo.cgroup_available(),
+        "dilation": dil.describe() if dil is not None else None,
         "records": records,
         "eval_loss": evals,
         "profile": prof["ranks"][rank],
@@ -140,6 +145,7 @@ def run_comparison(
     rebalance_threshold: float = 0.01,
     pin: bool = True,
     calibrate_after: int = 2,
+    emulate: str = "dilate",
 ) -> list[dict]:
     """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results.
 
@@ -152,6 +158,8 @@ def run_comparison(
     After step ``calibrate_after`` (steps 1.. observed, step 0 is a warm-up) Xronos reshards once to the
     partition its measured steps give, which also measures what a reshard costs
     (:meth:`xronos.rebalance.Rebalancer.calibrate`).
+    ``emulate``: "dilate" (compute dilation at every synchronisation, ``hwtopo.dilate``) or "cgroup"
+    (``hwtopo.throttle``'s CPU quota); every variant runs under the same one.
     """
     cfg.validate()
     if not 0 < cpu_share <= 1:
@@ -187,6 +195,7 @@ def run_comparison(
         timeout_s=timeout_s,
         pg_timeout_s=300,
         cpus=pin_ranks(shares) if pin else None,
+        emulate=emulate,
     )
 
 
@@ -311,9 +320,21 @@ def headline(summary: dict) -> dict:
     return h
 
 
-def emulation_info(speeds: list[float], cpu_share: float = 1.0) -> dict:
+def emulation_info(speeds: list[float], cpu_share: float = 1.0, emulate: str = "dilate") -> dict:
     import hwtopo
 
+    if emulate == "dilate":
+        return {
+            "emulated": True,
+            "method": emulation_label(emulate),
+            "relative_speeds": list(speeds),
+            "cpu_share": cpu_share,
+            "dilation_speed_per_rank": [s * cpu_share for s in speeds],
+            "pinned_cpus": pin_ranks([s * cpu_share for s in speeds]),
+            "oversubscribed": sum(s * cpu_share for s in speeds) > len(os.sched_getaffinity(0)),
+            "note": "ranks share one machine; rank r computes at full speed and sleeps (1/speed - 1) x its thread "
+            "CPU time at every synchronisation point (hwtopo.dilate), the same for every variant",
+        }
     method = "cgroup" if hwtopo.cgroup_available() else "duty-cycle"
     return {
         "emulated": True,

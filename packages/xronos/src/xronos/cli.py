@@ -107,7 +107,20 @@ def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: 
     g.add_argument("--seed", type=int, default=d.seed)
 
 
+def _emulate_arg(p: argparse.ArgumentParser, default: str | None = "dilate", note: str = "", **kw) -> None:
+    p.add_argument(
+        "--emulate",
+        choices=("dilate", "cgroup"),
+        default=default,
+        help="how an emulated slower rank is slowed: dilate (default; computes at full speed and sleeps "
+        "(1/speed - 1) x its CPU time at every synchronisation, hwtopo.dilate: steady at ms scale) or cgroup "
+        "(a CPU quota, hwtopo.throttle: short compute segments of a throttled rank vary by 20-35 %%)" + note,
+        **kw,
+    )
+
+
 def _emulation_args(p: argparse.ArgumentParser) -> None:
+    _emulate_arg(p)
     p.add_argument(
         "--cpu-share",
         default="auto",
@@ -171,17 +184,19 @@ def _busy_cpus(window_s: float = 1.0) -> float:
     return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / dt) if dt > 0 else 0.0
 
 
-def _cpu_share(text: str, speeds: list[float] | None = None) -> float:
+def _cpu_share(text: str, speeds: list[float] | None = None, emulate: str = "cgroup") -> float:
     """'auto' or a number in (0, 1]. Auto: a share the loaded machine can still give each rank, lowered
     (in steps of 0.05) until every rank can be pinned to a CPU without oversubscribing it (3 ranks at
-    1.0/0.7/0.4 on 2 cores: 0.9), so no rank's quota is eaten by another rank's threads."""
+    1.0/0.7/0.4 on 2 cores: 0.9), so no rank's quota is eaten by another rank's threads. Under compute
+    dilation no quota has to bind (a rank's speed is relative to the CPU time it gets), so auto starts
+    from 1.0 whatever the load (still sampled and recorded) and is lowered only for the pinning."""
     if text == "auto":
         from .launch import pin_ranks
 
         busy = _busy_cpus()
         per_cpu = busy / (os.cpu_count() or 1)
         _cpu_share.busy_cpus = busy
-        share = 1.0 if per_cpu < 0.25 else 0.5 if per_cpu < 0.75 else 0.3
+        share = 1.0 if per_cpu < 0.25 or emulate == "dilate" else 0.5 if per_cpu < 0.75 else 0.3
         while speeds and share > 0.1 and pin_ranks([s * share for s in speeds]) is None:
             share = round(share - 0.05, 2)
         return share
@@ -197,10 +212,15 @@ def _cpu_share(text: str, speeds: list[float] | None = None) -> float:
 def _load_line(summary: dict) -> str:
     ml = summary.get("machine_load", {})
     ach = summary.get("tp", {}).get("achieved_relative_speeds")
+    how = (
+        "compute dilated at every synchronisation, hwtopo.dilate"
+        if ml.get("emulated") == "dilation"
+        else "CPU quota, hwtopo.throttle"
+    )
     parts = [
-        f"Machine load (1-min load average) {ml.get('loadavg_1min_start', 0):.1f} -> "
-        f"{ml.get('loadavg_1min_end', 0):.1f} on {ml.get('cpus')} CPUs; emulated ranks get speed x "
-        f"{ml.get('cpu_share', 1.0):g} CPU (hwtopo.throttle)."
+        f"emulated: {ml.get('emulated', 'cgroup')}. Machine load (1-min load average) "
+        f"{ml.get('loadavg_1min_start', 0):.1f} -> {ml.get('loadavg_1min_end', 0):.1f} on {ml.get('cpus')} CPUs; "
+        f"emulated ranks run at speed x {ml.get('cpu_share', 1.0):g} ({how})."
     ]
     if ach:
         parts.append(
@@ -241,7 +261,10 @@ def _timeline_plot(results: list[dict], path: Path) -> bool:
             ax.broken_barh([(tl["t0"] - t_base, tl["step_s"])], (y - 0.35, 0.7), color="tab:green")
             ax.broken_barh([(a - t_base, b - a) for a, b in tl["events"]], (y - 0.35, 0.7), color="tab:red")
         ax.set_yticks([r["rank"] for r in results], [f"rank {r['rank']} (speed {r['speed']})" for r in results])
-        ax.set_title(f"{name}: one step, green = computing, red = waiting in all-reduce (emulated speeds)")
+        ax.set_title(
+            f"{name}: one step, green = computing, red = waiting in all-reduce "
+            f"(emulated: {results[0].get('emulated', 'cgroup')})"
+        )
         ax.set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -253,13 +276,18 @@ def _run_compare(args, cfg, speeds, variants):
     from .bench import headline, run_comparison, summarize
 
     t0 = time.perf_counter()
-    args.cpu_share = _cpu_share(args.cpu_share, speeds)
+    args.cpu_share = _cpu_share(args.cpu_share, speeds, args.emulate)
     if args.rebalance_every < 0:
         raise UsageError(f"--rebalance-every must be >= 0 (0 disables), not {args.rebalance_every}")
+    from .launch import emulation_label
+
     load0 = os.getloadavg()[0]
-    results = run_comparison(cfg, speeds, variants, rebalance_every=args.rebalance_every, cpu_share=args.cpu_share)
+    results = run_comparison(
+        cfg, speeds, variants, rebalance_every=args.rebalance_every, cpu_share=args.cpu_share, emulate=args.emulate
+    )
     summary = summarize(results)
     summary["machine_load"] = {
+        "emulated": emulation_label(args.emulate),
         "loadavg_1min_start": load0,
         "loadavg_1min_end": os.getloadavg()[0],
         "cpus": os.cpu_count(),
@@ -286,6 +314,8 @@ def cmd_demo(args) -> int:
     print(_fmt_table(rows, False))
     print(_load_line(summary))
     print(json.dumps(head, indent=2))
+    for r in results:
+        r["emulated"] = summary["machine_load"]["emulated"]
     plotted = _timeline_plot(results, out / "timeline.png")
     import hwtopo
 
@@ -294,7 +324,8 @@ def cmd_demo(args) -> int:
         "",
         f"LoRA (r=8) fine-tuning of a tiny {cfg.family} ({cfg.layers} layers, hidden {cfg.hidden}) on Python "
         f"stdlib sources, {cfg.steps} steps, {len(speeds)} ranks at **emulated** relative speeds {speeds} "
-        "(hwtopo CPU throttle on one shared machine; measured on a loaded 2-core machine).",
+        f"(emulated: {summary['machine_load']['emulated']}, on one shared machine; measured on a loaded 2-core "
+        "machine).",
         "",
         _fmt_table(rows, True),
         "",
@@ -338,11 +369,15 @@ def cmd_bench(args) -> int:
             "wall_s": wall,
             "note": "measured on a shared, loaded machine; ratios are from one interleaved run",
             "worker_env": worker_env(),  # what spawn adds to every rank's environment (all variants alike)
+            "emulated": summary["machine_load"]["emulated"],
         },
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
         "results": {**summary, "profiles": [r["profile"] for r in results]},
         "headline": head,
-        "emulated": emulation_info(speeds, args.cpu_share),
+        "emulated": {
+            **emulation_info(speeds, args.cpu_share, args.emulate),
+            "dilation_per_rank": [r.get("dilation") for r in results],
+        },
     }
     if args.json:
         hwtopo.atomic_write_text(Path(args.json), json.dumps(doc, indent=2, default=str) + "\n")
@@ -350,6 +385,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from .launch import emulation_label
     from .runner import finetune
 
     speeds = _speeds(args.speeds)
@@ -366,6 +402,7 @@ def cmd_train(args) -> int:
         args.ckpt_every,
         args.save,
         None if args.memory is None else _bytes(args.memory),
+        emulate=args.emulate or "dilate",
     )
     r0 = res[0]
     print(
@@ -378,6 +415,7 @@ def cmd_train(args) -> int:
                 "perplexity": r0["perplexity"],
                 "saved": r0["saved"],
                 "emulated_speeds": speeds,
+                "emulated": emulation_label(args.emulate or "dilate") if min(speeds) < 1 else None,
             },
             indent=2,
         )
@@ -397,7 +435,7 @@ def _train_torchrun(args, cfg, speeds) -> int:
     if len(speeds) not in (1, world):
         raise UsageError(f"--speeds lists {len(speeds)} ranks but WORLD_SIZE is {world}")
     speed = speeds[rank] if len(speeds) == world else speeds[0]
-    throttle = emulate_speed(speed) if args.emulate else None
+    throttle = emulate_speed(speed, args.emulate) if args.emulate else None
     try:
         ckpt = args.ckpt_dir or str(cache_dir() / f"{cfg.family}-{args.mode}-{world}r-seed{cfg.seed}")
         Path(ckpt).mkdir(parents=True, exist_ok=True)
@@ -497,7 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run as one rank of a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)",
     )
-    t.add_argument("--emulate", action="store_true", help="with --torchrun: throttle this rank to its --speeds entry")
+    _emulate_arg(
+        t,
+        default=None,
+        note="; with --torchrun a rank is slowed only when --emulate is given (alone: dilate)",
+        nargs="?",
+        const="dilate",
+    )
     t.add_argument("--threads", type=int, default=1, help="with --torchrun: torch threads per rank")
     _model_args(t)
     common(t)

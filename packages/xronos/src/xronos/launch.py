@@ -1,7 +1,11 @@
 """Local multi-process launch (spawn) and torchrun-style env rendezvous, with dead-rank detection.
 
-Each worker runs with one thread, optionally throttled to a relative speed through
-``hwtopo.throttle`` (emulated heterogeneity), joins a gloo group with a timeout, runs ``fn`` and
+Each worker runs with one thread, optionally slowed to a relative speed (emulated heterogeneity):
+``emulate="dilate"`` (default) installs ``hwtopo.dilate``: the rank computes at full speed and sleeps
+``(1/speed - 1)`` x its thread CPU time at every synchronisation point (the collectives, sends and
+receives, the ends of timed regions call ``hwtopo.sync_point()``), so every compute segment is
+steadily ``1/speed`` as long; ``emulate="cgroup"`` uses the CPU quota of ``hwtopo.throttle``. The
+worker joins a gloo group with a timeout, runs ``fn`` and
 writes its result atomically to a per-rank file. The parent polls the workers: a rank that exits
 with an error or dies stops the run with a message naming the rank, never a hang.
 """
@@ -32,6 +36,8 @@ __all__ = [
     "init_from_env",
     "emulate_speed",
     "pin_ranks",
+    "EMULATIONS",
+    "emulation_label",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,11 +106,33 @@ def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def emulate_speed(speed: float):
-    """Throttle this process to ``speed`` of one CPU (emulated). Returns the hwtopo throttle or None."""
+EMULATIONS = ("dilate", "cgroup")
+
+
+def check_emulation(emulate: str) -> str:
+    if emulate not in EMULATIONS:
+        raise ValueError(f"emulate must be one of {', '.join(EMULATIONS)}, not {emulate!r}")
+    return emulate
+
+
+def emulation_label(emulate: str) -> str:
+    """What every table and JSON says: 'dilation' (hwtopo.dilate) or 'cgroup' (hwtopo.throttle's quota)."""
+    return "dilation" if check_emulation(emulate) == "dilate" else "cgroup"
+
+
+def emulate_speed(speed: float, emulate: str = "dilate"):
+    """Make this process run at ``speed`` of one CPU (emulated); an object with ``close()``, or None.
+
+    ``dilate``: a process-wide ``hwtopo.Dilation`` measured on the calling thread (call this from the
+    thread that computes); ``cgroup``: ``hwtopo.throttle``'s CPU quota with a short period.
+    """
+    check_emulation(emulate)
     if speed >= 1.0:
         return None
     import hwtopo
+
+    if emulate == "dilate":
+        return hwtopo.dilate(speed)
 
     # the shortest period whose quota is still >= the kernel's 1 ms minimum: finer-grained slices
     return hwtopo.throttle(os.getpid(), speed=speed, cpus=1, period_s=throttle_period_us(speed) / 1e6)
@@ -136,7 +164,7 @@ def pin_ranks(shares: list[float], cpus: list[int] | None = None) -> list[int] |
     return out  # type: ignore[return-value]
 
 
-def _worker(rank, world_size, port, fn, args, out_dir, speed, pg_timeout_s, cpu=None):
+def _worker(rank, world_size, port, fn, args, out_dir, speed, pg_timeout_s, cpu=None, emulate="dilate"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     out = Path(out_dir)
@@ -144,7 +172,7 @@ def _worker(rank, world_size, port, fn, args, out_dir, speed, pg_timeout_s, cpu=
     try:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
-        throttle = emulate_speed(speed)
+        throttle = emulate_speed(speed, emulate)
         init_group(rank, world_size, port, pg_timeout_s)
         result = fn(rank, world_size, *args)
         _atomic_pickle(result, out / f"rank{rank}.pkl")
@@ -183,11 +211,14 @@ def spawn(
     timeout_s: float = 600.0,
     pg_timeout_s: float = 60.0,
     cpus: list[int] | None = None,
+    emulate: str = "dilate",
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return each rank's result.
 
     ``cpus``: pin rank r to CPU ``cpus[r]`` (see :func:`pin_ranks`); None leaves placement to the OS.
+    ``emulate``: how a rank with ``speeds[r] < 1`` is slowed ("dilate" or "cgroup", see the module doc).
     """
+    check_emulation(emulate)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, not {world_size}")
     speeds = list(speeds) if speeds is not None else [1.0] * world_size
@@ -213,6 +244,7 @@ def spawn(
                         speeds[r],
                         pg_timeout_s,
                         None if cpus is None else cpus[r],
+                        emulate,
                     ),
                     daemon=False,
                 )

@@ -11,6 +11,10 @@ LoRA adapters are sharded the same way: a column layer's ``B`` is split by outpu
 product added to the partial sum before the all-reduce. The replicated halves receive per-rank
 partial gradients, marked with ``param.xronos_partial_grad = True`` and summed by
 :func:`sync_partial_grads`.
+
+Every collective here first calls ``hwtopo.sync_point()``: under the compute-dilation emulation
+(``hwtopo.dilate``) an emulated slow rank pays its compute dilation there, before the collective is
+timed, so the time before the collective is the emulated compute; without one it does nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from hwtopo import sync_point
 
 __all__ = [
     "CommStats",
@@ -82,6 +88,7 @@ def all_reduce(t: torch.Tensor, group=None, op=None, tag: str = "") -> torch.Ten
     """In-place reduction (sum by default) over the group, timed into :data:`COMM`; a no-op outside a group."""
     if not _active(group):
         return t
+    sync_point()  # emulated slow compute is paid before the synchronisation, not inside it
     t0 = time.perf_counter()
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
     COMM.record("ar", -1, t0, time.perf_counter(), t.numel() * t.element_size(), tag)
@@ -327,6 +334,7 @@ def gather_uneven(shard: torch.Tensor, sizes: Sequence[int], dim: int, group=Non
     padded = torch.zeros(pad_shape, dtype=shard.dtype)
     padded.narrow(dim, 0, shard.shape[dim]).copy_(shard.detach())
     parts = [torch.empty_like(padded) for _ in sizes]
+    sync_point()
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
 

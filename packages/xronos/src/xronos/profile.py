@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hwtopo import sync_point
+
 from .layers import _active
 from .partition import ModelShape, PartitionError, RankCost, costs_from_speeds
 
@@ -38,18 +40,28 @@ def fit_affine(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def time_call(fn, min_time_s: float = 0.02, repeats: int = 3, warmup: bool = True) -> float:
-    """Median seconds per call, each measurement running ``fn`` long enough to span ``min_time_s``."""
-    if warmup:
+    """Median seconds per call, each measurement running ``fn`` long enough to span ``min_time_s``.
+
+    Each call ends at an ``hwtopo.sync_point()`` inside the timed region, so under the compute-dilation
+    emulation the profile sees the rank's emulated speed (a no-op otherwise).
+    """
+
+    def call():
         fn()
+        sync_point()
+
+    sync_point()  # what ran before is not charged to this measurement
+    if warmup:
+        call()
     t0 = time.perf_counter()
-    fn()
+    call()
     one = max(time.perf_counter() - t0, 1e-6)
     n = max(1, int(min_time_s / one))
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(n):
-            fn()
+            call()
         samples.append((time.perf_counter() - t0) / n)
     return statistics.median(samples)
 
@@ -159,9 +171,11 @@ def profile_group(
     mine["memory_bytes"] = memory_bytes
     buf = torch.zeros(batch, seq, shape.hidden_size)
     if _active(group):
+        sync_point()
         dist.barrier(group=group)
         t1 = time.perf_counter()
         for _ in range(3):
+            sync_point()
             dist.all_reduce(buf, group=group)
         mine["allreduce_s"] = (time.perf_counter() - t1) / 3
         everyone: list = [None] * dist.get_world_size(group)

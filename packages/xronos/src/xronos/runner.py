@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hwtopo import sync_point
+
 from .launch import spawn
 from .partition import Partition, PartitionError, even_partition, partition
 from .profile import profile_group
@@ -48,6 +50,7 @@ def _finetune_worker(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir
         times.append(rec["step_s"])
         if ckpt_every and trainer.step_idx % ckpt_every == 0:
             trainer.save(ckpt_dir)
+            sync_point()
             dist.barrier()
     trainer.save(ckpt_dir)
     eval_loss = trainer.evaluate()
@@ -90,8 +93,10 @@ def finetune(
     save_dir: str | os.PathLike | None = None,
     memory_bytes: float | None = None,
     timeout_s: float = 3600.0,
+    emulate: str = "dilate",
 ) -> list[dict]:
-    """Fine-tune on ``len(speeds)`` local ranks (emulated speeds); returns each rank's report."""
+    """Fine-tune on ``len(speeds)`` local ranks (emulated speeds, ``emulate``: "dilate" or "cgroup");
+    returns each rank's report."""
     cfg.validate()
     if mode not in ("xronos", "tp"):
         raise ValueError(f"mode must be 'xronos' or 'tp', not {mode!r}")
@@ -110,4 +115,5 @@ def finetune(
         speeds=speeds,
         timeout_s=timeout_s,
         pg_timeout_s=300,
+        emulate=emulate,
     )

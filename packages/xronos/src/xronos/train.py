@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hwtopo import sync_point
+
 from .data import ByteCorpus, load_text
 from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
 from .partition import ModelShape, Partition, PartitionError, even_partition
@@ -156,6 +158,7 @@ class TPTrainer:
         """One optimiser step on batch ``step_idx``; returns loss, wall seconds, collective seconds."""
         ids = self.corpus.batch(self.step_idx, self.cfg.batch)
         COMM.reset()
+        sync_point()  # emulated dilation of untimed work before this step is paid outside it
         t0 = time.perf_counter()
         self.model.train()
         logits = self.model(input_ids=ids).logits
@@ -168,6 +171,7 @@ class TPTrainer:
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        sync_point()  # the step's last compute (optimizer) dilated inside the timed step
         t1 = time.perf_counter()
         self.step_idx += 1
         return {
@@ -292,6 +296,7 @@ class PPTrainer:
 
     @staticmethod
     def _p2p(fn, t, peer):
+        sync_point()  # emulated slow compute is paid before the transfer, as at a TP collective
         t0 = time.perf_counter()
         fn(t, peer)
         COMM.record("send" if fn is dist.send else "recv", peer, t0, time.perf_counter(), t.numel() * 4, "pp")
@@ -325,6 +330,7 @@ class PPTrainer:
     def step(self) -> dict:
         ids = self.corpus.batch(self.step_idx, self.cfg.batch)
         COMM.reset()
+        sync_point()
         t0 = time.perf_counter()
         saved, losses, shape = self._forward_all(ids, True)
         for i in reversed(range(len(saved))):
@@ -350,6 +356,7 @@ class PPTrainer:
                     p.grad.mul_(coef)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        sync_point()
         t1 = time.perf_counter()
         loss = torch.tensor(sum(x.item() for x in losses) if self.last else 0.0, dtype=torch.float64)
         dist.all_reduce(loss, group=self.group)  # reporting only, after the timed step
@@ -372,5 +379,6 @@ class PPTrainer:
             _, losses, _ = self._forward_all(b, False)
             total += sum(x.item() for x in losses)
         t = torch.tensor(total / len(batches) if self.last else 0.0, dtype=torch.float64)
+        sync_point()
         dist.all_reduce(t, group=self.group)
         return float(t)
