@@ -237,3 +237,30 @@ def test_rebalancer_does_not_flip_back_on_noise():
     # a new partition (not one just left) needs no more than the threshold and the cost
     rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=10**4, windows=1, hysteresis=0.99)
     assert _drive(rb, even, vec(even, 1.3), 1) is not None
+
+
+def test_calibration_margin_sets_the_gain_the_free_reshard_needs():
+    """The calibrating reshard is paid either way: with a lower margin it moves for a smaller predicted gain."""
+    cfg = small_cfg(mlp_block=8)
+    shape = cfg.shape()
+    costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
+    part = even_partition(shape, 2)
+    L = shape.num_layers
+    pred = [(L * c.attn_time(a), L * c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)]
+
+    class Fake:
+        step_idx = 2
+
+    Fake.part = part
+    measured = [pred[0][0], pred[0][1], pred[1][0], 1.2 * pred[1][1], 0.0, 0.0]  # rank 1's MLP 20 % slower
+    moved = {}
+    for margin in (None, 0.0):
+        rb = Rebalancer(shape, costs, every=4, total_steps=100, calibration_margin=margin)
+        rb.observe(_seg_record(pred[0][0], pred[0][1], L))
+        with _collectives(measured, reshard_s=[0.1, 0.1]):
+            rb.calibrate(Fake, correct=True)
+        ev = rb.history[-1]
+        gain = 1 - ev["candidate_layer_s"] / ev["current_layer_s"]
+        assert 0 < gain < rb.hysteresis  # a real but small predicted gain
+        moved[margin] = ev["resharded"]
+    assert moved == {None: False, 0.0: True}

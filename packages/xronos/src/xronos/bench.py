@@ -43,6 +43,7 @@ def _worker(
     rebalance_every: int,
     rebalance_threshold: float = 0.01,
     calibrate_after: int = 2,
+    calibration_margin: float | None = None,
 ):
     import hwtopo
 
@@ -67,7 +68,12 @@ def _worker(
     rebalancer = None
     if "xronos" in trainers and rebalance_every > 0:
         rebalancer = Rebalancer(
-            shape, costs, every=rebalance_every, threshold=rebalance_threshold, total_steps=cfg.steps
+            shape,
+            costs,
+            every=rebalance_every,
+            threshold=rebalance_threshold,
+            total_steps=cfg.steps,
+            calibration_margin=calibration_margin,
         )
     records = {name: [] for name in variants}
     timelines = {}
@@ -146,6 +152,7 @@ def run_comparison(
     pin: bool = True,
     calibrate_after: int = 2,
     emulate: str = "dilate",
+    calibration_margin: float | None = None,
 ) -> list[dict]:
     """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results.
 
@@ -158,6 +165,8 @@ def run_comparison(
     After step ``calibrate_after`` (steps 1.. observed, step 0 is a warm-up) Xronos reshards once to the
     partition its measured steps give, which also measures what a reshard costs
     (:meth:`xronos.rebalance.Rebalancer.calibrate`).
+    ``calibration_margin``: the predicted gain the calibrating reshard needs to move (default: the
+    rebalancer's 5 % hysteresis; 2 % was tried and moved on the first steps' noise).
     ``emulate``: "dilate" (compute dilation at every synchronisation, ``hwtopo.dilate``) or "cgroup"
     (``hwtopo.throttle``'s CPU quota); every variant runs under the same one.
     """
@@ -190,6 +199,7 @@ def run_comparison(
             rebalance_every,
             rebalance_threshold,
             max(0, min(calibrate_after, cfg.steps - 1)),
+            calibration_margin,
         ),
         speeds=shares,
         timeout_s=timeout_s,

@@ -184,8 +184,11 @@ class Rebalancer:
         reshard_cost_s: float = 0.0,
         total_steps: int | None = None,
         hysteresis: float = 0.05,
+        calibration_margin: float | None = None,
     ):
         self.shape, self.every, self.threshold, self.group = shape, every, threshold, group
+        # predicted gain the calibrating reshard needs to move (default: the hysteresis margin)
+        self.calibration_margin = hysteresis if calibration_margin is None else float(calibration_margin)
         self.reshard_cost_s, self.total_steps, self.hysteresis = float(reshard_cost_s), total_steps, hysteresis
         self.left: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # partitions resharded away from
         self._last_reshard_s = 0.0
@@ -203,7 +206,8 @@ class Rebalancer:
         real reshard. Without ``correct`` (or with no step observed yet) the reshard goes to the current
         partition: exact, nothing changes. With ``correct`` the steps observed so far (:meth:`observe`)
         first correct the start-up cost model as :meth:`maybe_repartition` does and, when the corrected
-        model predicts a layer time shorter by more than ``hysteresis``, the calibrating reshard goes to
+        model predicts a layer time shorter by more than ``calibration_margin`` (default ``hysteresis``), the
+        calibrating reshard goes to
         the partition it gives: the start-up profile times shard computations
         in isolation, the observed steps are the run itself (under the same emulation), and the reshard
         is paid for either way. Returns the slowest rank's reshard time.
@@ -216,15 +220,16 @@ class Rebalancer:
             gain = 1 - cand_s / now if now > 0 else 0.0
             # a few steps' factors carry the segments' jitter and the affine model extrapolates them to
             # other shard sizes: move only for a predicted gain above the hysteresis margin, not on noise
-            moved = m["key"] != (tuple(part.attn_units), tuple(part.mlp_units)) and gain > self.hysteresis
+            margin = self.calibration_margin
+            moved = m["key"] != (tuple(part.attn_units), tuple(part.mlp_units)) and gain > margin
             target = m["cand"] if moved else part
             event = {k: v for k, v in m.items() if k not in ("cand", "key")}
             event.update(
                 calibration=True,
-                decision=f"calibration: predicted gain {gain:.2%} > {self.hysteresis:.0%}, start from the partition "
+                decision=f"calibration: predicted gain {gain:.2%} > {margin:.0%}, start from the partition "
                 "the observed steps give"
                 if moved
-                else f"calibration: keep the start-up partition (predicted gain {gain:.2%} <= {self.hysteresis:.0%})",
+                else f"calibration: keep the start-up partition (predicted gain {gain:.2%} <= {margin:.0%})",
                 resharded=moved,
             )
             if moved:
