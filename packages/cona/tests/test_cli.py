@@ -36,6 +36,13 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
         assert r["trace"][-1][1] < r["trace"][0][1], f"{name} did not learn"
     cona = res["results"]["cona"]
     assert cona["decisions"][0]["reason"].startswith("initial choice")
+    # the efficiency model follows the LR rule every variant trains with, and every decision says which
+    assert res["config"]["efficiency_model"] == "sqrt"
+    assert all(d["efficiency_model"] == "sqrt" for d in cona["decisions"])
+    # the oracle advanced in slices with the others: its phases follow each other on its own clock
+    orc = res["results"]["oracle"]["chain"]
+    assert orc and all("branches" in c["why"] for c in orc)
+    assert [c["clock"] for c in orc] == sorted(c["clock"] for c in orc)
     assert 0 <= res["headline"]["gns_overhead_frac"] < 1
     assert res["headline"]["switches"] == len(cona["chain"]) - 1
     # every candidate has a throughput, probed or from the fitted cost model
