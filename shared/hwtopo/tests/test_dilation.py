@@ -33,6 +33,7 @@ class FakeClocks:
 
 
 def _dilation(speed, fake, **kw):
+    kw.setdefault("runqueue", None)
     return hwtopo.Dilation(speed, clock=fake.clock, sleep=fake.sleep, wall=fake.wall, **kw)
 
 
@@ -112,7 +113,7 @@ def test_process_wide_install_and_noop_without_one():
     assert hwtopo.current_dilation() is None
     assert hwtopo.sync_point() == 0.0
     fake = FakeClocks()
-    with hwtopo.dilate(0.5, clock=fake.clock, sleep=fake.sleep, wall=fake.wall) as d:
+    with hwtopo.dilate(0.5, clock=fake.clock, sleep=fake.sleep, wall=fake.wall, runqueue=None) as d:
         assert hwtopo.current_dilation() is d
         fake.compute(0.01)
         assert hwtopo.sync_point() == pytest.approx(0.01)
@@ -132,7 +133,7 @@ def test_replacing_and_undilate():
 
 def test_other_threads_do_not_pay():
     fake = FakeClocks()
-    d = hwtopo.dilate(0.5, clock=fake.clock, sleep=fake.sleep, wall=fake.wall)
+    d = hwtopo.dilate(0.5, clock=fake.clock, sleep=fake.sleep, wall=fake.wall, runqueue=None)
     try:
         fake.compute(0.01)
         out = []
@@ -148,10 +149,30 @@ def test_other_threads_do_not_pay():
 def test_real_clock_dilates_a_busy_loop():
     """With the real clocks, the sleep asked for follows the thread's CPU use (no threshold on wall time)."""
     asked = []
-    d = hwtopo.Dilation(0.5, sleep=lambda s: asked.append(s))
+    d = hwtopo.Dilation(0.5, sleep=lambda s: asked.append(s), runqueue=None)
     t0 = time.thread_time()
     x = 0
     while time.thread_time() - t0 < 0.02:
         x += 1
     d.sync_point()
     assert asked and asked[0] >= 0.02 * 0.5
+
+
+def test_waiting_for_a_cpu_is_taken_off_the_debt():
+    fake = FakeClocks()
+    rq = [0.0]
+    d = _dilation(0.5, fake, runqueue=lambda: rq[0], max_credit_s=0.002)
+    fake.compute(0.010)
+    rq[0] += 0.003  # runnable but another process held the core for 3 ms
+    d.sync_point()
+    assert fake.sleeps == [pytest.approx(0.007)]
+    assert d.describe()["runqueue_wait_s"] == pytest.approx(0.003)
+    fake.compute(0.001)
+    rq[0] += 0.010  # more contention than the debt: a capped credit, no sleep
+    assert d.sync_point() == 0.0 and d.debt_s == pytest.approx(-0.002)
+
+
+def test_default_runqueue_reader_is_optional():
+    d = hwtopo.Dilation(0.5, sleep=lambda s: None)
+    d.sync_point()
+    assert d.describe()["runqueue_wait_s"] is None or d.describe()["runqueue_wait_s"] >= 0.0

@@ -11,7 +11,10 @@ computes at full speed and, at each synchronisation point it marks, sleeps ``(1/
 time its thread used since the previous point. Every compute segment then takes ``compute / speed``
 of wall time, steady at millisecond scale (a CPU quota enforced per period makes short segments of a
 slow process jittery), and the core is free while it sleeps, like a slower device leaving cycles
-unused. Time the thread spends blocked (waiting for a peer) uses no CPU and is not dilated.
+unused. Time the thread spends blocked (waiting for a peer) uses no CPU and is not dilated. Time it
+spends runnable but waiting for a CPU (another process on its core; from
+``/proc/self/task/<tid>/schedstat``) already slowed it down and is taken off the sleep it owes, so
+contention on the emulating machine does not make the rank slower than asked.
 
 Links: ``LinkShaper`` delays a transfer by the link's latency plus a token-bucket wait at its
 bandwidth, for in-process shaping of messages or collectives; ``ShapedWriter`` wraps a file-like.
@@ -303,7 +306,10 @@ class Dilation:
     previous call, so a compute segment of c CPU-seconds takes c / speed of wall time. Debts shorter
     than ``min_sleep_s`` are carried to the next point; a sleep that overshoots (timer slack) is
     credited against the next debt, at most ``max_credit_s``, so being descheduled by another program
-    is not paid back with undilated compute. ``clock``, ``sleep`` and ``wall`` are injectable for tests.
+    is not paid back with undilated compute. ``runqueue`` returns the thread's cumulative seconds spent
+    runnable but waiting for a CPU (default: read from ``/proc/self/task/<tid>/schedstat`` where it
+    exists, else not used); that wait already slowed the segment down and is taken off its debt.
+    ``clock``, ``sleep``, ``wall`` and ``runqueue`` are injectable for tests.
     Labelled emulated: ``describe()["method"] == "dilation"``.
     """
 
@@ -317,6 +323,7 @@ class Dilation:
         clock=time.thread_time,
         sleep=time.sleep,
         wall=time.perf_counter,
+        runqueue="auto",
     ) -> None:
         self.speed = _check_speed(speed)
         if not min_sleep_s >= 0:
@@ -331,8 +338,11 @@ class Dilation:
         self.cpu_s = 0.0  # thread CPU seconds seen at sync points
         self.slept_s = 0.0
         self.points = 0
+        self.runqueue_s = 0.0  # waited for a CPU, taken off the debts
         self.closed = False
+        self._runqueue = _schedstat_reader() if runqueue == "auto" else runqueue
         self._mark = clock()
+        self._rq_mark = self._runqueue() if self._runqueue is not None else 0.0
 
     def sync_point(self) -> float:
         """Pay the dilation owed for the CPU used since the last point; returns the seconds slept."""
@@ -344,6 +354,12 @@ class Dilation:
         self.points += 1
         self.debt_s += used * self.factor
         self._mark = now
+        if self._runqueue is not None:
+            rq = self._runqueue()
+            waited = max(0.0, rq - self._rq_mark)
+            self._rq_mark = rq
+            self.runqueue_s += waited
+            self.debt_s = max(self.debt_s - waited, -self.max_credit_s)
         if self.debt_s < self.min_sleep_s:
             return 0.0
         t0 = self._wall()
@@ -352,11 +368,15 @@ class Dilation:
         self.debt_s = max(self.debt_s - slept, -self.max_credit_s)
         self.slept_s += slept
         self._mark = self._clock()  # the sleep call's own CPU is not compute to dilate
+        if self._runqueue is not None:  # waking up from the sleep is in the overshoot already
+            self._rq_mark = self._runqueue()
         return slept
 
     def reset(self) -> None:
         """Forget the CPU used since the last point (e.g. after set-up that should not be dilated)."""
         self._mark = self._clock()
+        if self._runqueue is not None:
+            self._rq_mark = self._runqueue()
         self.debt_s = 0.0
 
     def describe(self) -> dict:
@@ -366,6 +386,7 @@ class Dilation:
             "speed": self.speed,
             "cpu_s": self.cpu_s,
             "slept_s": self.slept_s,
+            "runqueue_wait_s": self.runqueue_s if self._runqueue is not None else None,
             "sync_points": self.points,
         }
 
@@ -385,6 +406,23 @@ class Dilation:
 
 
 _dilation: Dilation | None = None
+
+
+def _schedstat_reader():
+    """A function giving the calling thread's cumulative runqueue wait in seconds, or None if unavailable."""
+    try:
+        fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+    def read() -> float:
+        try:
+            return int(os.pread(fd, 128, 0).split()[1]) * 1e-9
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    return read
 
 
 def dilate(speed: float, **kwargs) -> Dilation:
