@@ -393,6 +393,8 @@ class Dilation:
     def close(self) -> None:
         """Stop dilating; uninstalls it if it is the process-wide dilation."""
         global _dilation
+        if not self.closed and hasattr(self._runqueue, "close"):
+            self._runqueue.close()  # the schedstat file this dilation opened
         self.closed = True
         with _lock:
             if _dilation is self:
@@ -422,6 +424,13 @@ def _schedstat_reader():
         except (OSError, ValueError, IndexError):
             return 0.0
 
+    def close() -> None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+    read.close = close
     return read
 
 
@@ -435,7 +444,9 @@ def dilate(speed: float, **kwargs) -> Dilation:
     d = Dilation(speed, **kwargs)
     with _lock:
         old, _dilation = _dilation, d
-    if old is not None:
+    if old is not None and not old.closed:
+        if hasattr(old._runqueue, "close"):
+            old._runqueue.close()
         old.closed = True
     return d
 
