@@ -9,6 +9,16 @@ only when the best one beats the current one by a hysteresis margin after paying
 
     switch  iff  goodput_best * (horizon - switch_cost) > goodput_current * horizon * (1 + margin)
 
+With ``remaining_s`` (an estimate of the training time left to the target, from the observed loss
+trend) and ``noise_range`` (the noise scales the recent gradient statistics support) a running decision
+uses the hysteresis from first principles instead (``switch_gain``): the horizon a switch pays off over
+is the remaining time, and the newcomer must win wherever in the noise-scale range the truth lies,
+
+    switch  iff  min over phi in range of  goodput_new(phi) (T_rem - switch_cost) / (goodput_cur(phi) T_rem)  > 1 + margin
+
+i.e. the predicted rate gain times the remaining time exceeds the measured switch cost, with an allowance
+for the ranking's uncertainty (the same worst case over the range that the robust initial choice uses).
+
 Every decision (switch or stay) is logged with the ranking and the reason.
 """
 
@@ -22,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from .gns import GradientNoiseScale, batch_efficiency
 from .space import Strategy
 
-__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice"]
+__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +88,62 @@ class Decision:
 ThroughputFn = Callable[[Strategy], tuple[float, str]]
 
 
+def noise_grid(lo: float, hi: float, points: int = 25) -> list[float]:
+    """Noise scales spread geometrically over [lo, hi] (0 included when lo is 0; inf capped at 1e9)."""
+    lo = max(lo, 0.0)
+    top = hi if math.isfinite(hi) else 1e9
+    bottom = max(lo, 1e-3)
+    grid = [bottom] if top <= bottom else [bottom * (top / bottom) ** (i / (points - 1)) for i in range(points)]
+    return [0.0, *grid] if lo == 0.0 else grid
+
+
+def switch_gain(new_tput: float, new_batch: int, cur_tput: float, cur_batch: int, noise_scales: Sequence[float],
+                horizon_s: float, switch_cost_s: float, reference_batch: int, lr_scaling: str = "sqrt") -> float:  # fmt: skip
+    """Worst case over ``noise_scales`` of the progress a switch makes over ``horizon_s`` (paying
+    ``switch_cost_s`` first) relative to staying, minus 1: > 0 means switching wins wherever the noise scale
+    lies in the range; -1 when the switch cost eats the whole horizon."""
+    keep = horizon_s - switch_cost_s
+    if keep <= 0:  # the switch would not finish paying for itself before the target
+        return -1.0
+    worst = math.inf
+    for phi in noise_scales:
+        new = goodput(new_tput, new_batch, phi, reference_batch, lr_scaling) * keep
+        cur = goodput(cur_tput, cur_batch, phi, reference_batch, lr_scaling) * horizon_s
+        worst = min(worst, new / cur if cur > 0 else math.inf)
+    return worst - 1.0
+
+
+def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, window_s: float, cap_s: float) -> float:
+    """Training time left until the loss reaches ``target_loss``, from the ``(clock, loss)`` points of the last
+    ``window_s``: the loss is taken to fall linearly in log(clock) at the slope fitted over the window (a
+    decelerating trend: a line in clock read ~0.4 s left at 2 s into a 10 s run), from its current level
+    (mean of the last 3 points). 0 when the level is at the target, ``cap_s`` when the loss does not fall or
+    there are fewer than 3 points. Early in training, when the loss falls faster than that, it
+    under-estimates the time left, i.e. errs on the side of not paying for a switch."""
+    if not trace:
+        return cap_s
+    t_last = trace[-1][0]
+    pts = [(math.log(t), v) for t, v in trace if t >= t_last - window_s and t > 0 and math.isfinite(v)]
+    if len(pts) < 3:
+        return cap_s
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(v for _, v in pts) / n
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    if var <= 0:
+        return cap_s
+    slope = sum((x - mx) * (v - my) for x, v in pts) / var  # loss per unit of log(clock)
+    now = sum(v for _, v in pts[-3:]) / 3
+    if now <= target_loss:
+        return 0.0
+    if slope >= 0:
+        return cap_s
+    ln_target = sum(x for x, _ in pts[-3:]) / 3 + (target_loss - now) / slope  # log of the clock at the target
+    if ln_target > math.log(t_last + cap_s):
+        return cap_s
+    return max(math.exp(ln_target) - t_last, 0.0)
+
+
 def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int,
                   points: int = 25, lr_scaling: str = "sqrt") -> tuple[Strategy, float]:  # fmt: skip
     """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi]
@@ -87,15 +153,7 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     point estimate from a near-zero |G|^2 can be off by orders of magnitude either way, while the
     worst-case ratio tells how much progress a choice can lose wherever in the range the truth lies.
     """
-    lo = max(lo, 0.0)
-    top = hi if math.isfinite(hi) else 1e9
-    bottom = max(lo, 1e-3)
-    if top <= bottom:
-        grid = [bottom]
-    else:
-        grid = [bottom * (top / bottom) ** (i / (points - 1)) for i in range(points)]
-    if lo == 0.0:
-        grid = [0.0, *grid]
+    grid = noise_grid(lo, hi, points)
     best: tuple[float, str, Strategy] | None = None
     table = {phi: {s: goodput(t, s.global_batch, phi, reference_batch, lr_scaling) for s, t in tputs.items()}
              for phi in grid}  # fmt: skip
@@ -158,11 +216,14 @@ class Chainer:
         return sorted(out, key=lambda e: (-e.goodput, -e.throughput, e.strategy.name))
 
     def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0,
-               noise_range: tuple[float, float] | None = None) -> Decision:  # fmt: skip
+               noise_range: tuple[float, float] | None = None, remaining_s: float | None = None) -> Decision:  # fmt: skip
         """Choose the strategy for the next horizon; logged and appended to ``decisions``.
 
-        ``noise_range`` (initial choice only): the noise scale is only known to lie in this range (few
-        gradient samples), so take the strategy with the best worst-case goodput ratio over it.
+        ``noise_range``: the noise scale is only known to lie in this range (few gradient samples). For the
+        initial choice, take the strategy with the best worst-case goodput ratio over it; for a running
+        decision with ``remaining_s`` (estimated training time left to the target), switch only to a
+        strategy that beats the current one over the remaining time, switch cost paid, at every noise
+        scale in the range (``switch_gain``). Without ``remaining_s`` the fixed horizon and margin apply.
         """
         phi = self.gns.noise_scale
         ranking = tuple(self.rank(phi))
@@ -184,6 +245,8 @@ class Chainer:
             d = Decision(step, elapsed_s, None, best.strategy, True,
                          f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
                          f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})", phi, 0.0, ranking)  # fmt: skip
+        elif remaining_s is not None:
+            d = self._decide_remaining(current, ranking, step, elapsed_s, phi, cost, remaining_s, noise_range)
         else:
             cur = next((e for e in ranking if e.strategy == current), None)
             if cur is None:
@@ -212,3 +275,34 @@ class Chainer:
         self.decisions.append(d)
         log.info("step %d: %s", step, d.reason)
         return d
+
+    def _decide_remaining(self, current: Strategy, ranking: tuple[Estimate, ...], step: int, elapsed_s: float,
+                          phi: float, cost: float, remaining_s: float,
+                          noise_range: tuple[float, float] | None) -> Decision:  # fmt: skip
+        """Hysteresis from the remaining time, the switch cost and the noise-scale range (see the module)."""
+        lo, hi = noise_range if noise_range is not None else (phi, phi)
+        grid = noise_grid(min(lo, phi), max(hi, phi), points=9)
+        cur = next(e for e in ranking if e.strategy == current)
+        h = max(remaining_s, 0.0)
+        gains = sorted(
+            ((switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid, h, cost,
+                          self.gns.reference_batch, self.gns.lr_scaling), e) for e in ranking if e.strategy != current),
+            key=lambda ge: (-ge[0], -ge[1].goodput, ge[1].strategy.name),
+        )  # fmt: skip
+        where = (f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {h:.2f}s to target "
+                 f"estimated, switch {cost:.2f}s")  # fmt: skip
+        if gains and gains[0][0] > self.margin:
+            gain, e = gains[0]
+            reason = (f"switch: {e.strategy.name} (goodput {e.goodput:.1f} vs {cur.goodput:.1f}) gains >= {gain:+.4f} "
+                      f"of {current.name}'s progress over the remaining time at every noise scale in the range "
+                      f"(margin {self.margin:g}; {where})")  # fmt: skip
+            return Decision(step, elapsed_s, current, e.strategy, True, reason, phi, cost, ranking)
+        best = ranking[0]
+        if best.strategy == current:
+            reason = f"stay: {current.name} is still best (goodput {cur.goodput:.1f}; {where})"
+        else:
+            gain, e = gains[0]
+            reason = (f"stay: best {best.strategy.name} goodput {best.goodput:.1f} vs {current.name} {cur.goodput:.1f}, "
+                      f"but the most robust rival {e.strategy.name} gains only {gain:+.4f} of the remaining progress "
+                      f"at the worst noise scale in the range (margin {self.margin:g}; {where})")  # fmt: skip
+        return Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)

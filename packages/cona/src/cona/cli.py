@@ -48,7 +48,7 @@ def _run_config(args, quick: bool):
 
     kw = dict(QUICK if quick else FULL)
     for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches", "seeds",
-                 "seed", "efficiency_model"):  # fmt: skip
+                 "seed", "efficiency_model", "hysteresis"):  # fmt: skip
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -391,6 +391,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--efficiency-model", choices=("sqrt", "tuned"),
                         help="LR rule cona's efficiency model assumes: sqrt (default; the rule every variant trains "
                              "with) or tuned (Pollux: each batch at its own tuned LR, for comparison)")  # fmt: skip
+        sp.add_argument("--hysteresis", choices=("remaining", "fixed"),
+                        help="cona's switch rule: remaining (default; the newcomer must win over the estimated time "
+                             "to target, switch cost paid, at every plausible noise scale) or fixed (5%% margin over "
+                             "a 3 s horizon, the previous rule)")  # fmt: skip
 
     b = sub.add_parser("bench", help="cona vs best static, surrogate-at-step-0 static and oracle, side by side")
     b.add_argument("--quick", action="store_true", help="2 ranks, 3 seeds (full: 4 ranks, 1 seed)")

@@ -137,12 +137,13 @@ class GradientNoiseScale:
         self._last_phi = min(s / g2, 1e9)
         return self._last_phi
 
-    def interval(self, z: float = 2.0) -> tuple[float, float]:
+    def interval(self, z: float = 2.0, window: int | None = None) -> tuple[float, float]:
         """A range of noise scales the unsmoothed estimates support: tr(Sigma) pooled over the updates
         divided by the pooled |G|^2 plus / minus ``z`` standard errors (|G|^2 is the noisy factor: with few
         samples it can be near zero or negative, where the point estimate is meaningless). The upper end
-        is ``math.inf`` when |G|^2 is not resolved above zero. (0, inf) before any update."""
-        pairs = self.raw
+        is ``math.inf`` when |G|^2 is not resolved above zero. (0, inf) before any update. ``window``: only
+        the last that many updates (the noise scale drifts during training; the EMA weighs recent ones)."""
+        pairs = self.raw if window is None else self.raw[-window:]
         n = len(pairs)
         if n == 0:
             return 0.0, math.inf

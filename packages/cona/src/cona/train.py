@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import dist as cdist
-from .chain import Chainer
+from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
 from .gns import LR_SCALINGS, GradientNoiseScale
 from .model import TextData, stdlib_tokens, tiny_llama_config
@@ -79,7 +79,15 @@ class BenchConfig:
     oracle_phase_s: float = 3.0
     slice_s: float = 0.5  # interleaving granularity of the side-by-side variants
     val_samples: int = 128
-    margin: float = 0.05
+    margin: float = 0.05  # hysteresis "fixed" only: the newcomer must be 5% better over switch_horizon_s
+    hysteresis: str = "remaining"  # "remaining": the horizon is the time to target estimated from cona's
+    # validation-loss trend over the last trend_window_s, and a newcomer must win (switch cost paid) at every
+    # noise scale the last range_window statistics pairs support (+- range_z standard errors); "fixed": the
+    # fixed switch_horizon_s and margin (the previous rule)
+    trend_window_s: float = 2.0  # ~20 evaluations: the slope's standard error (~0.006/s for +-0.015 of wiggle)
+    # is well under the late slope (~0.023/s)
+    range_window: int = 8  # ~the pairs the EMA (0.64 per update) weighs: 0.64^8 = 0.03
+    range_z: float = 2.0
     gns_every: int = 8  # a statistics step every 8 (was 4): ~6 pairs per 1 s decision at gb64, half the overhead
     seed: int = 0
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
@@ -102,6 +110,8 @@ class BenchConfig:
             raise ValueError(f"target_ppl must be > 1, got {self.target_ppl}")
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
+        if self.hysteresis not in ("remaining", "fixed"):
+            raise ValueError(f"hysteresis must be one of remaining, fixed, got {self.hysteresis!r}")
         if self.efficiency_model not in LR_SCALINGS:
             raise ValueError(f"efficiency_model must be one of {', '.join(LR_SCALINGS)}, got {self.efficiency_model!r}")
         if self.seeds < 1:
@@ -212,8 +222,20 @@ class _Variant:
         # moment's load with others measured under another (on a shared machine that made the chain
         # thrash). The online figure is logged next to the decision.
         online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
-        d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
-        run.decisions.append(d.to_dict() | {"online_samples_per_s": online})
+        cfg = tr.cfg
+        extra: dict = {}
+        if cfg.hysteresis == "remaining":
+            left = cfg.budget_s - run.clock
+            # the validation evaluations the harness makes anyway (excluded from every clock): the training loss
+            # runs below the validation loss here (it read "at the target" 6 s early), so it cannot tell the time left
+            rem = _bcast(remaining_time(run.trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0)))
+            lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
+            lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
+            d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem)
+            extra = {"remaining_s": rem, "noise_range": [lo, hi]}
+        else:
+            d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
+        run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
         if d.switched:
             t0 = time.perf_counter()
             new = tr.executor(d.chosen, self.ex.full_state())  # in-memory resharding
@@ -459,7 +481,8 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
-    chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=cfg.margin,
+    margin = cfg.margin if cfg.hysteresis == "fixed" else 0.0  # "remaining": the noise-scale range is the allowance
+    chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=margin,
                       switch_cost_s=reshard_s)  # fmt: skip
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
     surrogate0 = first.chosen
