@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from cona.chain import Chainer, goodput, robust_choice
+from cona.chain import Chainer, goodput, remaining_time, robust_choice, switch_gain
 from cona.gns import GradientNoiseScale
 from cona.space import Strategy
 
@@ -117,3 +117,53 @@ def test_robust_initial_choice_under_an_uncertain_noise_scale():
     # no statistics yet: later decisions stay put (and say why)
     later = ch.decide(d.chosen, step=5)
     assert not later.switched and "no gradient statistics" in later.reason
+
+
+# The bench's measured throughputs (2 ranks, samples/s): gb128 runs 1.14x gb64's samples per second.
+GB64, GB128, GB256 = Strategy(2, 1, 1, 32, 64), Strategy(2, 1, 1, 32, 128), Strategy(2, 1, 1, 32, 256)
+LATE = {GB64: 3909.0, GB128: 4466.0, GB256: 4929.0}
+
+
+def _late_chainer(phi: float, margin: float = 0.05) -> Chainer:
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    _set_phi(gns, phi)
+    return Chainer(list(LATE), LATE, gns, horizon_s=3.0, margin=margin, switch_cost_s=0.015)
+
+
+def test_remaining_time_hysteresis_switches_where_the_fixed_margin_stays():
+    """gb128 beats gb64 by 2.5-4% everywhere in a noise-scale range of 200..300 (the late phase of the
+    perplexity-5.8 run): over ~5 s left to the target a 0.015 s switch pays for itself many times, so the
+    rule from first principles switches; the old fixed 5% margin stays on gb64 however long is left."""
+    assert not _late_chainer(230.0).decide(GB64, step=1).switched  # the old rule: inside the 5% margin
+    ch = _late_chainer(230.0, margin=0.0)
+    d = ch.decide(GB64, step=1, noise_range=(200.0, 300.0), remaining_s=5.0)
+    assert d.switched and d.chosen == GB128
+    assert "every noise scale in the range" in d.reason and "5.00s to target" in d.reason
+
+
+def test_remaining_time_hysteresis_needs_a_win_across_the_noise_range():
+    """A point estimate (400) where bigger batches win by > 5% but a range (40..400) where they lose at its
+    low end: the old rule switches on the point estimate, the new one stays and says which rival came closest."""
+    assert _late_chainer(400.0).decide(GB64, step=1).switched  # the old rule follows the point estimate
+    d = _late_chainer(400.0, margin=0.0).decide(GB64, step=1, noise_range=(40.0, 400.0), remaining_s=5.0)
+    assert not d.switched and d.chosen == GB64 and "worst noise scale" in d.reason
+
+
+def test_no_switch_when_the_target_is_closer_than_the_switch_cost():
+    ch = _late_chainer(1000.0, margin=0.0)
+    assert ch.decide(GB64, step=1, noise_range=(900.0, 1100.0), remaining_s=5.0).switched
+    assert not ch.decide(GB64, step=2, noise_range=(900.0, 1100.0), remaining_s=0.01).switched
+    assert switch_gain(2.0, 64, 1.0, 64, [100.0], horizon_s=0.01, switch_cost_s=0.015, reference_batch=8) == -1.0
+    # the gain is the worst case over the range, net of the switch cost's share of the horizon
+    g = switch_gain(200.0, 64, 100.0, 8, [0.0, 1e6], horizon_s=10.0, switch_cost_s=1.0, reference_batch=8)
+    assert g == pytest.approx(2.0 * math.sqrt(8 / 64) * 0.9 - 1.0)
+
+
+def test_remaining_time_from_the_loss_trend():
+    target = 3 - 0.5 * math.log(8.0)
+    trace = [(t / 10, 3 - 0.5 * math.log(t / 10)) for t in range(1, 41)]  # linear in log(clock)
+    assert remaining_time(trace, target, 2.0, 100.0) == pytest.approx(4.0)  # reaches the target at t = 8
+    assert remaining_time(trace, 0.0, 2.0, 10.0) == 10.0  # beyond the cap
+    assert remaining_time(trace, 3.0, 2.0, 10.0) == 0.0  # already there
+    assert remaining_time([(t / 10, 2.0 + 0.01 * t) for t in range(1, 20)], 1.0, 2.0, 7.0) == 7.0  # not falling
+    assert remaining_time(trace[:2], target, 2.0, 7.0) == 7.0  # too few points

@@ -111,3 +111,12 @@ def test_sqrt_lr_efficiency_model():
         batch_efficiency(64, 10, 8, "linear")
     with pytest.raises(ValueError, match="lr_scaling"):
         GradientNoiseScale(reference_batch=8, lr_scaling="adam")
+
+
+def test_interval_over_a_window_follows_the_recent_noise_scale():
+    gns = GradientNoiseScale(reference_batch=8, decay=0.5)
+    for phi in [10.0] * 20 + [200.0] * 8:  # exact pairs: |G|^2 = 1, tr(Sigma) = phi
+        gns.update(1.0 + phi / 4, 4, 1.0 + phi / 64, 64)
+    assert gns.interval(window=8) == pytest.approx((200.0, 200.0))
+    lo, hi = gns.interval()
+    assert lo == pytest.approx((20 * 10 + 8 * 200) / 28) and hi == pytest.approx(lo)
