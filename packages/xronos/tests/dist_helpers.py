@@ -261,5 +261,24 @@ def dilation_at_syncs(rank, world):
         PPTrainer._p2p(dist.send, t, 1)
     else:
         PPTrainer._p2p(dist.recv, t, 0)
-    d = hwtopo.current_dilation()
-    return None if d is None else d.describe()
+    d = hwtopo.current_dilation()  # None on an unemulated rank (speed 1.0)
+
+    def points():
+        return 0 if d is None else d.points
+
+    # a Megatron pair, forward and backward (on every rank: they are collectives): the row layer's
+    # all-reduce runs in forward, the column layer's input-gradient all-reduce inside autograd's
+    # backward; both must be sync points
+    torch.manual_seed(0)
+    col = ColumnParallelLinear.from_linear(nn.Linear(16, 32), [16, 16], rank)
+    row = RowParallelLinear.from_linear(nn.Linear(32, 16), [16, 16], rank)
+    inp = torch.randn(4, 16, requires_grad=True)
+    before = points()
+    y = row(torch.relu(col(inp)))
+    fwd = points() - before
+    before = points()
+    y.sum().backward()
+    bwd = points() - before
+    if d is None:
+        return None
+    return d.describe() | {"tp_forward_syncs": fwd, "tp_backward_syncs": bwd}

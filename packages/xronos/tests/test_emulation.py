@@ -1,12 +1,10 @@
 """The emulation modes: dilation installed per rank and paid at every synchronisation point."""
 
 import pytest
-import torch
 
 import hwtopo
 from xronos.cli import main
 from xronos.launch import emulate_speed, emulation_label, spawn
-from xronos.profile import time_call
 
 
 def test_emulate_speed_modes_and_labels():
@@ -24,13 +22,31 @@ def test_emulate_speed_modes_and_labels():
         spawn(print, 1, emulate="slow")
 
 
-def test_profile_timing_pays_the_dilation_inside_the_timed_region():
-    asked = []
-    with hwtopo.dilate(0.5, sleep=asked.append):
-        x = torch.randn(64, 64)
-        time_call(lambda: torch.tanh(x @ x), min_time_s=0.001, repeats=2)
-    calls = len(asked)
-    assert calls >= 3  # one per timed call (debts under 0.1 ms may be carried to the next)
+def test_profile_timing_pays_the_dilation_inside_the_timed_region(monkeypatch):
+    import types
+
+    import xronos.profile as prof
+
+    events, clock = [], [0.0]
+
+    def perf_counter():
+        events.append("clock")
+        clock[0] += 0.01
+        return clock[0]
+
+    monkeypatch.setattr(prof, "sync_point", lambda: events.append("sync"))
+    monkeypatch.setattr(prof, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    prof.time_call(lambda: events.append("fn"), min_time_s=0.001, repeats=2)
+    timed = 0
+    last_clock = -1
+    for i, e in enumerate(events):
+        if e != "clock":
+            continue
+        if "fn" in events[last_clock + 1 : i]:  # this read closes a region that ran fn
+            assert events[i - 1] == "sync", events  # the dilation is paid before the clock stops
+            timed += 1
+        last_clock = i
+    assert timed >= 2
 
 
 def test_every_rank_pays_its_dilation_at_collectives_and_transfers():
@@ -40,6 +56,8 @@ def test_every_rank_pays_its_dilation_at_collectives_and_transfers():
     assert d["method"] == "dilation" and d["speed"] == 0.5
     assert d["sync_points"] >= 4  # three all-reduces and a receive
     assert d["slept_s"] > 0 and d["cpu_s"] > 0
+    assert d["tp_forward_syncs"] == 1  # the row-parallel output all-reduce
+    assert d["tp_backward_syncs"] == 1  # the column-parallel input-gradient all-reduce, in backward
 
 
 def _helper():

@@ -172,7 +172,93 @@ def test_waiting_for_a_cpu_is_taken_off_the_debt():
     assert d.sync_point() == 0.0 and d.debt_s == pytest.approx(-0.002)
 
 
-def test_default_runqueue_reader_is_optional():
-    d = hwtopo.Dilation(0.5, sleep=lambda s: None)
+def test_cpu_wait_inside_the_blocking_call_is_not_credited():
+    fake = FakeClocks()
+    rq = [0.0]
+    d = _dilation(0.5, fake, runqueue=lambda: rq[0])
+    fake.compute(0.010)
+    d.sync_point()  # pays 10 ms
+    rq[0] += 0.004  # woken inside the collective, waited 4 ms for the core: part of the wait
+    d.resume()
+    fake.compute(0.010)
     d.sync_point()
-    assert d.describe()["runqueue_wait_s"] is None or d.describe()["runqueue_wait_s"] >= 0.0
+    assert fake.sleeps == [pytest.approx(0.010), pytest.approx(0.010)]
+    assert d.describe()["runqueue_wait_s"] == pytest.approx(0.0)
+
+
+def test_module_resume_point_is_a_no_op_without_a_dilation():
+    hwtopo.undilate()
+    assert hwtopo.resume_point() is None
+
+
+def test_schedstat_reader_reads_the_runqueue_field(tmp_path):
+    f = tmp_path / "schedstat"
+    f.write_text("5000000 2500000000 7\n")
+    read = hwtopo.emulate._schedstat_reader(str(f))
+    assert read() == pytest.approx(2.5)
+    f.write_text("6000000 3000000000 8\n")
+    assert read() == pytest.approx(3.0)  # read again, not cached
+    read.close()
+    read.close()  # closing twice is harmless
+
+
+def test_schedstat_reader_unavailable_when_missing_or_switched_off(tmp_path):
+    assert hwtopo.emulate._schedstat_reader(str(tmp_path / "absent")) is None
+    off = tmp_path / "off"
+    off.write_text("0 0 0\n")  # scheduler statistics compiled in but disabled
+    assert hwtopo.emulate._schedstat_reader(str(off)) is None
+    bad = tmp_path / "bad"
+    bad.write_text("garbage\n")
+    assert hwtopo.emulate._schedstat_reader(str(bad)) is None
+
+
+def test_default_reader_follows_this_thread_where_available():
+    d = hwtopo.Dilation(0.5, sleep=lambda s: None)
+    try:
+        d.sync_point()
+        wait = d.describe()["runqueue_wait_s"]
+        path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        try:
+            fields = open(path).read().split()
+        except OSError:
+            fields = ["0"]
+        if int(fields[0]) == 0:
+            assert wait is None
+        else:
+            assert wait is not None and 0.0 <= wait <= int(fields[1]) * 1e-9
+    finally:
+        d.close()
+    d.close()  # idempotent
+
+
+def test_a_forked_child_is_not_dilated():
+    import os
+
+    fake = FakeClocks()
+    hwtopo.dilate(0.5, clock=fake.clock, sleep=fake.sleep, wall=fake.wall, runqueue=None)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: the parent's dilation must not act here
+            try:
+                fake.compute(0.010)
+                ok = hwtopo.sync_point() == 0.0 and fake.sleeps == []
+                os.write(w, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 1)
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert got == b"1"
+        fake.compute(0.010)
+        assert hwtopo.sync_point() == pytest.approx(0.010)  # the parent still is
+    finally:
+        hwtopo.undilate()
+
+
+@pytest.mark.parametrize("field", ["min_sleep_s", "max_credit_s"])
+@pytest.mark.parametrize("value", ["x", -1.0, float("nan"), None])
+def test_bad_seconds_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        hwtopo.Dilation(0.5, runqueue=None, **{field: value})

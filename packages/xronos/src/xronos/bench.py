@@ -16,7 +16,7 @@ import time
 
 import torch.distributed as dist
 
-from hwtopo import sync_point
+from hwtopo import resume_point, sync_point
 
 from .launch import emulation_label, pin_ranks, spawn, throttle_period_us
 from .layers import COMM
@@ -86,6 +86,7 @@ def _worker(
                 continue
             sync_point()  # emulated dilation of the untimed work between steps, before the barrier
             dist.barrier()
+            resume_point()
             record = step == timeline_step and name in parts
             COMM.events = [] if record else None
             records[name].append(trainers[name].step())
@@ -100,6 +101,7 @@ def _worker(
                 elif step > calibrate_after:
                     rebalancer.observe(records[name][-1])
                     rebalancer.maybe_repartition(trainers[name])
+                sync_point()  # emulated: the rebalancer's own compute is paid inside its timing
                 records[name][-1]["rebalance_s"] = time.perf_counter() - t_rb
                 parts["xronos_final"] = trainers[name].part
             if record:

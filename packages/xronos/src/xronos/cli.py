@@ -427,7 +427,7 @@ def _train_torchrun(args, cfg, speeds) -> int:
     """One rank of a torchrun / multi-node launch (env rendezvous); rank 0 prints the report."""
     import torch
 
-    from .launch import emulate_speed, init_from_env
+    from .launch import emulate_speed, emulation_label, init_from_env
     from .runner import _finetune_worker, cache_dir
 
     torch.set_num_threads(int(args.threads))
@@ -445,9 +445,13 @@ def _train_torchrun(args, cfg, speeds) -> int:
         if throttle is not None:
             throttle.close()
     if rank == 0:
-        print(
-            json.dumps({k: r[k] for k in ("partition", "resumed_from", "eval_loss", "perplexity", "saved")}, indent=2)
-        )
+        out = {k: r[k] for k in ("partition", "resumed_from", "eval_loss", "perplexity", "saved")}
+        # every output says whether this rank's speed was emulated, and how
+        out["emulated"] = emulation_label(args.emulate) if args.emulate else False
+        out["speeds"] = list(speeds)
+        if args.emulate == "dilate" and args.threads > 1:
+            out["emulation_note"] = "dilation counts the main thread's CPU only; intra-op threads run undilated"
+        print(json.dumps(out, indent=2))
     return 0
 
 

@@ -135,7 +135,8 @@ def emulate_speed(speed: float, emulate: str = "dilate"):
         return hwtopo.dilate(speed)
 
     # the shortest period whose quota is still >= the kernel's 1 ms minimum: finer-grained slices
-    return hwtopo.throttle(os.getpid(), speed=speed, cpus=1, period_s=throttle_period_us(speed) / 1e6)
+    # (method="cgroup": no silent duty-cycle fallback under a 'cgroup' label; hwtopo names what is missing)
+    return hwtopo.throttle(os.getpid(), speed=speed, cpus=1, method="cgroup", period_s=throttle_period_us(speed) / 1e6)
 
 
 def _atomic_pickle(obj, path: Path) -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hwtopo import sync_point
+from hwtopo import resume_point, sync_point
 
 __all__ = [
     "CommStats",
@@ -92,6 +92,7 @@ def all_reduce(t: torch.Tensor, group=None, op=None, tag: str = "") -> torch.Ten
     t0 = time.perf_counter()
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
     COMM.record("ar", -1, t0, time.perf_counter(), t.numel() * t.element_size(), tag)
+    resume_point()  # a wait for the core while waking up here is part of the wait, not of compute
     return t
 
 
@@ -336,6 +337,7 @@ def gather_uneven(shard: torch.Tensor, sizes: Sequence[int], dim: int, group=Non
     parts = [torch.empty_like(padded) for _ in sizes]
     sync_point()
     dist.all_gather(parts, padded, group=group)
+    resume_point()
     return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
 
 

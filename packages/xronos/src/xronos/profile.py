@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hwtopo import sync_point
+from hwtopo import resume_point, sync_point
 
 from .layers import _active
 from .partition import ModelShape, PartitionError, RankCost, costs_from_speeds
@@ -173,10 +173,12 @@ def profile_group(
     if _active(group):
         sync_point()
         dist.barrier(group=group)
+        resume_point()
         t1 = time.perf_counter()
         for _ in range(3):
             sync_point()
             dist.all_reduce(buf, group=group)
+            resume_point()
         mine["allreduce_s"] = (time.perf_counter() - t1) / 3
         everyone: list = [None] * dist.get_world_size(group)
         mine["profile_s"] = time.perf_counter() - t0

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from hwtopo import sync_point
+
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _active, all_reduce, gather_uneven
 from .partition import ModelShape, Partition, RankCost, partition, segment_objective
 from .shard import build_model, enable_lora, shard_model
@@ -96,6 +98,7 @@ def repartition(trainer, new_part: Partition) -> None:
         if full_s[name]:
             opt.state[p] = {k: local(v) for k, v in full_s[name].items()}
     trainer.model, trainer.params, trainer.opt, trainer.part = model, params, opt, new_part
+    sync_point()  # emulated: the rebuild's compute is paid inside the reshard, which callers time
 
 
 def _scaled(c: RankCost, f_attn: float, f_mlp: float | None = None) -> RankCost:
@@ -236,6 +239,7 @@ class Rebalancer:
                 self.left = [*self.left, (tuple(part.attn_units), tuple(part.mlp_units))][-4:]
                 event["partition"] = target.describe()
             self.history.append(event)
+        sync_point()  # emulated: earlier compute is not charged to the reshard
         t0 = time.perf_counter()
         repartition(trainer, target)
         world = len(self.costs)
@@ -332,6 +336,7 @@ class Rebalancer:
         event.update(decision=reason, resharded=False)
         if ok:
             self.left = [*self.left, (tuple(part.attn_units), tuple(part.mlp_units))][-4:]
+            sync_point()
             t0 = time.perf_counter()
             repartition(trainer, cand)
             self._last_reshard_s = time.perf_counter() - t0

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hwtopo import sync_point
+from hwtopo import resume_point, sync_point
 
 from .launch import spawn
 from .partition import Partition, PartitionError, even_partition, partition
@@ -52,6 +52,7 @@ def _finetune_worker(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir
             trainer.save(ckpt_dir)
             sync_point()
             dist.barrier()
+            resume_point()
     trainer.save(ckpt_dir)
     eval_loss = trainer.evaluate()
     saved = None

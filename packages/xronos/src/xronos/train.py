@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hwtopo import sync_point
+from hwtopo import resume_point, sync_point
 
 from .data import ByteCorpus, load_text
 from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
@@ -300,6 +300,7 @@ class PPTrainer:
         t0 = time.perf_counter()
         fn(t, peer)
         COMM.record("send" if fn is dist.send else "recv", peer, t0, time.perf_counter(), t.numel() * 4, "pp")
+        resume_point()
 
     def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(self.cfg.seq_len).unsqueeze(0)
@@ -381,4 +382,5 @@ class PPTrainer:
         t = torch.tensor(total / len(batches) if self.last else 0.0, dtype=torch.float64)
         sync_point()
         dist.all_reduce(t, group=self.group)
+        resume_point()
         return float(t)

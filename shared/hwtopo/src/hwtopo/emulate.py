@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ __all__ = [
     "undilate",
     "current_dilation",
     "sync_point",
+    "resume_point",
 ]
 
 log = logging.getLogger(__name__)
@@ -308,8 +310,12 @@ class Dilation:
     credited against the next debt, at most ``max_credit_s``, so being descheduled by another program
     is not paid back with undilated compute. ``runqueue`` returns the thread's cumulative seconds spent
     runnable but waiting for a CPU (default: read from ``/proc/self/task/<tid>/schedstat`` where it
-    exists, else not used); that wait already slowed the segment down and is taken off its debt.
-    ``clock``, ``sleep``, ``wall`` and ``runqueue`` are injectable for tests.
+    exists, else not used); such a wait during a compute segment already slowed the segment down and is
+    taken off its debt. Call :meth:`resume` when the blocking call after a sync point returns: a wait
+    for a CPU while waking up inside the collective belongs to the collective (it is waiting, measured
+    as such) and must not shorten the next compute segment. Only the process and thread that created
+    it are dilated (a forked child is not). ``clock``, ``sleep``, ``wall`` and ``runqueue`` are
+    injectable for tests.
     Labelled emulated: ``describe()["method"] == "dilation"``.
     """
 
@@ -326,14 +332,12 @@ class Dilation:
         runqueue="auto",
     ) -> None:
         self.speed = _check_speed(speed)
-        if not min_sleep_s >= 0:
-            raise ValueError(f"min_sleep_s must be >= 0 seconds, not {min_sleep_s!r}")
-        if not max_credit_s >= 0:
-            raise ValueError(f"max_credit_s must be >= 0 seconds, not {max_credit_s!r}")
+        self.min_sleep_s = _check_seconds("min_sleep_s", min_sleep_s)
+        self.max_credit_s = _check_seconds("max_credit_s", max_credit_s)
         self.factor = 1.0 / self.speed - 1.0
-        self.min_sleep_s, self.max_credit_s = float(min_sleep_s), float(max_credit_s)
         self._clock, self._sleep, self._wall = clock, sleep, wall
         self.thread_id = threading.get_ident()
+        self.pid = os.getpid()
         self.debt_s = 0.0  # sleep owed (negative: credit from an overshooting sleep)
         self.cpu_s = 0.0  # thread CPU seconds seen at sync points
         self.slept_s = 0.0
@@ -341,12 +345,19 @@ class Dilation:
         self.runqueue_s = 0.0  # waited for a CPU, taken off the debts
         self.closed = False
         self._runqueue = _schedstat_reader() if runqueue == "auto" else runqueue
+        # the schedstat file is closed once: by close(), or when the dilation is garbage-collected
+        closer = getattr(self._runqueue, "close", None)
+        self._release = weakref.finalize(self, closer) if closer is not None else None
         self._mark = clock()
         self._rq_mark = self._runqueue() if self._runqueue is not None else 0.0
 
+    def _mine(self) -> bool:
+        """True on the creating thread of the creating process (not after a fork, not on other threads)."""
+        return not self.closed and threading.get_ident() == self.thread_id and os.getpid() == self.pid
+
     def sync_point(self) -> float:
         """Pay the dilation owed for the CPU used since the last point; returns the seconds slept."""
-        if self.closed or threading.get_ident() != self.thread_id:
+        if not self._mine():
             return 0.0
         now = self._clock()
         used = max(0.0, now - self._mark)
@@ -372,6 +383,15 @@ class Dilation:
             self._rq_mark = self._runqueue()
         return slept
 
+    def resume(self) -> None:
+        """Mark the return from the blocking call that followed a sync point.
+
+        Time spent waiting for a CPU until now (e.g. woken inside the collective while another process
+        held the core) belongs to the wait, not to the next compute segment, so it is not credited.
+        """
+        if self._mine() and self._runqueue is not None:
+            self._rq_mark = self._runqueue()
+
     def reset(self) -> None:
         """Forget the CPU used since the last point (e.g. after set-up that should not be dilated)."""
         self._mark = self._clock()
@@ -393,9 +413,9 @@ class Dilation:
     def close(self) -> None:
         """Stop dilating; uninstalls it if it is the process-wide dilation."""
         global _dilation
-        if not self.closed and hasattr(self._runqueue, "close"):
-            self._runqueue.close()  # the schedstat file this dilation opened
         self.closed = True
+        if self._release is not None:
+            self._release()  # the schedstat file this dilation opened (a no-op the second time)
         with _lock:
             if _dilation is self:
                 _dilation = None
@@ -410,25 +430,56 @@ class Dilation:
 _dilation: Dilation | None = None
 
 
-def _schedstat_reader():
-    """A function giving the calling thread's cumulative runqueue wait in seconds, or None if unavailable."""
+def _check_seconds(field: str, value) -> float:
     try:
-        fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
-        int(os.pread(fd, 128, 0).split()[1])
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not v >= 0:  # also rejects NaN
+        raise ValueError(f"{field} must be a number of seconds >= 0, not {value!r}")
+    return v
+
+
+def _schedstat_reader(path: str | None = None):
+    """A function giving the calling thread's cumulative runqueue wait in seconds, or None if unavailable.
+
+    ``/proc/<pid>/task/<tid>/schedstat`` holds: time on a CPU, time runnable but waiting for one (both
+    in ns), timeslices. Where scheduler statistics are compiled in but switched off it reads zeros;
+    then the reader is unavailable (None), not a measured zero.
+    """
+    path = path or f"/proc/self/task/{threading.get_native_id()}/schedstat"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fields = os.pread(fd, 128, 0).split()
+        on_cpu = int(fields[0])
+        int(fields[1])
     except (OSError, ValueError, IndexError):
+        os.close(fd)
+        return None
+    if on_cpu == 0:  # this thread has run Python code, so zero means statistics are off
+        os.close(fd)
         return None
 
+    state = {"open": True, "last": int(fields[1]) * 1e-9}
+
     def read() -> float:
-        try:
-            return int(os.pread(fd, 128, 0).split()[1]) * 1e-9
-        except (OSError, ValueError, IndexError):
-            return 0.0
+        if state["open"]:
+            try:
+                state["last"] = int(os.pread(fd, 128, 0).split()[1]) * 1e-9
+            except (OSError, ValueError, IndexError):
+                pass  # keep the last reading: the wait never goes backwards
+        return state["last"]
 
     def close() -> None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        if state["open"]:  # once: the descriptor number may be reused after it is closed
+            state["open"] = False
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     read.close = close
     return read
@@ -444,10 +495,8 @@ def dilate(speed: float, **kwargs) -> Dilation:
     d = Dilation(speed, **kwargs)
     with _lock:
         old, _dilation = _dilation, d
-    if old is not None and not old.closed:
-        if hasattr(old._runqueue, "close"):
-            old._runqueue.close()
-        old.closed = True
+    if old is not None:
+        old.close()
     return d
 
 
@@ -468,6 +517,13 @@ def sync_point() -> float:
     """Mark a synchronisation point: the installed dilation sleeps what it owes (a no-op without one)."""
     d = _dilation
     return 0.0 if d is None else d.sync_point()
+
+
+def resume_point() -> None:
+    """Mark the return from the blocking call after a :func:`sync_point` (a no-op without a dilation)."""
+    d = _dilation
+    if d is not None:
+        d.resume()
 
 
 class TokenBucket:
