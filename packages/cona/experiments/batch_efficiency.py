@@ -11,7 +11,7 @@ them against the ratios the two efficiency models of ``cona.gns.batch_efficiency
 measured preconditioned noise scale: "tuned" (Pollux, LR tuned per batch) and "sqrt" (Adam under the
 square-root rule the bench uses). Samples, not time. The README's figures come from:
 
-    python experiments/batch_efficiency.py --seeds 0,1,2 --checkpoints 1024,16384 --horizon 8192 \
+    python experiments/batch_efficiency.py --seeds 0,1,2 --checkpoints 512,4096,16384 --horizon 8192 \
         --branches 32,64,128,256 --json /tmp/cona-eff.json
 """
 

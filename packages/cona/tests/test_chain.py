@@ -167,3 +167,40 @@ def test_remaining_time_from_the_loss_trend():
     assert remaining_time(trace, 3.0, 2.0, 10.0) == 0.0  # already there
     assert remaining_time([(t / 10, 2.0 + 0.01 * t) for t in range(1, 20)], 1.0, 2.0, 7.0) == 7.0  # not falling
     assert remaining_time(trace[:2], target, 2.0, 7.0) == 7.0  # too few points
+
+
+def test_a_fixed_gain_switches_with_a_long_time_left_and_stays_with_a_short_one():
+    """Two layouts of the same global batch (equal efficiency at every noise scale): the rival is 3% faster,
+    a switch costs 0.1 s. Over 20 s left it gains 1.03 x 19.9/20 - 1 = +2.5% (> the 1% margin): switch;
+    over 2 s left it loses 1.03 x 1.9/2 - 1 = -2.2%: stay."""
+    a, b = Strategy(2, 1, 1, 32, 64), Strategy(1, 2, 1, 32, 64)
+    tput = {a: 100.0, b: 103.0}
+    for left, gain in ((20.0, 1.03 * 19.9 / 20 - 1), (2.0, 1.03 * 1.9 / 2 - 1)):
+        assert switch_gain(103.0, 64, 100.0, 64, [50.0, 200.0], left, 0.1, 8) == pytest.approx(gain)
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    _set_phi(gns, 100.0)
+    ch = Chainer([a, b], tput, gns, horizon_s=3.0, margin=0.01, switch_cost_s=0.1)
+    long = ch.decide(a, step=1, noise_range=(50.0, 200.0), remaining_s=20.0)
+    assert long.switched and long.chosen == b
+    short = ch.decide(a, step=2, noise_range=(50.0, 200.0), remaining_s=2.0)
+    assert not short.switched and short.chosen == a
+    # within the margin: +0.5% over 20 s left is not enough
+    slim = Chainer([a, b], {a: 100.0, b: 101.0}, gns, horizon_s=3.0, margin=0.01, switch_cost_s=0.1)
+    assert not slim.decide(a, step=3, noise_range=(50.0, 200.0), remaining_s=20.0).switched
+
+
+def test_noise_range_uses_the_t_quantile_for_few_pairs():
+    from cona.gns import t_quantile_975
+
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    for i in range(8):
+        gns.update(1.0 + 0.1 * (i % 3) + 30.0 / 4, 4, 1.0 + 0.1 * (i % 3) + 30.0 / 64, 64)
+    assert t_quantile_975(7) == pytest.approx(2.365, abs=1e-3) and t_quantile_975(1000) == pytest.approx(1.96)
+    lo_t, hi_t = gns.interval(z=None, window=8)
+    lo_2, hi_2 = gns.interval(z=2.0, window=8)
+    assert lo_t < lo_2 and hi_t > hi_2  # 7 degrees of freedom: wider than +-2 standard errors
+    assert (lo_t, hi_t) == pytest.approx(gns.interval(z=t_quantile_975(7), window=8))
+    from cona.train import BenchConfig
+
+    cfg = BenchConfig()
+    assert cfg.range_z is None and cfg.remaining_margin > 0 and cfg.hysteresis == "remaining"

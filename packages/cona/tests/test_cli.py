@@ -11,13 +11,12 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
     rc = main(["bench", "--quick", "--quiet", "--json", str(out), "--budget-s", "2", "--target-ppl", "80",
-               "--global-batches", "8,16", "--micro-batches", "4,8", "--oracle-branches", "2",
-               "--seeds", "2"])  # fmt: skip
+               "--global-batches", "8,16", "--micro-batches", "4,8", "--seeds", "2"])  # fmt: skip
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res) >= {"package", "version", "config", "machine", "results", "headline", "emulated"}
     assert res["package"] == "cona" and res["emulated"] is False
-    assert set(res["headline"]) == set(HEADLINE_KEYS)
+    assert set(res["headline"]) == {*HEADLINE_KEYS, "censored_seeds", "oracle_branches"}
     assert res["config"]["seed_list"] == [0, 1]
     for k in HEADLINE_KEYS:  # the headline is the median over seeds, with the spread beside it
         sp = res["headline_spread"][k]
@@ -39,10 +38,24 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     # the efficiency model follows the LR rule every variant trains with, and every decision says which
     assert res["config"]["efficiency_model"] == "sqrt"
     assert all(d["efficiency_model"] == "sqrt" for d in cona["decisions"])
-    # the oracle advanced in slices with the others: its phases follow each other on its own clock
-    orc = res["results"]["oracle"]["chain"]
-    assert orc and all("branches" in c["why"] for c in orc)
-    assert [c["clock"] for c in orc] == sorted(c["clock"] for c in orc)
+    # the oracle branches every distinct global batch (by default), and the JSON names them
+    assert sorted(int(n.rsplit("gb", 1)[1]) for n in res["oracle_branches"]) == [8, 16]
+    assert res["headline"]["oracle_branches"] == 2
+    assert all(s["oracle_branches"] == res["oracle_branches"] for s in res["step0"].values())
+    orc = res["results"]["oracle"]
+    assert all(c["strategy"] in res["oracle_branches"] and "2 branches" in c["why"] for c in orc["chain"])
+    assert orc["eval_s_excluded"] > 0  # every branch's evaluations, excluded from its clock and reported
+    # cona's decisions read (and are charged for) evaluations >= 1 s apart only
+    dt = [t for t, _ in cona["decision_trace"]]
+    assert dt and all(b - a >= 1.0 for a, b in zip(dt, dt[1:])) and len(dt) < len(cona["trace"])
+    assert cona["decision_eval_s"] > 0 and 0 < cona["decision_eval_frac"] < 1
+    assert res["headline_spread"]["decision_eval_frac"]["per_seed"][0] == cona["decision_eval_frac"]
+    # a variant that missed the target (perplexity 80 in 2 s: some may) is censored and flagged, never dropped
+    for name, r in res["results"].items():
+        missed = [seed for seed, p in r["per_seed"].items() if p["time_to_target_s"] is None]
+        assert r["censored_seeds"] == missed, name
+        assert all(f"{seed}: {name}" in res["headline"]["censored_seeds"] for seed in missed)
+    assert all(v is not None for v in res["headline_spread"]["ttp_ratio_vs_best_static"]["per_seed"])
     assert 0 <= res["headline"]["gns_overhead_frac"] < 1
     assert res["headline"]["switches"] == len(cona["chain"]) - 1
     # every candidate has a throughput, probed or from the fitted cost model
@@ -127,3 +140,40 @@ def test_headline_is_the_median_over_seeds_with_spread():
     assert head["gap_to_oracle"] == pytest.approx(0.2)  # a seed without a value is left out, and counted
     assert spread["gap_to_oracle"]["seeds_without_value"] == 1
     assert (spread["ttp_ratio_vs_best_static"]["min"], spread["ttp_ratio_vs_best_static"]["max"]) == (0.5, 0.9)
+
+
+def _runs(cona_t, oracle_t, best_t=20.0):
+    def run(t):
+        return {"time_to_target_s": t, "final_val_ppl": 6.0, "chain": [{}, {}], "switch_s": 0.1, "gns_s": 0.2,
+                "clock_s": 10.0, "decision_eval_frac": 0.01}  # fmt: skip
+
+    return {"best_static": run(best_t), "surrogate_static": run(12.0), "cona": run(cona_t), "oracle": run(oracle_t)}
+
+
+def test_a_seed_where_cona_misses_the_target_stays_in_the_headline_censored():
+    """cona missing the target in one seed (budget 60 s): its time is censored at the budget, the seed is
+    flagged, and the medians include it (they would read 0.5 / 0.0 had the seed been dropped)."""
+    from types import SimpleNamespace
+
+    from cona.cli import _aggregate, _headline
+
+    cfg = SimpleNamespace(target_ppl=5.8, budget_s=60.0)
+    per, notes = {}, []
+    for seed, (c, o) in enumerate([(10.0, 10.0), (None, 12.0), (10.0, 10.0)]):
+        per[seed], n = _headline(_runs(c, o), cfg, seed)
+        notes += n
+    assert per[1]["ttp_ratio_vs_best_static"] == pytest.approx(60.0 / 20.0)
+    assert per[1]["gap_to_oracle"] == pytest.approx((60.0 - 12.0) / 12.0)
+    assert per[1]["censored"] == ["cona"] and any("seed 1: cona did not reach" in x for x in notes)
+    head, spread = _aggregate(per)
+    assert head["censored_seeds"] == ["1: cona"]
+    assert spread["ttp_ratio_vs_best_static"]["per_seed"] == pytest.approx([0.5, 3.0, 0.5])
+    assert spread["gap_to_oracle"]["seeds_without_value"] == 0
+    # two of three censored: the medians are the censored values, not the one seed that reached the target
+    per = {seed: _headline(_runs(c, 10.0), cfg, seed)[0] for seed, c in enumerate([None, None, 10.0])}
+    head, _ = _aggregate(per)
+    assert head["ttp_ratio_vs_best_static"] == pytest.approx(3.0) and head["gap_to_oracle"] == pytest.approx(5.0)
+    assert head["censored_seeds"] == ["0: cona", "1: cona"]
+    # a censored oracle is censored too (not a missing gap)
+    h, _ = _headline(_runs(30.0, None), cfg, 0)
+    assert h["gap_to_oracle"] == pytest.approx(-0.5) and h["censored"] == ["oracle"]

@@ -118,8 +118,9 @@ def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, win
     ``window_s``: the loss is taken to fall linearly in log(clock) at the slope fitted over the window (a
     decelerating trend: a line in clock read ~0.4 s left at 2 s into a 10 s run), from its current level
     (mean of the last 3 points). 0 when the level is at the target, ``cap_s`` when the loss does not fall or
-    there are fewer than 3 points. Early in training, when the loss falls faster than that, it
-    under-estimates the time left, i.e. errs on the side of not paying for a switch."""
+    there are fewer than 3 points. A trend fit, not a forecast, and biased both ways: measured against the
+    realised times (README) it under-estimated the time left early in training and over-estimated it late.
+    The bench feeds it only the evaluations cona is charged for (>= 1 s apart), over a 3 s window."""
     if not trace:
         return cap_s
     t_last = trace[-1][0]

@@ -18,7 +18,14 @@ from .space import StrategyError
 
 log = logging.getLogger(__name__)
 
-HEADLINE_KEYS = ("ttp_ratio_vs_best_static", "gap_to_oracle", "switches", "switch_overhead_frac", "gns_overhead_frac")
+HEADLINE_KEYS = (
+    "ttp_ratio_vs_best_static",
+    "gap_to_oracle",
+    "switches",
+    "switch_overhead_frac",
+    "gns_overhead_frac",
+    "decision_eval_frac",
+)
 
 
 class UsageError(ValueError):
@@ -84,7 +91,9 @@ FULL = {"world": 4, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1}
 
 
 def _headline(runs: dict, cfg, seed: int | None = None) -> tuple[dict, list[str]]:
-    """Headline numbers of one seed and the notes that qualify them (censored runs)."""
+    """Headline numbers of one seed and the notes that qualify them. A variant that did not reach the
+    target is censored at the budget (cona, the oracle and best static alike) and named in
+    ``head["censored"]``: the seed stays in the headline, flagged, never silently dropped."""
     notes = []
     ttt = {k: r["time_to_target_s"] for k, r in runs.items()}
     for k, t in ttt.items():
@@ -95,14 +104,16 @@ def _headline(runs: dict, cfg, seed: int | None = None) -> tuple[dict, list[str]
                 f"{runs[k]['final_val_ppl']:.2f}); its time to target is censored at the budget"
             )
     cona = runs["cona"]
-    c = ttt["cona"]
-    bs = ttt["best_static"] if ttt["best_static"] is not None else cfg.budget_s
+    cen = {k: (t if t is not None else cfg.budget_s) for k, t in ttt.items()}
+    c, bs, o = cen["cona"], cen["best_static"], cen.get("oracle")
     head = {
-        "ttp_ratio_vs_best_static": (c / bs) if c is not None else None,
-        "gap_to_oracle": ((c - ttt["oracle"]) / ttt["oracle"]) if c is not None and ttt.get("oracle") else None,
+        "ttp_ratio_vs_best_static": c / bs,
+        "gap_to_oracle": (c - o) / o if o else None,
         "switches": max(len(cona["chain"]) - 1, 0),
         "switch_overhead_frac": cona["switch_s"] / cona["clock_s"] if cona["clock_s"] else 0.0,
         "gns_overhead_frac": cona["gns_s"] / cona["clock_s"] if cona["clock_s"] else 0.0,
+        "decision_eval_frac": cona.get("decision_eval_frac", 0.0),
+        "censored": sorted(k for k, t in ttt.items() if t is None),
     }
     return head, notes
 
@@ -123,6 +134,8 @@ def _execute(args, quick: bool) -> dict:
         per_seed[seed], n = _headline(r["runs"], cfg, seed)
         notes += n
     head, spread = _aggregate(per_seed)
+    first = next(iter(out["seeds"].values()))
+    head["oracle_branches"] = len(first["step0"].get("oracle_branches", []))
     cores = hwtopo.probe().cores
     oversub = cfg.world > cores
     notes.append(
@@ -143,7 +156,8 @@ def _execute(args, quick: bool) -> dict:
             "seed_list": cfg.seed_list,
         },  # fmt: skip
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
-        "results": _results(out["seeds"]),
+        "results": _results(out["seeds"], cfg.budget_s),
+        "oracle_branches": first["step0"].get("oracle_branches", []),
         "probe": out["probe"] | {"throughput": out["throughput"]},
         "step0": {seed: r["step0"] for seed, r in out["seeds"].items()},
         "headline": head,
@@ -154,12 +168,14 @@ def _execute(args, quick: bool) -> dict:
 
 
 def _aggregate(per_seed: dict) -> tuple[dict, dict]:
-    """Median over seeds of each headline number, and its spread (min, max, per seed)."""
+    """Median over seeds of each headline number, and its spread (min, max, per seed); ``censored_seeds``:
+    ``"seed: variant"`` for every variant of a seed censored at the budget (that seed's values are in the
+    median, as censored times, and flagged here)."""
     import statistics
 
     head, spread = {}, {}
     for k in HEADLINE_KEYS:
-        vals = [h[k] for h in per_seed.values()]
+        vals = [h.get(k) for h in per_seed.values()]
         ok = [v for v in vals if v is not None]
         head[k] = statistics.median(ok) if ok else None
         if k == "switches" and head[k] is not None:
@@ -171,23 +187,35 @@ def _aggregate(per_seed: dict) -> tuple[dict, dict]:
             "per_seed": vals,
             "seeds_without_value": len(vals) - len(ok),
         }
+    head["censored_seeds"] = [f"{seed}: {k}" for seed, h in per_seed.items() for k in h.get("censored", [])]
     return head, spread
 
 
-def _results(seeds: dict) -> dict:
-    """Per variant: the first seed's run in full (trace, chain, decisions), then every seed's summary."""
+def _results(seeds: dict, budget_s: float) -> dict:
+    """Per variant: the first seed's run in full (trace, chain, decisions), then every seed's summary. The
+    median time to target counts a seed that missed the target at the budget (listed in ``censored_seeds``)."""
     first = next(iter(seeds.values()))["runs"]
     out = {}
     for k, r in first.items():
         ttts = [s["runs"][k]["time_to_target_s"] for s in seeds.values()]
-        ok = [t for t in ttts if t is not None]
         out[k] = {kk: vv for kk, vv in r.items() if kk != "decisions"} | {
             "decisions": r["decisions"][:40],
-            "time_to_target_s_median": _median(ok),
+            "time_to_target_s_median": _median([budget_s if t is None else t for t in ttts]),
+            "censored_seeds": [seed for seed, s in seeds.items() if s["runs"][k]["time_to_target_s"] is None],
             "per_seed": {
                 seed: {
                     kk: s["runs"][k][kk]
-                    for kk in ("time_to_target_s", "final_val_ppl", "steps", "samples", "clock_s", "switch_s", "gns_s")
+                    for kk in (
+                        "time_to_target_s",
+                        "final_val_ppl",
+                        "steps",
+                        "samples",
+                        "clock_s",
+                        "switch_s",
+                        "gns_s",
+                        "decision_eval_s",
+                        "decision_eval_frac",
+                    )
                 }
                 | {"strategies": [c["strategy"] for c in s["runs"][k]["chain"]]}
                 for seed, s in seeds.items()
@@ -211,11 +239,12 @@ def _table(res: dict) -> str:
     ]
     for k, r in res["results"].items():
         t = r["time_to_target_s_median"]
+        cen = f" ({len(r['censored_seeds'])} censored at the budget)" if r["censored_seeds"] else ""
         per = ", ".join("-" if p["time_to_target_s"] is None else f"{p['time_to_target_s']:.1f}"
                         for p in r["per_seed"].values())  # fmt: skip
         strat = " -> ".join(c["strategy"] for c in r["chain"])
         rows.append(
-            f"| {k} | {'not reached' if t is None else f'{t:.1f}'} | {per} | {r['final_val_ppl']:.2f} | {r['steps']} "
+            f"| {k} | {'not reached' if t is None else f'{t:.1f}'}{cen} | {per} | {r['final_val_ppl']:.2f} | {r['steps']} "
             f"| {r['samples']} | {max(len(r['chain']) - 1, 0)} | {strat} |"
         )
     sp = res["headline_spread"]
@@ -223,7 +252,10 @@ def _table(res: dict) -> str:
         f"| `{k}` | {_fmt(v)} | {_fmt(sp[k]['min'])} .. {_fmt(sp[k]['max'])} | "
         f"{', '.join(_fmt(x) for x in sp[k]['per_seed'])} |"
         for k, v in res["headline"].items()
+        if k in sp
     )
+    cs = res["headline"].get("censored_seeds")
+    head += f"\n\ncensored at the budget (in the medians, flagged): {', '.join(cs) if cs else 'none'}"
     return (
         "\n".join(rows)
         + "\n\n| headline (median over seeds) | value | min .. max | per seed |\n|---|---|---|---|\n"

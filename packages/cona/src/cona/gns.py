@@ -30,7 +30,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["unbiased_estimates", "batch_efficiency", "LR_SCALINGS", "GradientNoiseScale", "GnsSnapshot"]
+__all__ = [
+    "unbiased_estimates",
+    "batch_efficiency",
+    "LR_SCALINGS",
+    "GradientNoiseScale",
+    "GnsSnapshot",
+    "t_quantile_975",
+]
 
 LR_SCALINGS = ("sqrt", "tuned")
 
@@ -64,6 +71,18 @@ class GnsSnapshot:
     variance: float
     noise_scale: float
     updates: int
+
+
+# two-sided 95% (0.975) quantiles of Student's t by degrees of freedom (scipy.stats.t.ppf(0.975, df))
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (1.96 beyond 30; 12.706 below 1)."""
+    if df < 1:
+        return _T975[0]
+    return _T975[df - 1] if df <= len(_T975) else 1.96
 
 
 @dataclass
@@ -137,7 +156,7 @@ class GradientNoiseScale:
         self._last_phi = min(s / g2, 1e9)
         return self._last_phi
 
-    def interval(self, z: float = 2.0, window: int | None = None) -> tuple[float, float]:
+    def interval(self, z: float | None = 2.0, window: int | None = None) -> tuple[float, float]:
         """A range of noise scales the unsmoothed estimates support: tr(Sigma) pooled over the updates
         divided by the pooled |G|^2 plus / minus ``z`` standard errors (|G|^2 is the noisy factor: with few
         samples it can be near zero or negative, where the point estimate is meaningless). The upper end
@@ -150,6 +169,8 @@ class GradientNoiseScale:
         g2 = sum(p[0] for p in pairs) / n
         s = max(sum(p[1] for p in pairs) / n, 0.0)
         se = (sum((p[0] - g2) ** 2 for p in pairs) / (n - 1) / n) ** 0.5 if n > 1 else abs(g2)
+        if z is None:  # the standard error is estimated from n pairs: Student's t, not the normal quantile
+            z = t_quantile_975(n - 1)
         lo = s / (g2 + z * se) if g2 + z * se > 0 else 0.0
         hi = s / (g2 - z * se) if g2 - z * se > 0 else math.inf
         return lo, hi

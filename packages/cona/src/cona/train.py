@@ -10,9 +10,14 @@ validation. Variants:
 - ``surrogate_static``: the surrogate's choice at step 0 (noise scale measured on the first
   batches), kept all run;
 - ``cona``: the chainer re-ranks every ``decide_every_s`` and switches with hysteresis;
-- ``oracle``: quick oracle sequence: every phase, branch each shortlisted strategy (the fastest one
-  of global batches spread evenly over the candidates) from the same checkpoint (written
-  layout-independently), keep the branch that reached the target first, else the lowest loss.
+- ``oracle``: quick oracle sequence: every phase, branch each shortlisted strategy (by default
+  every distinct global batch of the candidates, each at the strategy that runs it fastest) from the
+  same checkpoint (written layout-independently), keep the branch that reached the target first, else
+  the lowest loss.
+
+Validation evaluations every ``eval_every_s`` define time to target and are excluded from every clock;
+cona's decisions may read only the first of them at least 1 s after the previous one it read, and
+cona's clock is charged the measured time of exactly those (``decision_eval_s``).
 
 All four advance in the same 0.5 s slices of training clock (the oracle's branches too), so step times
 of every variant are measured under the same load.
@@ -39,7 +44,7 @@ from .model import TextData, stdlib_tokens, tiny_llama_config
 from .probe import CostModel, ProbeCache, probe_key, probe_plan, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
 
-__all__ = ["BenchConfig", "bench_worker", "TargetNotReached", "time_to_target"]
+__all__ = ["BenchConfig", "bench_worker", "TargetNotReached", "time_to_target", "oracle_shortlist", "pick_branch"]
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +89,13 @@ class BenchConfig:
     # validation-loss trend over the last trend_window_s, and a newcomer must win (switch cost paid) at every
     # noise scale the last range_window statistics pairs support (+- range_z standard errors); "fixed": the
     # fixed switch_horizon_s and margin (the previous rule)
-    trend_window_s: float = 2.0  # ~20 evaluations: the slope's standard error (~0.006/s for +-0.015 of wiggle)
-    # is well under the late slope (~0.023/s)
+    trend_window_s: float = 3.0  # over cona's charged evaluations (>= 1 s apart): 3 s holds >= 3 of them
+    decision_eval_every_s: float = 1.0  # cona's decisions read (and pay for) evaluations at least this far apart
     range_window: int = 8  # ~the pairs the EMA (0.64 per update) weighs: 0.64^8 = 0.03
-    range_z: float = 2.0
+    range_z: float | None = None  # None: the two-sided 95% Student-t quantile for the pairs in the window
+    remaining_margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
+    # (the ProbeCache keeps one median step time per strategy, not repeat timings, so the throughput
+    # table's own spread is not known; the range covers noise-scale uncertainty only)
     gns_every: int = 8  # a statistics step every 8 (was 4): ~6 pairs per 1 s decision at gb64, half the overhead
     seed: int = 0
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
@@ -97,7 +105,8 @@ class BenchConfig:
     probe_cache: bool = True  # reuse step times measured by an earlier run with the same key (ProbeCache)
     clip_norm: float | None = 1.0  # global-norm gradient clipping (the same for every variant)
     oracle: bool = True
-    oracle_branches: int = 4  # quick oracle: the fastest strategy of global batches spread over the candidates
+    oracle_branches: int | None = None  # None: every distinct global batch (at its fastest strategy); n: n of
+    # them spread evenly (log) over the candidates
 
     def __post_init__(self) -> None:
         self.global_batches = tuple(self.global_batches)
@@ -114,6 +123,8 @@ class BenchConfig:
             raise ValueError(f"hysteresis must be one of remaining, fixed, got {self.hysteresis!r}")
         if self.efficiency_model not in LR_SCALINGS:
             raise ValueError(f"efficiency_model must be one of {', '.join(LR_SCALINGS)}, got {self.efficiency_model!r}")
+        if self.oracle_branches is not None and self.oracle_branches < 1:
+            raise ValueError(f"oracle_branches must be >= 1, got {self.oracle_branches}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -154,7 +165,9 @@ class Run:
     clock: float = 0.0
     switch_s: float = 0.0
     gns_s: float = 0.0
-    eval_s: float = 0.0
+    eval_s: float = 0.0  # evaluations excluded from the clock
+    decision_eval_s: float = 0.0  # evaluations cona's decisions read, charged to its clock
+    decision_trace: list[tuple[float, float]] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
 
 
@@ -167,10 +180,14 @@ class _Variant:
         cfg = tr.cfg
         self.ex = tr.executor(s, state)
         run.chain.append({"clock": run.clock, "strategy": s.name, "why": "start"})
-        self.next_eval = run.clock + cfg.eval_every_s
         self.next_decide = run.clock + cfg.decide_every_s
+        # cona's remaining-time rule reads validation loss: only evaluations >= decision_eval_every_s apart,
+        # each charged to its clock (the harness's frequent ones, which define time to target, stay uncharged)
+        self.charge = chainer is not None and cfg.hysteresis == "remaining"
+        self.next_charged = run.clock
         if not run.trace:
-            run.trace.append((run.clock, self.ex.evaluate(tr.val)))
+            self._evaluate()
+        self.next_eval = run.clock + cfg.eval_every_s
         self.plain_times: list[float] = []  # recent step times of s without gradient statistics
         self.k = 0  # steps since this strategy started
         self.done = False
@@ -202,10 +219,7 @@ class _Variant:
             if want_gns:
                 gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps)
             if run.clock >= self.next_eval:
-                te = time.perf_counter()
-                v = ex.evaluate(tr.val)
-                run.eval_s += time.perf_counter() - te
-                run.trace.append((run.clock, v))
+                v = self._evaluate()
                 self.next_eval = run.clock + cfg.eval_every_s
                 if stop_at_target and v <= cfg.target_loss:
                     self.done = True
@@ -213,6 +227,24 @@ class _Variant:
                 self._decide()
         if run.clock >= cfg.budget_s:
             self.done = True
+
+    def _evaluate(self) -> float:
+        """One validation evaluation at the current clock; charged to the clock (and readable by decisions)
+        when it is the first at least ``decision_eval_every_s`` after the last charged one, else excluded."""
+        run = self.run
+        t, te = run.clock, time.perf_counter()
+        v = self.ex.evaluate(self.tr.val)
+        dt = time.perf_counter() - te
+        run.trace.append((t, v))
+        if self.charge and t >= self.next_charged:
+            dt = _bcast(dt)
+            run.clock += dt
+            run.decision_eval_s += dt
+            run.decision_trace.append((t, v))
+            self.next_charged = t + self.tr.cfg.decision_eval_every_s
+        else:
+            run.eval_s += dt
+        return v
 
     def _decide(self) -> None:
         tr, run, s = self.tr, self.run, self.s
@@ -226,9 +258,9 @@ class _Variant:
         extra: dict = {}
         if cfg.hysteresis == "remaining":
             left = cfg.budget_s - run.clock
-            # the validation evaluations the harness makes anyway (excluded from every clock): the training loss
-            # runs below the validation loss here (it read "at the target" 6 s early), so it cannot tell the time left
-            rem = _bcast(remaining_time(run.trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0)))
+            # validation loss (the training loss runs below it here: it read "at the target" 6 s early), from
+            # the charged evaluations >= 1 s apart only, never the harness's uncharged ones
+            rem = _bcast(remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0)))
             lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
             lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem)
@@ -415,20 +447,17 @@ class _Oracle:
         for s in self.shortlist:
             branch = Run(s.name, clock=run.clock, trace=[run.trace[-1]])
             t0 = time.perf_counter()
-            loaded = load_state(self.path)
+            v = tr.variant(branch, s, load_state(self.path), consumed=self.consumed)  # checkpoint read + executor
             build_s = _bcast(time.perf_counter() - t0) if self.prev is not None and s != self.prev else 0.0
             branch.clock += build_s
-            self.branches.append((s, branch, tr.variant(branch, s, loaded, consumed=self.consumed), build_s))
+            v.next_eval += build_s
+            self.branches.append((s, branch, v, build_s))
 
     def _end_phase(self) -> None:
         cfg, run = self.tr.cfg, self.run
-        best = None
-        for s, branch, v, build_s in self.branches:
-            hit = time_to_target(branch.trace[1:], cfg.target_loss)
-            key = (hit if hit is not None else math.inf, branch.trace[-1][1])
-            if best is None or key < best[0]:
-                best = (key, s, branch, v, build_s)
-        _, s, branch, v, build_s = best
+        i = pick_branch([b.trace[1:] for _, b, _, _ in self.branches], cfg.target_loss)
+        s, branch, v, build_s = self.branches[i]
+        run.eval_s += sum(b.eval_s for _, b, _, _ in self.branches)  # every branch's evaluations, all excluded
         self.state, self.consumed = v.ex.full_state(), v.consumed
         run.trace += branch.trace[1:]
         run.clock = branch.clock
@@ -436,7 +465,7 @@ class _Oracle:
         run.samples += branch.samples
         run.switch_s += build_s
         run.chain.append({"clock": branch.trace[0][0], "strategy": s.name,
-                          "why": f"lowest validation loss of {len(self.shortlist)} branches"})  # fmt: skip
+                          "why": f"first to the target, else lowest validation loss, of {len(self.shortlist)} branches"})  # fmt: skip
         self.prev = s
         self.branches = []
         if time_to_target(branch.trace[1:], cfg.target_loss) is not None or run.clock >= cfg.budget_s:
@@ -455,6 +484,31 @@ class _Oracle:
                 return
 
 
+def pick_branch(traces: list[list[tuple[float, float]]], target_loss: float) -> int:
+    """Index of the oracle branch to keep: the one that reached the target first, else the lowest last
+    validation loss (ties: the earlier branch)."""
+
+    def key(i: int) -> tuple[float, float, int]:
+        hit = time_to_target(traces[i], target_loss)
+        return (hit if hit is not None else math.inf, traces[i][-1][1] if traces[i] else math.inf, i)
+
+    return min(range(len(traces)), key=key)
+
+
+def oracle_shortlist(candidates: list[Strategy], throughput, branches: int | None = None) -> list[Strategy]:
+    """The oracle's branches: the fastest strategy (by ``throughput(s) -> (samples/s, source)``) of every
+    distinct global batch (``branches`` None), or of ``branches`` global batches spread evenly over them."""
+    fastest: dict[int, Strategy] = {}
+    for s in candidates:
+        if s.global_batch not in fastest or throughput(s)[0] > throughput(fastest[s.global_batch])[0]:
+            fastest[s.global_batch] = s
+    gbs = sorted(fastest)
+    if branches is None or branches >= len(gbs):
+        return [fastest[g] for g in gbs]
+    picks = sorted({round(i * (len(gbs) - 1) / max(branches - 1, 1)) for i in range(branches)})
+    return [fastest[gbs[i]] for i in picks]
+
+
 def _summary(run: Run, target_loss: float) -> dict:
     ttt = time_to_target(run.trace, target_loss)
     return {
@@ -467,6 +521,9 @@ def _summary(run: Run, target_loss: float) -> dict:
         "switch_s": run.switch_s,
         "gns_s": run.gns_s,
         "eval_s_excluded": run.eval_s,
+        "decision_eval_s": run.decision_eval_s,
+        "decision_eval_frac": run.decision_eval_s / run.clock if run.clock else 0.0,
+        "decision_trace": [[round(t, 4), round(v, 5)] for t, v in run.decision_trace],
         "chain": run.chain,
         "trace": [[round(t, 4), round(v, 5)] for t, v in run.trace],
         "decisions": run.decisions,
@@ -481,7 +538,7 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
-    margin = cfg.margin if cfg.hysteresis == "fixed" else 0.0  # "remaining": the noise-scale range is the allowance
+    margin = cfg.margin if cfg.hysteresis == "fixed" else cfg.remaining_margin
     chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=margin,
                       switch_cost_s=reshard_s)  # fmt: skip
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
@@ -501,18 +558,8 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
         tr.variant(runs["cona"], surrogate0, tr.state0, chainer=chainer, gns=gns_run),
     ]
     runs["cona"].chain[0]["why"] = runs["cona"].decisions[0]["reason"]
-    if cfg.oracle:  # shortlist: the fastest strategy of global batches spread evenly (log) over the candidates
-        fastest: dict[int, Strategy] = {}
-        for s in tr.candidates:
-            if (
-                s.global_batch not in fastest
-                or tr.cost.throughput(s)[0] > tr.cost.throughput(fastest[s.global_batch])[0]
-            ):
-                fastest[s.global_batch] = s
-        gbs = sorted(fastest)
-        n = min(cfg.oracle_branches, len(gbs))
-        picks = sorted({round(i * (len(gbs) - 1) / max(n - 1, 1)) for i in range(n)})
-        shortlist = [fastest[gbs[i]] for i in picks]
+    shortlist = oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches) if cfg.oracle else []
+    step0["oracle_branches"] = [s.name for s in shortlist]
     with tempfile.TemporaryDirectory(prefix="cona-oracle-") as d:
         dirs = [d]
         dist.broadcast_object_list(dirs, 0)
@@ -535,7 +582,8 @@ def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
 
     Throughput is measured once (or read from the ProbeCache) and every seed starts from the same
     measurements: the best static strategy is the one with the highest measured throughput, and cona
-    ranks with the same table (updated online with its own step times within a seed).
+    ranks with the same probed table all run (its own recent step times are only logged beside each
+    decision, never fed back into the ranking).
     """
     torch.manual_seed(0)
     cfg = BenchConfig(**cfg_dict)
@@ -550,7 +598,7 @@ def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
     out["seeds"] = {}
     for seed in cfg.seed_list:
         tr = base if seed == base.seed else _Trainer(cfg, seed)
-        tr.cost = CostModel(dict(measured))  # the probed table; cona's online updates stay within the seed
+        tr.cost = CostModel(dict(measured))  # the probed table, the same for every seed
         out["seeds"][seed] = _run_seed(tr, best_static, reshard_s)
     out["config"] = asdict(cfg)
     return out if rank == 0 else None

@@ -1,0 +1,122 @@
+"""The oracle branches every distinct global batch from one checkpoint and keeps the right branch; cona's
+decisions read only the evaluations it is charged for."""
+
+import math
+
+import pytest
+
+from cona.dist import launch
+from cona.model import tiny_llama_config
+from cona.space import ModelDims, enumerate_strategies
+from cona.train import BenchConfig, oracle_shortlist, pick_branch
+
+
+def _digest(state) -> float:
+    """A checksum of the full state (in a fixed order, so a checkpoint round trip reads the same)."""
+    tensors = state.tensors
+    return sum(float(tensors[k][n].double().sum()) for k in sorted(tensors) for n in sorted(tensors[k])) + state.step
+
+
+def _worker(rank, world):
+    import cona.train as T
+
+    cfg = BenchConfig(world=1, global_batches=(8, 16, 32), micro_batches=(8,), budget_s=2.6, oracle_phase_s=1.0,
+                      target_ppl=1.5, val_samples=16, probe_cache=False, probe_steps=1, seeds=1,
+                      corpus_bytes=200_000)  # fmt: skip
+    tr = T._Trainer(cfg)
+    tr.probe()
+    starts, ends, reads = [], [], []
+    plain = tr.variant
+
+    def variant(run, s, state, chainer=None, gns=None, consumed=0):
+        if run.name not in ("best_static", "surrogate_static", "cona"):  # an oracle branch
+            starts.append({"clock": run.clock, "strategy": s.name, "consumed": consumed, "state": _digest(state)})
+        return plain(run, s, state, chainer, gns, consumed)
+
+    tr.variant = variant
+    end_phase = T._Oracle._end_phase
+
+    def end(self):
+        ends.append([{"strategy": s.name, "consumed": v.consumed, "state": _digest(v.ex.full_state()),
+                      "trace": list(b.trace[1:])} for s, b, v, _ in self.branches])  # fmt: skip
+        end_phase(self)
+
+    T._Oracle._end_phase = end
+    rt = T.remaining_time
+
+    def remaining(trace, *a):
+        reads.append([tuple(p) for p in trace])
+        return rt(trace, *a)
+
+    T.remaining_time = remaining
+    best = max(tr.candidates, key=lambda s: tr.cost.throughput(s)[0])
+    shortlist = [s.name for s in oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches)]
+    res = T._run_seed(tr, best, 0.01)
+    return {"starts": starts, "ends": ends, "reads": reads, "res": res, "shortlist": shortlist,
+            "target": cfg.target_loss}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def out():
+    return launch(_worker, 1, timeout_s=400)[0]
+
+
+def test_oracle_shortlist_is_every_distinct_global_batch_at_its_fastest_strategy():
+    cfg = BenchConfig()
+    dims = ModelDims.from_config(tiny_llama_config(2, 32, 4, 2, 96), 32)
+    cands = enumerate_strategies(dims, 2, list(cfg.global_batches), list(cfg.micro_batches))
+    tput = {s: s.global_batch * (3.0 if s.dp == 2 else 1.0) + s.micro_batch for s in cands}
+    short = oracle_shortlist(cands, lambda s: (tput[s], "probe"), cfg.oracle_branches)
+    assert [s.global_batch for s in short] == [8, 16, 32, 64, 128, 256]  # gb128 included (4 branches left it out)
+    for s in short:
+        assert tput[s] == max(t for c, t in tput.items() if c.global_batch == s.global_batch)
+    assert [s.global_batch for s in oracle_shortlist(cands, lambda s: (tput[s], "probe"), 4)] == [8, 32, 64, 256]
+
+
+def test_pick_branch_keeps_the_earliest_hit_else_the_lowest_loss():
+    target = 2.0
+    hit_late = [(1.0, 2.5), (2.0, 1.9), (3.0, 1.0)]  # lowest final loss, but reaches the target at 2.0
+    hit_early = [(1.0, 1.95), (2.0, 2.1), (3.0, 2.05)]  # reaches it at 1.0
+    never = [(1.0, 2.5), (2.0, 2.2)]
+    assert pick_branch([hit_late, hit_early, never], target) == 1
+    assert pick_branch([never, [(1.0, 2.4), (2.0, 2.3)], [(1.0, 2.6), (2.0, 2.21)]], target) == 0
+    assert pick_branch([[(1.0, 2.4), (2.0, 2.3)], never], target) == 1
+
+
+@pytest.mark.slow
+def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_best(out):
+    assert sorted(out["shortlist"]) == sorted(out["res"]["step0"]["oracle_branches"])
+    assert len({n.rsplit("gb", 1)[1] for n in out["shortlist"]}) == len(out["shortlist"]) == 3
+    phases: dict[float, list[dict]] = {}
+    for s in out["starts"]:
+        phases.setdefault(s["clock"], []).append(s)
+    assert len(phases) == len(out["ends"]) >= 2
+    chain = out["res"]["runs"]["oracle"]["chain"]
+    prev = None
+    for (clock, branches), ended, link in zip(sorted(phases.items()), out["ends"], chain):
+        assert sorted(b["strategy"] for b in branches) == sorted(out["shortlist"])  # every candidate batch
+        assert len({b["state"] for b in branches}) == 1 and len({b["consumed"] for b in branches}) == 1
+        if prev is not None:  # the phase starts from the kept branch's state and sample position
+            assert branches[0]["state"] == pytest.approx(prev["state"], rel=0, abs=0)
+            assert branches[0]["consumed"] == prev["consumed"]
+        # the target (perplexity 1.5) is out of reach: the kept branch has the lowest last loss
+        lowest = min(ended, key=lambda b: b["trace"][-1][1])
+        assert link["strategy"] == lowest["strategy"] and link["clock"] <= clock
+        prev = lowest
+    assert out["res"]["runs"]["oracle"]["eval_s_excluded"] > 0
+
+
+@pytest.mark.slow
+def test_cona_decisions_read_only_charged_evaluations_one_second_apart(out):
+    cona = out["res"]["runs"]["cona"]
+    charged = [tuple(p) for p in cona["decision_trace"]]
+    assert out["reads"], "cona made no remaining-time decision"
+    for read in out["reads"]:
+        assert all(b[0] - a[0] >= 1.0 for a, b in zip(read, read[1:]))
+        assert [(round(t, 4), round(v, 5)) for t, v in read] == charged[: len(read)]
+    assert len(charged) < len(cona["trace"]) / 5  # the harness's 0.1 s evaluations are not read
+    assert cona["decision_eval_s"] > 0 and cona["decision_eval_frac"] == pytest.approx(
+        cona["decision_eval_s"] / cona["clock_s"]
+    )
+    for d in cona["decisions"][1:]:
+        assert "remaining_s" in d and math.isfinite(d["remaining_s"])
