@@ -85,7 +85,7 @@ def _run_config(args, quick: bool):
 # samples best grows during training and stays below the throughput-optimal one.
 # The quick bench trains to perplexity 5.8: on 2 ranks the oracle's chain keeps gb64 all the way to
 # 6.5 (no switch is worth making there, so the bench could not show chaining), and moves to a bigger
-# batch on the way to 5.8 (measured 2026-11-30, README). 3 seeds take ~7 minutes.
+# batch on the way to 5.8 (measured 2026-11-30, README). 3 seeds take ~8 minutes.
 QUICK = {"world": 2, "target_ppl": 5.8, "budget_s": 60.0, "seeds": 3}
 FULL = {"world": 4, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1}
 
