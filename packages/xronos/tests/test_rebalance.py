@@ -106,8 +106,8 @@ def test_rebalancer_corrects_each_segment_on_its_own():
     assert new is not None and new.attn_units == part.attn_units and new.mlp_units[0] > new.mlp_units[1]
 
 
-def test_calibration_starts_from_the_partition_the_observed_steps_give():
-    cfg = small_cfg()
+def _calibration_setup(cfg):
+    """Two equal ranks on the even partition at step 2, and each rank's predicted (attn, mlp) seconds."""
     shape = cfg.shape()
     costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
     part = even_partition(shape, 2)
@@ -118,6 +118,11 @@ def test_calibration_starts_from_the_partition_the_observed_steps_give():
         step_idx = 2
 
     Fake.part = part
+    return shape, costs, part, L, pred, Fake
+
+
+def test_calibration_starts_from_the_partition_the_observed_steps_give():
+    shape, costs, part, L, pred, Fake = _calibration_setup(small_cfg())
     # nothing observed (or correct=False): a reshard to the same partition, which only measures the cost
     rb = Rebalancer(shape, costs, every=4, total_steps=100)
     with _collectives([], reshard_s=[0.2, 0.3]) as calls:
@@ -241,17 +246,7 @@ def test_rebalancer_does_not_flip_back_on_noise():
 
 def test_calibration_margin_sets_the_gain_the_free_reshard_needs():
     """The calibrating reshard is paid either way: with a lower margin it moves for a smaller predicted gain."""
-    cfg = small_cfg(mlp_block=8)
-    shape = cfg.shape()
-    costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
-    part = even_partition(shape, 2)
-    L = shape.num_layers
-    pred = [(L * c.attn_time(a), L * c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)]
-
-    class Fake:
-        step_idx = 2
-
-    Fake.part = part
+    shape, costs, part, L, pred, Fake = _calibration_setup(small_cfg(mlp_block=8))
     measured = [pred[0][0], pred[0][1], pred[1][0], 1.2 * pred[1][1], 0.0, 0.0]  # rank 1's MLP 20 % slower
     moved = {}
     for margin in (None, 0.0):
