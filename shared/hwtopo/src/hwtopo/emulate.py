@@ -289,11 +289,16 @@ def _close_all() -> None:
         t.close()
 
 
-def _check_speed(speed) -> float:
+def _as_float(value) -> float:
+    """``float(value)``, or NaN where it is not a number (so every range check rejects it)."""
     try:
-        v = float(speed)
+        return float(value)
     except (TypeError, ValueError):
-        v = float("nan")
+        return float("nan")
+
+
+def _check_speed(speed) -> float:
+    v = _as_float(speed)
     if not (0.0 < v <= 1.0):  # also rejects NaN
         raise ValueError(f"speed must be a relative speed in (0, 1] (1.0 = this CPU), not {speed!r}")
     return v
@@ -431,10 +436,7 @@ _dilation: Dilation | None = None
 
 
 def _check_seconds(field: str, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = float("nan")
+    v = _as_float(value)
     if not v >= 0:  # also rejects NaN
         raise ValueError(f"{field} must be a number of seconds >= 0, not {value!r}")
     return v
