@@ -259,3 +259,29 @@ def test_calibration_margin_sets_the_gain_the_free_reshard_needs():
         assert 0 < gain < rb.hysteresis  # a real but small predicted gain
         moved[margin] = ev["resharded"]
     assert moved == {None: False, 0.0: True}
+
+
+def test_one_transient_window_cannot_move_the_partition_with_min_windows():
+    """A reshard decision needs the median of ``min_windows`` windows: one window in which a rank ran 3x
+    slower (a transient) moves the partition when one window decides, not when three do; a lasting
+    drift still moves it once it holds the median."""
+    cfg = small_cfg()
+    shape = cfg.shape()
+    costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
+    part = even_partition(shape, 2)
+    pred = [
+        shape.num_layers * (c.attn_time(a) + c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)
+    ]
+    steady = [pred[0], 0.0, pred[1], 0.0, 0.0, 0.0]
+    slow = [pred[0], 0.0, 3.0 * pred[1], 0.0, 0.0, 0.0]
+    rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100, reshard_cost_s=0.001)
+    assert _drive(rb, part, slow, 1) is not None  # min_windows=1: the first slow window decides
+    rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100, reshard_cost_s=0.001, min_windows=3)
+    assert _drive(rb, part, slow, 1) is None and "median of 3" in rb.history[-1]["decision"]
+    assert _drive(rb, part, steady, 2) is None
+    assert _drive(rb, part, steady, 3) is None  # median of (3x, 1x, 1x): as modelled
+    rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100, reshard_cost_s=0.001, min_windows=3)
+    for step in (1, 2):
+        assert _drive(rb, part, slow, step) is None
+    new = _drive(rb, part, slow, 3)
+    assert new is not None and new.mlp_units[0] > new.mlp_units[1]

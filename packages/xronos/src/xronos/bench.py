@@ -42,8 +42,9 @@ def _worker(
     timeline_step: int,
     rebalance_every: int,
     rebalance_threshold: float = 0.01,
-    calibrate_after: int = 2,
-    calibration_margin: float | None = None,
+    calibrate_after: int = 5,
+    calibration_margin: float | None = 0.01,
+    min_windows: int = 3,
 ):
     import hwtopo
 
@@ -74,6 +75,7 @@ def _worker(
             threshold=rebalance_threshold,
             total_steps=cfg.steps,
             calibration_margin=calibration_margin,
+            min_windows=min_windows,
         )
     records = {name: [] for name in variants}
     timelines = {}
@@ -152,9 +154,10 @@ def run_comparison(
     cpu_share: float = 1.0,
     rebalance_threshold: float = 0.01,
     pin: bool = True,
-    calibrate_after: int = 2,
+    calibrate_after: int = 5,
     emulate: str = "dilate",
-    calibration_margin: float | None = None,
+    calibration_margin: float | None = 0.01,
+    min_windows: int = 3,
 ) -> list[dict]:
     """Run every variant side by side on ``len(speeds)`` emulated ranks; the per-rank raw results.
 
@@ -165,10 +168,15 @@ def run_comparison(
     corrected cost model predicts a layer time shorter by more than ``rebalance_threshold`` (1 %: one
     MLP block of a slow rank is ~0.5 % of a layer, a reshard costs a few tens of ms once).
     After step ``calibrate_after`` (steps 1.. observed, step 0 is a warm-up) Xronos reshards once to the
-    partition its measured steps give, which also measures what a reshard costs
-    (:meth:`xronos.rebalance.Rebalancer.calibrate`).
-    ``calibration_margin``: the predicted gain the calibrating reshard needs to move (default: the
-    rebalancer's 5 % hysteresis; 2 % was tried and moved on the first steps' noise).
+    partition its measured steps give (each rank's median over those steps, per segment), which also
+    measures what a reshard costs (:meth:`xronos.rebalance.Rebalancer.calibrate`). Five steps, not two:
+    the first steps after the warm-up are still unsettled (steps 1-2 read the slow rank's MLP 2-9 %
+    off its later, steady value, which varies by ~1 % a step), and a median of two is their mean.
+    ``calibration_margin``: the predicted gain the calibrating reshard needs to move (default 1 %, the
+    threshold: the reshard is paid either way and a five-step median is steady enough; ``None``: the
+    rebalancer's 5 % hysteresis, which kept a rank 9 % heavy in the MLP, a 4.4 % predicted gain).
+    ``min_windows``: later reshards are decided on the median of at least that many windows (the
+    calibration's counts as one), so one window's transient slowdown cannot move the partition.
     ``emulate``: "dilate" (compute dilation at every synchronisation, ``hwtopo.dilate``) or "cgroup"
     (``hwtopo.throttle``'s CPU quota); every variant runs under the same one.
     """
@@ -202,6 +210,7 @@ def run_comparison(
             rebalance_threshold,
             max(0, min(calibrate_after, cfg.steps - 1)),
             calibration_margin,
+            min_windows,
         ),
         speeds=shares,
         timeout_s=timeout_s,

@@ -173,7 +173,8 @@ class Rebalancer:
     (replaced by the measured one, max over ranks, after every reshard); ``total_steps`` is the
     run's length (default: the trainer's ``cfg.steps``), so the saving is counted over the steps left.
     Returning to a partition left earlier needs a gain above ``hysteresis`` and twice the factors'
-    relative spread over the kept windows.
+    relative spread over the kept windows. ``min_windows``: no reshard is decided before that many
+    windows are kept (a median of fewer than 3 is a mean, which one transient window can swing).
     """
 
     def __init__(
@@ -188,8 +189,12 @@ class Rebalancer:
         total_steps: int | None = None,
         hysteresis: float = 0.05,
         calibration_margin: float | None = None,
+        min_windows: int = 1,
     ):
         self.shape, self.every, self.threshold, self.group = shape, every, threshold, group
+        # windows (the calibration's included) whose median a reshard decision needs: with fewer than 3
+        # the median is a mean and one window's transient slowdown of a rank can move the partition
+        self.min_windows = max(1, int(min_windows))
         # predicted gain the calibrating reshard needs to move (default: the hysteresis margin)
         self.calibration_margin = hysteresis if calibration_margin is None else float(calibration_margin)
         self.reshard_cost_s, self.total_steps, self.hysteresis = float(reshard_cost_s), total_steps, hysteresis
@@ -317,21 +322,27 @@ class Rebalancer:
         L = self.shape.num_layers
         cand, key, now, steps_left, noise = m["cand"], m["key"], m["current_layer_s"], m["steps_left"], m["noise"]
         moves = key != (tuple(part.attn_units), tuple(part.mlp_units))
-        ok, reason = (
-            reshard_decision(
-                now,
-                cand.predicted_layer_s,
-                L,
-                steps_left,
-                self.reshard_cost_s,
-                self.threshold,
-                returning=key in self.left,
-                noise=noise,
-                hysteresis=self.hysteresis,
+        if moves and len(self.ratios) < self.min_windows:
+            ok, reason = (
+                False,
+                f"{len(self.ratios)} window(s) measured, a decision needs the median of {self.min_windows}",
             )
-            if moves
-            else (False, "candidate is the current partition")
-        )
+        else:
+            ok, reason = (
+                reshard_decision(
+                    now,
+                    cand.predicted_layer_s,
+                    L,
+                    steps_left,
+                    self.reshard_cost_s,
+                    self.threshold,
+                    returning=key in self.left,
+                    noise=noise,
+                    hysteresis=self.hysteresis,
+                )
+                if moves
+                else (False, "candidate is the current partition")
+            )
         event = {k: v for k, v in m.items() if k not in ("cand", "key")}
         event.update(decision=reason, resharded=False)
         if ok:
