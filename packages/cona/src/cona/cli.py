@@ -217,11 +217,23 @@ def _results(seeds: dict, budget_s: float) -> dict:
                         "decision_eval_frac",
                     )
                 }
-                | {"strategies": [c["strategy"] for c in s["runs"][k]["chain"]]}
+                | {
+                    "strategies": [c["strategy"] for c in s["runs"][k]["chain"]],
+                    "chain": [{"clock": c["clock"], "strategy": c["strategy"]} for c in s["runs"][k]["chain"]],
+                    "decisions": [_brief(d) for d in s["runs"][k]["decisions"][:40]],
+                }  # fmt: skip
                 for seed, s in seeds.items()
             },  # fmt: skip
         }
     return out
+
+
+def _brief(d: dict) -> dict:
+    """One decision, short (every seed's log in the JSON, not only the first seed's)."""
+    keep = ("elapsed_s", "current", "chosen", "switched", "noise_scale", "noise_range", "remaining_s", "reason")
+    return {k: d[k] for k in keep if k in d} | {
+        "top": [[e["strategy"], round(e["throughput"]), round(e["efficiency"], 3), round(e["goodput"])]
+                for e in d.get("ranking", [])[:4]]}  # fmt: skip
 
 
 def _median(xs: list[float]) -> float | None:

@@ -25,7 +25,7 @@ import hwtopo
 
 from .space import Strategy
 
-__all__ = ["cache_dir", "CostModel", "ProbeCache", "probe_key", "probe_plan", "time_steps"]
+__all__ = ["cache_dir", "code_digest", "CostModel", "ProbeCache", "probe_key", "probe_plan", "time_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,20 @@ def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
         step_fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def code_digest() -> str:
+    """Short hash of the source that sets a step's time (executor, model, probe): a cache entry measured by
+    other code is stale. (The 4-rank entries reused until 2026-11-30 21:51 UTC had been measured at 12:44
+    UTC, before the executor's 17:46 changes, under load 2.5: gb256 read 4178 samples/s against 3660-4060
+    measured in training, gb64 2545 against 2520-2970.)"""
+    import hashlib
+
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in ("executor.py", "model.py", "probe.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:12]
 
 
 def probe_key(**parts) -> str:

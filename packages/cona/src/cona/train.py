@@ -41,7 +41,7 @@ from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
 from .gns import LR_SCALINGS, GradientNoiseScale
 from .model import TextData, stdlib_tokens, tiny_llama_config
-from .probe import CostModel, ProbeCache, probe_key, probe_plan, time_steps
+from .probe import CostModel, ProbeCache, code_digest, probe_key, probe_plan, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
 
 __all__ = ["BenchConfig", "bench_worker", "TargetNotReached", "time_to_target", "oracle_shortlist", "pick_branch"]
@@ -184,9 +184,12 @@ class _Variant:
         # cona's remaining-time rule reads validation loss: only evaluations >= decision_eval_every_s apart,
         # each charged to its clock (the harness's frequent ones, which define time to target, stay uncharged)
         self.charge = chainer is not None and cfg.hysteresis == "remaining"
-        self.next_charged = run.clock
+        # the untrained model's loss (~ln 256) is the start of a transient, not a point of the decelerating
+        # trend ``remaining_time`` fits: with it in the window the fitted slope was ~3x too steep and read
+        # 0.38 s left at 3.2 s where 5 s remained (4 ranks, 21:51 UTC), blocking a switch. Not read, not charged
+        self.next_charged = run.clock + cfg.decision_eval_every_s
         if not run.trace:
-            self._evaluate()
+            self._evaluate(readable=False)
         self.next_eval = run.clock + cfg.eval_every_s
         self.plain_times: list[float] = []  # recent step times of s without gradient statistics
         self.k = 0  # steps since this strategy started
@@ -228,7 +231,7 @@ class _Variant:
         if run.clock >= cfg.budget_s:
             self.done = True
 
-    def _evaluate(self) -> float:
+    def _evaluate(self, readable: bool = True) -> float:
         """One validation evaluation at the current clock; charged to the clock (and readable by decisions)
         when it is the first at least ``decision_eval_every_s`` after the last charged one, else excluded."""
         run = self.run
@@ -236,7 +239,7 @@ class _Variant:
         v = self.ex.evaluate(self.tr.val)
         dt = time.perf_counter() - te
         run.trace.append((t, v))
-        if self.charge and t >= self.next_charged:
+        if self.charge and readable and t >= self.next_charged:
             dt = _bcast(dt)
             run.clock += dt
             run.decision_eval_s += dt
@@ -307,7 +310,7 @@ class _Trainer:
         c = self.cfg
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
-                         probe_steps=c.probe_steps)  # fmt: skip
+                         probe_steps=c.probe_steps, code=code_digest())  # fmt: skip
 
     def probe(self) -> dict:
         """Step times of the probe plan plus the fastest strategies by the fitted model, from the
