@@ -189,6 +189,9 @@ def reshard_checks(rank, world):
         repartition(t, Partition(cfg.shape(), (1, 3), (2, 6)))
         heads = (t.model.model.layers[0].self_attn.num_heads, t.model.model.layers[0].mlp.up_proj.out_features)
         losses += [t.step()["loss"] for _ in range(2)]
+        # only the MLP split moves: attention keeps its local shards, only the MLP is re-cut
+        repartition(t, Partition(cfg.shape(), (1, 3), (3, 5)))
+        losses += [t.step()["loss"] for _ in range(2)]
         out[lora] = {"losses": losses, "heads": heads, "state": gather_state_dict(t.model)}
     return out
 

@@ -25,9 +25,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from hwtopo import sync_point
+from hwtopo import resume_point, sync_point
 
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _active, all_reduce, gather_uneven
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _active, all_reduce
 from .partition import ModelShape, Partition, RankCost, partition, segment_objective
 from .shard import build_model, enable_lora, shard_model
 from .train import make_optimizer
@@ -53,50 +53,89 @@ def _shard_dim(mod, pname: str) -> int | None:
     return 1 if pname in ("weight", "lora_A") else None
 
 
+def _gather_flat(shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], group) -> list[torch.Tensor]:
+    """Full tensors from every rank's shards ``(local shard, dim, sizes)``, in one padded all_gather.
+
+    Every rank passes the same list (same tensors, order and sizes); rank r's shard of a tensor has
+    ``sizes[r]`` rows along ``dim``. One collective for all of them instead of one per tensor: a reshard
+    moves ~90 tensors (weights and both AdamW moments), and each gather is a synchronisation.
+    """
+    if not shards:
+        return []
+    if not _active(group):
+        return [t.detach().clone() for t, _, _ in shards]
+    world = len(shards[0][2])
+    # numel of rank r's shard of each tensor: the rows it holds times the numel of one row
+    lens = [[t.numel() // t.shape[d] * sizes[r] for t, d, sizes in shards] for r in range(world)]
+    local = torch.cat([t.detach().reshape(-1) for t, _, _ in shards])
+    biggest = max(sum(n) for n in lens)
+    padded = torch.zeros(biggest, dtype=local.dtype)
+    padded[: local.numel()].copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    sync_point()
+    dist.all_gather(parts, padded, group=group)
+    resume_point()
+    pieces = []  # per rank: its shard of each tensor, back in shape
+    for r in range(world):
+        split = parts[r][: sum(lens[r])].split(lens[r])
+        shapes = [[*t.shape[:d], sizes[r], *t.shape[d + 1 :]] for t, d, sizes in shards]
+        pieces.append([x.view(shape) for x, shape in zip(split, shapes)])
+    return [torch.cat([pieces[r][i] for r in range(world)], dim=d) for i, (_, d, _) in enumerate(shards)]
+
+
 def repartition(trainer, new_part: Partition) -> None:
-    """Reshard ``trainer`` (a TPTrainer) to ``new_part`` in place, weights and optimiser state exactly."""
+    """Reshard ``trainer`` (a TPTrainer) to ``new_part`` in place, weights and optimiser state exactly.
+
+    Only tensors whose shard boundaries move are gathered (all of them in one collective,
+    :func:`_gather_flat`) and re-cut; a module whose sizes stay (e.g. attention when only the MLP split
+    changes) keeps its local shards, which are the same rows either way.
+    """
     group, rank, cfg = trainer.group, trainer.rank, trainer.cfg
-    old_mods = _sharded(trainer.model)
-    full_p, full_s = {}, {}
-    for name, p in trainer.model.named_parameters():
-        mod_name, _, pname = name.rpartition(".")
-        mod = old_mods.get(mod_name)
-        dim = _shard_dim(mod, pname)
-
-        def full(t, mod=mod, dim=dim, shape=p.shape):
-            if dim is not None and t.shape == shape:
-                return gather_uneven(t, mod.sizes, dim, group)
-            return t.detach().clone()
-
-        full_p[name] = full(p.data)
-        full_s[name] = {k: full(v) if torch.is_tensor(v) else v for k, v in trainer.opt.state.get(p, {}).items()}
-    model = build_model(cfg.model_config(), cfg.seed)
+    model = build_model(cfg.model_config(), cfg.seed, init=False)  # every parameter is overwritten below
     shard_model(model, new_part, rank, group, cfg.vocab_parallel)
     if cfg.lora_r:
         params = enable_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.seed)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
-    new_mods = _sharded(model)
-    names = {}
+    old_mods, new_mods = _sharded(trainer.model), _sharded(model)
+    old_params = dict(trainer.model.named_parameters())
+    # every tensor to carry over: (parameter name, state key or None for the weight itself, tensor)
+    items = []
+    for name, p in old_params.items():
+        items.append((name, None, p.data))
+        items += [(name, k, v) for k, v in trainer.opt.state.get(p, {}).items()]
+    moved, plan = [], []
+    for name, key, t in items:
+        mod_name, _, pname = name.rpartition(".")
+        old, new = old_mods.get(mod_name), new_mods.get(mod_name)
+        dim = _shard_dim(old, pname)
+        sharded = dim is not None and torch.is_tensor(t) and t.shape == old_params[name].shape
+        if sharded and tuple(old.sizes) != tuple(new.sizes):
+            plan.append((name, key, ("moved", len(moved), dim, new)))
+            moved.append((t, dim, tuple(old.sizes)))
+        else:  # replicated, a scalar (AdamW's step), or a shard whose rows stay on this rank
+            plan.append((name, key, ("kept", t)))
+    full = _gather_flat(moved, group)
+    values = {}
+    for name, key, how in plan:
+        if how[0] == "moved":
+            _, i, dim, new = how
+            v = full[i].narrow(dim, sum(new.sizes[:rank]), new.sizes[rank]).clone()
+        else:
+            v = how[1].detach().clone() if torch.is_tensor(how[1]) else how[1]
+        values[(name, key)] = v
+    new_named = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            mod_name, _, pname = name.rpartition(".")
-            mod = new_mods.get(mod_name)
-            dim = _shard_dim(mod, pname)
-
-            def local(t, mod=mod, dim=dim, full_shape=full_p[name].shape):
-                if dim is None or not torch.is_tensor(t) or t.shape != full_shape:
-                    return t
-                return t.narrow(dim, sum(mod.sizes[:rank]), mod.sizes[rank]).clone()
-
-            p.copy_(local(full_p[name]))
-            names[id(p)] = (name, local)
+        for name, p in new_named.items():
+            p.copy_(values[(name, None)])
     opt = make_optimizer(params, cfg)
     opt.load_state_dict(trainer.opt.state_dict() | {"state": {}})  # same hyper-parameters and groups
+    name_of = {id(p): n for n, p in new_named.items()}
     for p in params:
-        name, local = names[id(p)]
-        if full_s[name]:
-            opt.state[p] = {k: local(v) for k, v in full_s[name].items()}
+        name = name_of[id(p)]
+        state = {k: v for (n, k), v in values.items() if n == name and k is not None}
+        if state:
+            opt.state[p] = state
     trainer.model, trainer.params, trainer.opt, trainer.part = model, params, opt, new_part
     sync_point()  # emulated: the rebuild's compute is paid inside the reshard, which callers time
 

@@ -79,12 +79,26 @@ def tiny_config(family: str = "llama", **overrides):
     raise PartitionError(f"family must be one of {', '.join(FAMILIES)}, not {family!r}")
 
 
-def build_model(config, seed: int = 0):
-    """The full model from a config with a fixed seed (identical on every rank), fp32, sdpa attention."""
+def build_model(config, seed: int = 0, init: bool = True):
+    """The full model from a config with a fixed seed (identical on every rank), fp32, sdpa attention.
+
+    ``init=False`` skips the random initialisation of the weights (buffers such as the rotary
+    frequencies are still computed): for a caller that overwrites every parameter, e.g. a reshard.
+    """
+    import contextlib
+
     from transformers import AutoModelForCausalLM
 
+    skip = contextlib.nullcontext()
+    if not init:
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # older transformers
+            from transformers.modeling_utils import no_init_weights
+        skip = no_init_weights()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with skip:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     return model
 
 
