@@ -120,3 +120,23 @@ def test_interval_over_a_window_follows_the_recent_noise_scale():
     assert gns.interval(window=8) == pytest.approx((200.0, 200.0))
     lo, hi = gns.interval()
     assert lo == pytest.approx((20 * 10 + 8 * 200) / 28) and hi == pytest.approx(lo)
+
+
+def test_step0_range_uses_the_student_t_quantile_for_its_three_pairs():
+    """The step-0 range comes from 3 pairs: +-2 standard errors (used until 2026-11-30) under-covers with
+    2 degrees of freedom; the bench uses the same Student-t quantile as for the running range (4.30)."""
+    import random
+
+    from cona.gns import t_quantile_975
+    from cona.train import BenchConfig, step0_range
+
+    rng = random.Random(3)
+    gns = GradientNoiseScale(reference_batch=8)
+    for _ in range(3):  # noisy pairs around |G|^2 = 1, tr(Sigma) = 40
+        g2 = 1.0 + rng.gauss(0, 0.2)
+        gns.update(g2 + 40 / 8 + rng.gauss(0, 0.5), 8, g2 + 40 / 64, 64)
+    cfg = BenchConfig()
+    lo, hi = step0_range(gns, cfg)
+    assert (lo, hi) == pytest.approx(gns.interval(z=t_quantile_975(2)))
+    lo2, hi2 = gns.interval(z=2.0)
+    assert lo < lo2 < hi2 < hi  # wider than +-2 standard errors on both sides

@@ -44,7 +44,15 @@ from .model import TextData, stdlib_tokens, tiny_llama_config
 from .probe import CostModel, ProbeCache, code_digest, probe_key, probe_plan, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
 
-__all__ = ["BenchConfig", "bench_worker", "TargetNotReached", "time_to_target", "oracle_shortlist", "pick_branch"]
+__all__ = [
+    "BenchConfig",
+    "bench_worker",
+    "TargetNotReached",
+    "time_to_target",
+    "oracle_shortlist",
+    "pick_branch",
+    "step0_range",
+]
 
 log = logging.getLogger(__name__)
 
@@ -533,11 +541,17 @@ def _summary(run: Run, target_loss: float) -> dict:
     }
 
 
+def step0_range(gns: GradientNoiseScale, cfg: BenchConfig) -> tuple[float, float]:
+    """The noise scales the step-0 pairs support, at the same quantile as the running range (``range_z``; None:
+    Student's t for the pairs, 4.30 for the bench's 3 where +-2 standard errors were used until 2026-11-30)."""
+    return gns.interval(z=cfg.range_z)
+
+
 def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     """Every variant of one seed, from that seed's initial weights and sample stream."""
     cfg = tr.cfg
     gns0, gns0_s = tr.gns_at_step0()
-    lo, hi = gns0.interval()
+    lo, hi = step0_range(gns0, cfg)
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
