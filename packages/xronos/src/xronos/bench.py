@@ -150,7 +150,7 @@ def run_comparison(
     variants=VARIANTS,
     timeout_s: float = 900.0,
     timeline_step: int | None = None,
-    rebalance_every: int = 4,
+    rebalance_every: int = 2,
     cpu_share: float = 1.0,
     rebalance_threshold: float = 0.01,
     pin: bool = True,
@@ -176,7 +176,9 @@ def run_comparison(
     threshold: the reshard is paid either way and a five-step median is steady enough; ``None``: the
     rebalancer's 5 % hysteresis, which kept a rank 9 % heavy in the MLP, a 4.4 % predicted gain).
     ``min_windows``: later reshards are decided on the median of at least that many windows (the
-    calibration's counts as one), so one window's transient slowdown cannot move the partition.
+    calibration's counts as one), so one window's transient slowdown cannot move the partition; with
+    2-step windows a wrong calibration (a rank slowed through steps 1-5) can be corrected from step 9,
+    when a reshard (one flat gather of the moved shards, ~0.03-0.14 s) pays for itself.
     ``emulate``: "dilate" (compute dilation at every synchronisation, ``hwtopo.dilate``) or "cgroup"
     (``hwtopo.throttle``'s CPU quota); every variant runs under the same one.
     """

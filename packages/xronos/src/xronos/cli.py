@@ -130,8 +130,9 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rebalance-every",
         type=int,
-        default=4,
-        help="Xronos re-profiles from measured step times and reshards every N steps (0: off)",
+        default=2,
+        help="Xronos re-profiles from measured step times every N steps and reshards when the median of the "
+        "last 3 such windows says it pays (0: off)",
     )
 
 
