@@ -186,14 +186,19 @@ def _drive(rb, part, measured, steps_at):
     return new
 
 
-def test_rebalancer_skips_a_reshard_that_does_not_pay_off_and_learns_the_measured_cost():
-    cfg = small_cfg()
-    shape = cfg.shape()
+def _even_pair():
+    """Two equal ranks on the even partition and each rank's predicted whole-step compute seconds."""
+    shape = small_cfg().shape()
     costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
     part = even_partition(shape, 2)
     pred = [
         shape.num_layers * (c.attn_time(a) + c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)
     ]
+    return shape, costs, part, pred
+
+
+def test_rebalancer_skips_a_reshard_that_does_not_pay_off_and_learns_the_measured_cost():
+    shape, costs, part, pred = _even_pair()
     slow = [pred[0], 0.0, 3.0 * pred[1], 0.0]
     # a reshard costing 1000 s never pays off in 100 steps: the partition stays
     rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100, reshard_cost_s=1000.0)
@@ -265,13 +270,7 @@ def test_one_transient_window_cannot_move_the_partition_with_min_windows():
     """A reshard decision needs the median of ``min_windows`` windows: one window in which a rank ran 3x
     slower (a transient) moves the partition when one window decides, not when three do; a lasting
     drift still moves it once it holds the median."""
-    cfg = small_cfg()
-    shape = cfg.shape()
-    costs = costs_from_speeds([1.0, 1.0], shape, unit_s=1e-3)
-    part = even_partition(shape, 2)
-    pred = [
-        shape.num_layers * (c.attn_time(a) + c.mlp_time(m)) for c, a, m in zip(costs, part.attn_units, part.mlp_units)
-    ]
+    shape, costs, part, pred = _even_pair()
     steady = [pred[0], 0.0, pred[1], 0.0, 0.0, 0.0]
     slow = [pred[0], 0.0, 3.0 * pred[1], 0.0, 0.0, 0.0]
     rb = Rebalancer(shape, costs, every=1, threshold=0.01, total_steps=100, reshard_cost_s=0.001)
