@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cona.dist import launch
-from cona.probe import CostModel, ProbeCache
+from cona.probe import CostModel, ProbeCache, code_digest
 from cona.space import Strategy
 
 
@@ -25,6 +25,21 @@ def test_probe_cache_round_trip_and_old_format(tmp_path):
     assert ProbeCache.open("k", path).get(s) is None
     with pytest.raises(ValueError, match="must be > 0"):
         c.put(s, 0.0)
+
+
+def test_code_digest_follows_the_source_and_survives_a_bytecode_install(tmp_path, monkeypatch):
+    from importlib import resources
+
+    src = resources.files("cona")
+    for name in ("executor.py", "model.py", "dist.py", "space.py", "probe.py"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    monkeypatch.setattr(resources, "files", lambda pkg: tmp_path)
+    same = code_digest()
+    assert same == code_digest() and len(same) == 12
+    (tmp_path / "space.py").write_bytes((tmp_path / "space.py").read_bytes() + b"\n# changed\n")
+    assert code_digest() != same  # a probe measured by other code is not reused
+    (tmp_path / "dist.py").unlink()  # sources missing (bytecode-only install): a marked stand-in, no crash
+    assert code_digest().startswith("no-source-")
 
 
 def test_cost_model_prefers_measurement_and_fits_the_rest():

@@ -198,33 +198,38 @@ def _results(seeds: dict, budget_s: float) -> dict:
     out = {}
     for k, r in first.items():
         ttts = [s["runs"][k]["time_to_target_s"] for s in seeds.values()]
-        out[k] = {kk: vv for kk, vv in r.items() if kk != "decisions"} | {
-            "decisions": r["decisions"][:40],
-            "time_to_target_s_median": _median([budget_s if t is None else t for t in ttts]),
-            "censored_seeds": [seed for seed, s in seeds.items() if s["runs"][k]["time_to_target_s"] is None],
-            "per_seed": {
-                seed: {
-                    kk: s["runs"][k][kk]
-                    for kk in (
-                        "time_to_target_s",
-                        "final_val_ppl",
-                        "steps",
-                        "samples",
-                        "clock_s",
-                        "switch_s",
-                        "gns_s",
-                        "decision_eval_s",
-                        "decision_eval_frac",
-                    )
-                }
-                | {
-                    "strategies": [c["strategy"] for c in s["runs"][k]["chain"]],
-                    "chain": [{"clock": c["clock"], "strategy": c["strategy"]} for c in s["runs"][k]["chain"]],
-                    "decisions": [_brief(d) for d in s["runs"][k]["decisions"][:40]],
-                }  # fmt: skip
-                for seed, s in seeds.items()
-            },  # fmt: skip
-        }
+        out[k] = (
+            {kk: vv for kk, vv in r.items() if kk != "decisions"}
+            | {
+                "decisions": r["decisions"][:40],
+                "decisions_total": len(r["decisions"]),  # the list above keeps the first 40
+                "time_to_target_s_median": _median([budget_s if t is None else t for t in ttts]),
+                "censored_seeds": [seed for seed, s in seeds.items() if s["runs"][k]["time_to_target_s"] is None],
+                "per_seed": {
+                    seed: {
+                        kk: s["runs"][k][kk]
+                        for kk in (
+                            "time_to_target_s",
+                            "final_val_ppl",
+                            "steps",
+                            "samples",
+                            "clock_s",
+                            "switch_s",
+                            "gns_s",
+                            "decision_eval_s",
+                            "decision_eval_frac",
+                        )
+                    }
+                    | {
+                        "strategies": [c["strategy"] for c in s["runs"][k]["chain"]],
+                        "chain": [{"clock": c["clock"], "strategy": c["strategy"]} for c in s["runs"][k]["chain"]],
+                        "decisions": [_brief(d) for d in s["runs"][k]["decisions"][:40]],
+                        "decisions_total": len(s["runs"][k]["decisions"]),
+                    }  # fmt: skip
+                    for seed, s in seeds.items()
+                },  # fmt: skip
+            }
+        )
     return out
 
 

@@ -137,16 +137,28 @@ def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
 
 
 def code_digest() -> str:
-    """Short hash of the source that sets a step's time (executor, model, probe): a cache entry measured by
-    other code is stale. (The 4-rank entries reused until 2026-11-30 21:51 UTC had been measured at 12:44
-    UTC, before the executor's 17:46 changes, under load 2.5: gb256 read 4178 samples/s against 3660-4060
-    measured in training, gb64 2545 against 2520-2970.)"""
+    """Short hash of the source that sets a step's time (executor, model, process groups, strategy space,
+    probe) and the transformers version the model runs through: a cache entry measured by other code is
+    stale. (The 4-rank entries reused until 2026-11-30 21:51 UTC had been measured at 12:44 UTC, before the
+    executor's 17:46 changes, under load 2.5: gb256 read 4178 samples/s against 3660-4060 measured in
+    training, gb64 2545 against 2520-2970.) Where the sources cannot be read (a bytecode-only install) the
+    package version stands in, marked so, and every process computes the same value."""
     import hashlib
+    from importlib import metadata, resources
 
-    h = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in ("executor.py", "model.py", "probe.py"):
-        h.update((here / name).read_bytes())
+    import transformers
+
+    h = hashlib.sha256(f"transformers {transformers.__version__}".encode())
+    try:
+        pkg = resources.files("cona")
+        for name in ("executor.py", "model.py", "dist.py", "space.py", "probe.py"):
+            h.update((pkg / name).read_bytes())
+    except OSError:
+        try:
+            version = metadata.version("cona")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        return f"no-source-{version}"
     return h.hexdigest()[:12]
 
 
