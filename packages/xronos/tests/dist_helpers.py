@@ -175,6 +175,17 @@ def train_checks(rank, world, ckpt_dir):
     }
 
 
+# the exact-reshard cases: full fine-tuning, LoRA, the LM head split by vocabulary (the bench's default:
+# its shards follow the MLP split, so an MLP reshard re-cuts it) and Qwen2 (q/k/v biases) with the
+# embedding split too
+RESHARD_CASES = {
+    0: {},
+    4: {"lora_r": 4},
+    "head": {"vocab_parallel": "head"},
+    "qwen2-both": {"vocab_parallel": "both", "family": "qwen2"},
+}
+
+
 def reshard_checks(rank, world):
     from xronos.partition import Partition
     from xronos.rebalance import repartition
@@ -182,8 +193,8 @@ def reshard_checks(rank, world):
     from xronos.train import TPTrainer
 
     out = {}
-    for lora in (0, 4):
-        cfg = small_cfg(lora_r=lora)
+    for lora in RESHARD_CASES:
+        cfg = small_cfg(**RESHARD_CASES[lora])
         t = TPTrainer(cfg, Partition(cfg.shape(), (3, 1), (5, 3)), rank)
         losses = [t.step()["loss"] for _ in range(2)]
         repartition(t, Partition(cfg.shape(), (1, 3), (2, 6)))

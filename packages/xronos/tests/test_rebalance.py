@@ -2,7 +2,7 @@ import contextlib
 
 import pytest
 import torch
-from dist_helpers import small_cfg
+from dist_helpers import RESHARD_CASES, small_cfg
 
 from xronos.partition import costs_from_speeds, even_partition
 from xronos.rebalance import Rebalancer
@@ -15,7 +15,11 @@ def _collectives(measured, reshard_s=None):
     ranks' times of a calibrating reshard, for a vector of that length); reshards are recorded."""
     import xronos.rebalance as rbmod
 
-    calls = []
+    class Calls(list):  # the partitions resharded to, and whether each gathered every tensor
+        forces: list
+
+    calls = Calls()
+    calls.forces = []
     orig_all_reduce, orig_repart = rbmod.all_reduce, rbmod.repartition
 
     def fake_all_reduce(v, g=None, **kw):
@@ -23,7 +27,7 @@ def _collectives(measured, reshard_s=None):
         return v.copy_(torch.tensor(src, dtype=torch.float64))
 
     rbmod.all_reduce = fake_all_reduce
-    rbmod.repartition = lambda trainer, p: calls.append(p)
+    rbmod.repartition = lambda trainer, p, force=False: (calls.append(p), calls.forces.append(force))
     try:
         yield calls
     finally:
@@ -33,9 +37,9 @@ def _collectives(measured, reshard_s=None):
 @pytest.mark.slow
 def test_reshard_mid_training_is_exact(train_runs):
     runs = [r["reshard"] for r in train_runs]
-    for lora in (0, 4):
-        cfg = small_cfg(lora_r=lora)
-        ref = TPTrainer(cfg, None if not lora else even_partition(cfg.shape(), 1))
+    for lora, kw in RESHARD_CASES.items():
+        cfg = small_cfg(**kw)
+        ref = TPTrainer(cfg, None if not cfg.lora_r else even_partition(cfg.shape(), 1))
         losses = [ref.step()["loss"] for _ in range(6)]  # 2 steps, reshard, 2 steps, MLP-only reshard, 2
         from xronos.shard import gather_state_dict
 
@@ -128,6 +132,7 @@ def test_calibration_starts_from_the_partition_the_observed_steps_give():
     with _collectives([], reshard_s=[0.2, 0.3]) as calls:
         assert rb.calibrate(Fake) == pytest.approx(0.3)
     assert calls == [part] and rb.reshard_cost_s == pytest.approx(0.3) and rb.history == []
+    assert calls.forces == [True]  # nothing moves: every tensor is gathered, so the cost is a real reshard's
     # rank 1's MLP measured 2x slower than profiled in the observed steps: the calibrating reshard goes to
     # the corrected partition (even though a 0.3 s reshard would not pay for itself on its own)
     rb = Rebalancer(shape, costs, every=4, total_steps=3, reshard_cost_s=1e3)
@@ -138,13 +143,51 @@ def test_calibration_starts_from_the_partition_the_observed_steps_give():
     ev = rb.history[-1]
     assert ev["calibration"] and ev["resharded"] and ev["reshard_s"] == pytest.approx(0.3)
     assert len(calls) == 1 and calls[0].attn_units == part.attn_units and calls[0].mlp_units[0] > calls[0].mlp_units[1]
+    assert calls.forces == [False]  # a real move gathers what moves
     assert rb.left == [(tuple(part.attn_units), tuple(part.mlp_units))] and not rb.window
     # measured as profiled: the calibration confirms the start-up partition
     rb = Rebalancer(shape, costs, every=4, total_steps=100)
     rb.observe(_seg_record(pred[0][0], pred[0][1], L))
     with _collectives([pred[0][0], pred[0][1], pred[1][0], pred[1][1], 0.0, 0.0], reshard_s=[0.1, 0.1]) as calls:
         rb.calibrate(Fake, correct=True)
-    assert calls == [part] and not rb.history[-1]["resharded"] and rb.left == []
+    assert calls == [part] and not rb.history[-1]["resharded"] and rb.left == [] and calls.forces == [True]
+    with pytest.raises(ValueError, match="min_windows"):
+        Rebalancer(shape, costs, windows=3, min_windows=4)
+
+
+def test_flat_gather_rebuilds_uneven_and_empty_shards(monkeypatch):
+    """One padded all_gather brings back every full tensor, rank 0's view of 3 ranks, one holding nothing."""
+    import xronos.rebalance as rbmod
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(8, 3, generator=g), torch.randn(5, 8, generator=g), torch.randn(8, generator=g)]
+    dims = [0, 1, 0]
+    sizes = [(0, 8, 0), (2, 5, 1), (3, 1, 4)]  # rows of dim 0, columns of dim 1, entries
+
+    def shard(t, d, sz, r):
+        return t.narrow(d, sum(sz[:r]), sz[r])
+
+    def flat(r):
+        return torch.cat([shard(t, d, sz, r).reshape(-1) for t, d, sz in zip(full, dims, sizes)])
+
+    def fake_all_gather(parts, padded, group=None):
+        for r, out in enumerate(parts):
+            out.zero_()
+            out[: flat(r).numel()].copy_(flat(r))
+
+    monkeypatch.setattr(rbmod, "_active", lambda group: True)
+    monkeypatch.setattr(rbmod.dist, "all_gather", fake_all_gather)
+    got = rbmod._gather_flat([(shard(t, d, sz, 0), d, sz) for t, d, sz in zip(full, dims, sizes)], None)
+    assert all(torch.equal(a, b) for a, b in zip(got, full))
+
+
+def test_model_built_without_init_keeps_a_tied_head():
+    from xronos.shard import build_model
+
+    config = small_cfg().model_config()
+    config.tie_word_embeddings = True
+    model = build_model(config, init=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_reshard_decision_weighs_saving_against_cost():

@@ -8,8 +8,8 @@ layer time by more than ``threshold`` it reshards: weights, LoRA adapters and Ad
 gathered to full size and re-cut along the new shard boundaries, so training continues exactly as if
 it had used the new partition from the start.
 
-Resharding is not free (it rebuilds the model and gathers every tensor: ~0.4 s for the bench's tiny
-Llama on 2 emulated ranks), so :func:`reshard_decision` reshards only when the predicted saving over
+Resharding is not free (it rebuilds the model and gathers every tensor whose shard boundaries move, in
+one collective: 0.05-0.2 s for the bench's tiny Llama on 2 emulated ranks), so :func:`reshard_decision` reshards only when the predicted saving over
 the steps still to run (predicted step-time gain x steps left) exceeds the reshard's cost (measured on
 every reshard, max over ranks), and returns to a partition it has just left only when the predicted
 gain clearly exceeds the noise of the measurements (hysteresis).
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
 
@@ -66,7 +67,10 @@ def _gather_flat(shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], group)
         return [t.detach().clone() for t, _, _ in shards]
     world = len(shards[0][2])
     # numel of rank r's shard of each tensor: the rows it holds times the numel of one row
-    lens = [[t.numel() // t.shape[d] * sizes[r] for t, d, sizes in shards] for r in range(world)]
+    lens = [
+        [math.prod(n for i, n in enumerate(t.shape) if i != d) * sizes[r] for t, d, sizes in shards]
+        for r in range(world)
+    ]
     local = torch.cat([t.detach().reshape(-1) for t, _, _ in shards])
     biggest = max(sum(n) for n in lens)
     padded = torch.zeros(biggest, dtype=local.dtype)
@@ -83,12 +87,13 @@ def _gather_flat(shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], group)
     return [torch.cat([pieces[r][i] for r in range(world)], dim=d) for i, (_, d, _) in enumerate(shards)]
 
 
-def repartition(trainer, new_part: Partition) -> None:
+def repartition(trainer, new_part: Partition, force: bool = False) -> None:
     """Reshard ``trainer`` (a TPTrainer) to ``new_part`` in place, weights and optimiser state exactly.
 
     Only tensors whose shard boundaries move are gathered (all of them in one collective,
     :func:`_gather_flat`) and re-cut; a module whose sizes stay (e.g. attention when only the MLP split
-    changes) keeps its local shards, which are the same rows either way.
+    changes) keeps its local shards, which are the same rows either way. ``force`` gathers and re-cuts
+    every sharded tensor even where nothing moves: what a full reshard costs, for a caller measuring it.
     """
     group, rank, cfg = trainer.group, trainer.rank, trainer.cfg
     model = build_model(cfg.model_config(), cfg.seed, init=False)  # every parameter is overwritten below
@@ -110,7 +115,7 @@ def repartition(trainer, new_part: Partition) -> None:
         old, new = old_mods.get(mod_name), new_mods.get(mod_name)
         dim = _shard_dim(old, pname)
         sharded = dim is not None and torch.is_tensor(t) and t.shape == old_params[name].shape
-        if sharded and tuple(old.sizes) != tuple(new.sizes):
+        if sharded and (force or tuple(old.sizes) != tuple(new.sizes)):
             plan.append((name, key, ("moved", len(moved), dim, new)))
             moved.append((t, dim, tuple(old.sizes)))
         else:  # replicated, a scalar (AdamW's step), or a shard whose rows stay on this rank
@@ -242,6 +247,11 @@ class Rebalancer:
         self.base = list(costs)
         self.costs = list(costs)
         self.windows = max(1, int(windows))
+        if int(min_windows) > self.windows:
+            raise ValueError(
+                f"min_windows ({min_windows}) must be <= windows ({self.windows}): only the last {self.windows} "
+                "windows are kept, so no reshard could ever be decided"
+            )
         self.window: list[tuple[float, float]] = []
         self.ratios: list[tuple[list[float], list[float]]] = []  # per window: per-rank (attn, mlp) vs base
         self.history: list[dict] = []
@@ -285,7 +295,9 @@ class Rebalancer:
             self.history.append(event)
         sync_point()  # emulated: earlier compute is not charged to the reshard
         t0 = time.perf_counter()
-        repartition(trainer, target)
+        # a reshard to the same partition would move nothing and measure only the rebuild: gather every
+        # sharded tensor then, so the cost later decisions weigh is a real reshard's
+        repartition(trainer, target, force=target is part)
         world = len(self.costs)
         vec = torch.zeros(world, dtype=torch.float64)
         vec[dist.get_rank(self.group) if _active(self.group) else 0] = time.perf_counter() - t0

@@ -99,6 +99,8 @@ def build_model(config, seed: int = 0, init: bool = True):
     torch.manual_seed(seed)
     with skip:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if not init:
+        model.tie_weights()  # skipped with the initialisation: a tied LM head would stay a separate tensor
     return model
 
 
