@@ -72,9 +72,10 @@ def test_torchrun_env_rendezvous_trains_like_the_reference(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0 and "SIGABRT" in proc.stderr:
-        # Seen once in a CI rehearsal while another nox session ran on the same host: rank 1 aborted
-        # (cause not captured: only the stderr tail was kept). Retry once on a new port and keep the
-        # first attempt's stderr head in the warning; a second failure is a real one.
+        # Rank 1 aborted ("terminate called without an active exception") in CI rehearsals and in 2 of 20
+        # runs under load: ranks exited with their gloo group alive. `xronos train --torchrun` now waits
+        # for every rank and destroys the group (0 of 40 since); the retry stays as a guard that warns,
+        # so a return shows in the test's warnings, and a second failure is a real one.
         warnings.warn(f"torchrun attempt 1 aborted, retrying; its stderr began: {proc.stderr[:3000]}", stacklevel=1)
         cmd = [f"--master-port={free_port()}" if c.startswith("--master-port=") else c for c in cmd]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -427,6 +427,7 @@ def cmd_train(args) -> int:
 def _train_torchrun(args, cfg, speeds) -> int:
     """One rank of a torchrun / multi-node launch (env rendezvous); rank 0 prints the report."""
     import torch
+    import torch.distributed as dist
 
     from .launch import emulate_speed, emulation_label, init_from_env
     from .runner import _finetune_worker, cache_dir
@@ -442,17 +443,23 @@ def _train_torchrun(args, cfg, speeds) -> int:
         Path(ckpt).mkdir(parents=True, exist_ok=True)
         mem = None if args.memory is None else _bytes(args.memory)
         r = _finetune_worker(rank, world, cfg.to_dict(), args.mode, ckpt, args.ckpt_every, args.save, mem)
+        if rank == 0:
+            out = {k: r[k] for k in ("partition", "resumed_from", "eval_loss", "perplexity", "saved")}
+            # every output says whether this rank's speed was emulated, and how
+            out["emulated"] = emulation_label(args.emulate) if args.emulate else False
+            out["speeds"] = list(speeds)
+            if args.emulate == "dilate" and args.threads > 1:
+                out["emulation_note"] = "dilation counts the main thread's CPU only; intra-op threads run undilated"
+            print(json.dumps(out, indent=2), flush=True)
+        # no rank tears its process group down while another still talks to it: a rank that exited with
+        # its gloo group alive aborted ("terminate called without an active exception") in 2 of 20
+        # torchrun runs under load (00:30 UTC), failing a launch whose training had finished
+        dist.barrier()
     finally:
         if throttle is not None:
             throttle.close()
-    if rank == 0:
-        out = {k: r[k] for k in ("partition", "resumed_from", "eval_loss", "perplexity", "saved")}
-        # every output says whether this rank's speed was emulated, and how
-        out["emulated"] = emulation_label(args.emulate) if args.emulate else False
-        out["speeds"] = list(speeds)
-        if args.emulate == "dilate" and args.threads > 1:
-            out["emulation_note"] = "dilation counts the main thread's CPU only; intra-op threads run undilated"
-        print(json.dumps(out, indent=2))
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
