@@ -157,7 +157,7 @@ def test_calibration_starts_from_the_partition_the_observed_steps_give():
 
 def test_flat_gather_rebuilds_uneven_and_empty_shards(monkeypatch):
     """One padded all_gather brings back every full tensor, rank 0's view of 3 ranks, one holding nothing."""
-    import xronos.rebalance as rbmod
+    import xronos.layers as lmod
 
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(8, 3, generator=g), torch.randn(5, 8, generator=g), torch.randn(8, generator=g)]
@@ -175,9 +175,9 @@ def test_flat_gather_rebuilds_uneven_and_empty_shards(monkeypatch):
             out.zero_()
             out[: flat(r).numel()].copy_(flat(r))
 
-    monkeypatch.setattr(rbmod, "_active", lambda group: True)
-    monkeypatch.setattr(rbmod.dist, "all_gather", fake_all_gather)
-    got = rbmod._gather_flat([(shard(t, d, sz, 0), d, sz) for t, d, sz in zip(full, dims, sizes)], None)
+    monkeypatch.setattr(lmod, "_active", lambda group: True)
+    monkeypatch.setattr(lmod.dist, "all_gather", fake_all_gather)
+    got = lmod.gather_uneven_many([(shard(t, d, sz, 0), d, sz) for t, d, sz in zip(full, dims, sizes)], None)
     assert all(torch.equal(a, b) for a, b in zip(got, full))
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "RowParallelLinear",
     "sync_partial_grads",
     "gather_uneven",
+    "gather_uneven_many",
     "clip_grad_norm",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
@@ -327,18 +328,40 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> f
 
 def gather_uneven(shard: torch.Tensor, sizes: Sequence[int], dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim`` (shards of different sizes: padded all_gather)."""
+    return gather_uneven_many([(shard, dim, tuple(sizes))], group)[0]
+
+
+def gather_uneven_many(shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], group) -> list[torch.Tensor]:
+    """Full tensors from every rank's shards ``(local shard, dim, sizes)``, in one padded all_gather.
+
+    Every rank passes the same list (same tensors, order and sizes); rank r's shard of a tensor has
+    ``sizes[r]`` rows along ``dim``. One collective for all of them instead of one per tensor: a reshard
+    moves ~90 tensors (weights and both AdamW moments), and each gather is a synchronisation.
+    """
+    if not shards:
+        return []
     if not _active(group):
-        return shard.detach().clone()
-    biggest = max(sizes)
-    pad_shape = list(shard.shape)
-    pad_shape[dim] = biggest
-    padded = torch.zeros(pad_shape, dtype=shard.dtype)
-    padded.narrow(dim, 0, shard.shape[dim]).copy_(shard.detach())
-    parts = [torch.empty_like(padded) for _ in sizes]
+        return [t.detach().clone() for t, _, _ in shards]
+    world = len(shards[0][2])
+    # numel of rank r's shard of each tensor: the rows it holds times the numel of one row
+    lens = [
+        [math.prod(n for i, n in enumerate(t.shape) if i != d) * sizes[r] for t, d, sizes in shards]
+        for r in range(world)
+    ]
+    local = torch.cat([t.detach().reshape(-1) for t, _, _ in shards])
+    biggest = max(sum(n) for n in lens)
+    padded = torch.zeros(biggest, dtype=local.dtype)
+    padded[: local.numel()].copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(world)]
     sync_point()
     dist.all_gather(parts, padded, group=group)
     resume_point()
-    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+    pieces = []  # per rank: its shard of each tensor, back in shape
+    for r in range(world):
+        split = parts[r][: sum(lens[r])].split(lens[r])
+        shapes = [[*t.shape[:d], sizes[r], *t.shape[d + 1 :]] for t, d, sizes in shards]
+        pieces.append([x.view(shape) for x, shape in zip(split, shapes)])
+    return [torch.cat([pieces[r][i] for r in range(world)], dim=d) for i, (_, d, _) in enumerate(shards)]
 
 
 class VocabParallelEmbedding(nn.Module):

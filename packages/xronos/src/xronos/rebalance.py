@@ -9,8 +9,8 @@ gathered to full size and re-cut along the new shard boundaries, so training con
 it had used the new partition from the start.
 
 Resharding is not free (it rebuilds the model and gathers every tensor whose shard boundaries move, in
-one collective: 0.05-0.2 s for the bench's tiny Llama on 2 emulated ranks), so :func:`reshard_decision` reshards only when the predicted saving over
-the steps still to run (predicted step-time gain x steps left) exceeds the reshard's cost (measured on
+one collective: 0.05-0.2 s for the bench's tiny Llama on 2 emulated ranks), so :func:`reshard_decision`
+reshards only when the predicted saving over the steps still to run (predicted step-time gain x steps left) exceeds the reshard's cost (measured on
 every reshard, max over ranks), and returns to a partition it has just left only when the predicted
 gain clearly exceeds the noise of the measurements (hysteresis).
 """
@@ -19,16 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from hwtopo import resume_point, sync_point
+from hwtopo import sync_point
 
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _active, all_reduce
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _active,
+    all_reduce,
+    gather_uneven_many,
+)
 from .partition import ModelShape, Partition, RankCost, partition, segment_objective
 from .shard import build_model, enable_lora, shard_model
 from .train import make_optimizer
@@ -54,44 +60,11 @@ def _shard_dim(mod, pname: str) -> int | None:
     return 1 if pname in ("weight", "lora_A") else None
 
 
-def _gather_flat(shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], group) -> list[torch.Tensor]:
-    """Full tensors from every rank's shards ``(local shard, dim, sizes)``, in one padded all_gather.
-
-    Every rank passes the same list (same tensors, order and sizes); rank r's shard of a tensor has
-    ``sizes[r]`` rows along ``dim``. One collective for all of them instead of one per tensor: a reshard
-    moves ~90 tensors (weights and both AdamW moments), and each gather is a synchronisation.
-    """
-    if not shards:
-        return []
-    if not _active(group):
-        return [t.detach().clone() for t, _, _ in shards]
-    world = len(shards[0][2])
-    # numel of rank r's shard of each tensor: the rows it holds times the numel of one row
-    lens = [
-        [math.prod(n for i, n in enumerate(t.shape) if i != d) * sizes[r] for t, d, sizes in shards]
-        for r in range(world)
-    ]
-    local = torch.cat([t.detach().reshape(-1) for t, _, _ in shards])
-    biggest = max(sum(n) for n in lens)
-    padded = torch.zeros(biggest, dtype=local.dtype)
-    padded[: local.numel()].copy_(local)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    sync_point()
-    dist.all_gather(parts, padded, group=group)
-    resume_point()
-    pieces = []  # per rank: its shard of each tensor, back in shape
-    for r in range(world):
-        split = parts[r][: sum(lens[r])].split(lens[r])
-        shapes = [[*t.shape[:d], sizes[r], *t.shape[d + 1 :]] for t, d, sizes in shards]
-        pieces.append([x.view(shape) for x, shape in zip(split, shapes)])
-    return [torch.cat([pieces[r][i] for r in range(world)], dim=d) for i, (_, d, _) in enumerate(shards)]
-
-
 def repartition(trainer, new_part: Partition, force: bool = False) -> None:
     """Reshard ``trainer`` (a TPTrainer) to ``new_part`` in place, weights and optimiser state exactly.
 
     Only tensors whose shard boundaries move are gathered (all of them in one collective,
-    :func:`_gather_flat`) and re-cut; a module whose sizes stay (e.g. attention when only the MLP split
+    :func:`xronos.layers.gather_uneven_many`) and re-cut; a module whose sizes stay (e.g. attention when only the MLP split
     changes) keeps its local shards, which are the same rows either way. ``force`` gathers and re-cuts
     every sharded tensor even where nothing moves: what a full reshard costs, for a caller measuring it.
     """
@@ -120,7 +93,7 @@ def repartition(trainer, new_part: Partition, force: bool = False) -> None:
             moved.append((t, dim, tuple(old.sizes)))
         else:  # replicated, a scalar (AdamW's step), or a shard whose rows stay on this rank
             plan.append((name, key, ("kept", t)))
-    full = _gather_flat(moved, group)
+    full = gather_uneven_many(moved, group)
     values = {}
     for name, key, how in plan:
         if how[0] == "moved":
