@@ -65,9 +65,14 @@ def _probe_twice(rank, world, cfg_dict):
 @pytest.mark.slow
 def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # spawned ranks inherit it
-    cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "seeds": 1}
+    cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "probe_rounds": 2, "seeds": 1}
     first, second, table = launch(_probe_twice, 2, cfg, timeout_s=300)[0]
     assert first["measured_now"] and not first["from_cache"]
+    assert first["probe_rounds"] == 2 and first["round_spread_median"] >= 0
+    entries = json.loads((tmp_path / "mlsyskit" / "cona" / "probes.json").read_text())
+    (entries,) = entries.values()
+    for e in entries.values():  # every probe timed in both interleaved rounds; the median is what is used
+        assert len(e["rounds"]) == 2 and e["step_s"] == pytest.approx(sum(e["rounds"]) / 2)
     assert second["measured_now"] == [] and sorted(second["from_cache"]) == sorted(first["measured_now"])
     assert second["probe_measure_s"] == 0.0
     assert second["cached_probe_cost_s"] == pytest.approx(first["probe_measure_s"])

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .gns import GradientNoiseScale, batch_efficiency
+from .gns import LR_SCALINGS, GradientNoiseScale, batch_efficiency
 from .space import Strategy
 
 __all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time"]
@@ -146,21 +146,27 @@ def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, win
 
 
 def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int,
-                  points: int = 25, lr_scaling: str = "sqrt") -> tuple[Strategy, float]:  # fmt: skip
-    """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi]
-    (max over strategies of the min over the range of goodput / best goodput), and that worst ratio.
+                  points: int = 25, lr_scaling: str | Sequence[str] = "sqrt") -> tuple[Strategy, float]:  # fmt: skip
+    """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi] and every
+    efficiency model in ``lr_scaling`` (one name or several), and that worst ratio (max over strategies of the
+    min over the range and the models of goodput / best goodput).
 
     For a decision under an uncertain noise scale (at step 0 a few gradient pairs only bound it): a
     point estimate from a near-zero |G|^2 can be off by orders of magnitude either way, while the
     worst-case ratio tells how much progress a choice can lose wherever in the range the truth lies.
+    Several models: at step 0 nothing has shown which learning-rate regime training is in (see
+    ``Chainer.initial_models``), so the choice must hold under each.
     """
+    models = (lr_scaling,) if isinstance(lr_scaling, str) else tuple(lr_scaling)
+    if not models:
+        raise ValueError("lr_scaling must name at least one efficiency model")
     grid = noise_grid(lo, hi, points)
     best: tuple[float, str, Strategy] | None = None
-    table = {phi: {s: goodput(t, s.global_batch, phi, reference_batch, lr_scaling) for s, t in tputs.items()}
-             for phi in grid}  # fmt: skip
-    peak = {phi: max(row.values()) for phi, row in table.items()}
+    table = {(m, phi): {s: goodput(t, s.global_batch, phi, reference_batch, m) for s, t in tputs.items()}
+             for m in models for phi in grid}  # fmt: skip
+    peak = {k: max(row.values()) for k, row in table.items()}
     for s in tputs:
-        worst = min(table[phi][s] / peak[phi] for phi in grid)
+        worst = min(table[k][s] / peak[k] for k in table)
         key = (worst, s.name)
         if best is None or key > best[:2]:
             best = (worst, s.name, s)
@@ -175,6 +181,8 @@ class Chainer:
     ``switch_cost_s(current, new)`` is the expected resharding time (measured ones are fed back via
     ``observe_switch``). ``horizon_s`` is how long a choice is expected to last (the time until the
     next decision); ``margin`` is the hysteresis (0.05: the newcomer must be 5% better).
+    ``initial_models``: the efficiency models the initial choice under a noise-scale range must hold
+    under (None: only the estimator's ``lr_scaling``). Running decisions always use ``lr_scaling``.
     """
 
     candidates: Sequence[Strategy]
@@ -183,6 +191,7 @@ class Chainer:
     horizon_s: float = 10.0  # how long a new choice is expected to pay off (not the re-ranking interval)
     margin: float = 0.05
     switch_cost_s: float = 0.5
+    initial_models: tuple[str, ...] | None = None
     decisions: list[Decision] = field(default_factory=list)
     _switch_costs: list[float] = field(default_factory=list)
 
@@ -193,6 +202,12 @@ class Chainer:
             raise ValueError(f"horizon_s must be > 0, got {self.horizon_s}")
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
+        if self.initial_models is not None:
+            self.initial_models = tuple(self.initial_models)
+            bad = [m for m in self.initial_models if m not in LR_SCALINGS]
+            if bad or not self.initial_models:
+                raise ValueError(f"initial_models must name one or more of {', '.join(LR_SCALINGS)}, got "
+                                 f"{self.initial_models!r}")  # fmt: skip
 
     def _throughput(self, s: Strategy) -> tuple[float, str]:
         if isinstance(self.throughput, Mapping):
@@ -235,10 +250,12 @@ class Chainer:
         if current is None and noise_range is not None:
             lo, hi = noise_range
             tputs = {e.strategy: e.throughput for e in ranking}
-            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=self.gns.lr_scaling)
+            models = self.initial_models or (self.gns.lr_scaling,)
+            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)
+            under = f" under the {' and '.join(models)} efficiency models" if len(models) > 1 else ""
             d = Decision(step, elapsed_s, None, pick, True,
                          f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
-                         f">= {worst:.2f} of the best goodput anywhere in that range", phi, 0.0, ranking)  # fmt: skip
+                         f">= {worst:.2f} of the best goodput anywhere in that range{under}", phi, 0.0, ranking)  # fmt: skip
         elif current is not None and not self.gns.ready:
             d = Decision(step, elapsed_s, current, current, False,
                          f"stay: no gradient statistics yet for {current.name}", phi, cost, ranking)  # fmt: skip

@@ -42,6 +42,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names (validated where it is used, with the valid ones named)."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def _load_spec(text: str) -> hwtopo.Cluster:
     """The hwtopo spec named by --spec; a missing name or file is a usage error (exit 2)."""
     try:
@@ -55,7 +60,7 @@ def _run_config(args, quick: bool):
 
     kw = dict(QUICK if quick else FULL)
     for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches", "seeds",
-                 "seed", "efficiency_model", "hysteresis"):  # fmt: skip
+                 "seed", "efficiency_model", "hysteresis", "initial_models"):  # fmt: skip
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -443,6 +448,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--efficiency-model", choices=("sqrt", "tuned"),
                         help="LR rule cona's efficiency model assumes: sqrt (default; the rule every variant trains "
                              "with) or tuned (Pollux: each batch at its own tuned LR, for comparison)")  # fmt: skip
+        sp.add_argument("--initial-models", type=_names,
+                        help="efficiency models cona's step-0 choice must hold under, comma separated (default "
+                             "sqrt,tuned: before any step nothing shows which LR regime training is in)")  # fmt: skip
         sp.add_argument("--hysteresis", choices=("remaining", "fixed"),
                         help="cona's switch rule: remaining (default; the newcomer must win over the estimated time "
                              "to target, switch cost paid, at every plausible noise scale) or fixed (5%% margin over "

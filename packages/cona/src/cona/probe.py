@@ -211,14 +211,14 @@ class ProbeCache:
         e = self.entry(s)
         return float(e["step_s"]) if e else None
 
-    def put(self, s: Strategy, step_s: float, cost_s: float | None = None) -> None:
+    def put(self, s: Strategy, step_s: float, cost_s: float | None = None, rounds: list[float] | None = None) -> None:
         if not step_s > 0:
             raise ValueError(f"step time of {s.name} must be > 0, got {step_s}")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         # the load it was measured under: a cache filled on a busy machine is visible (re-probe with
         # `cona bench --no-probe-cache`)
         self.data.setdefault(self.key, {})[s.name] = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp,
-                                                      "loadavg_1m": os.getloadavg()[0]}  # fmt: skip
+                                                      "loadavg_1m": os.getloadavg()[0], "rounds": rounds}  # fmt: skip
 
     def clear(self) -> None:
         self.data.pop(self.key, None)

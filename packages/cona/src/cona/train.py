@@ -83,6 +83,10 @@ class BenchConfig:
     switch_horizon_s: float = 3.0  # how long a switch is expected to pay off (decoupled from decide_every_s)
     efficiency_model: str = "sqrt"  # the LR rule the surrogate's efficiency assumes: "sqrt" is the one every
     # variant trains with (lr_for); "tuned" is Pollux's (each batch at its own tuned LR), kept for comparison
+    initial_models: tuple[str, ...] = ("sqrt", "tuned")  # the step-0 choice must hold under each: before any
+    # step nothing shows whether progress per step still grows with the square-root LR (sqrt) or is already
+    # capped per step (tuned's form); trained from scratch gb128 needed 1.4-1.6x gb64's samples and gb256
+    # 2.2-2.8x (experiments/step_curvature.py, README "Step 0"), between the two models' predictions
     gns_precondition: bool = True  # noise scale of Adam-preconditioned gradients (Pollux's for adaptive optimizers)
     gns_decay: float = 0.64  # EMA factor per update of the running statistics: the noise scale grows fast early,
     # a long EMA lags it (2 ranks, step 100: 0.95 read 29 while the last updates gave 74-97); 0.64 per update
@@ -109,6 +113,8 @@ class BenchConfig:
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
     corpus_bytes: int = 1_000_000
     probe_steps: int = 5
+    probe_rounds: int = 3  # interleaved rounds per probed strategy, median kept: one 5-step probe per strategy on
+    # 4 ranks over 2 cores read gb128/gb64 1.34 at 23:03 UTC and 1.15 at 01:53 (training realised ~1.23)
     probe_verify_top: int = 3  # the fastest strategies by the fitted model are probed too (measured, not modelled)
     probe_cache: bool = True  # reuse step times measured by an earlier run with the same key (ProbeCache)
     clip_norm: float | None = 1.0  # global-norm gradient clipping (the same for every variant)
@@ -131,8 +137,15 @@ class BenchConfig:
             raise ValueError(f"hysteresis must be one of remaining, fixed, got {self.hysteresis!r}")
         if self.efficiency_model not in LR_SCALINGS:
             raise ValueError(f"efficiency_model must be one of {', '.join(LR_SCALINGS)}, got {self.efficiency_model!r}")
+        self.initial_models = tuple(self.initial_models)
+        if not self.initial_models or any(m not in LR_SCALINGS for m in self.initial_models):
+            raise ValueError(f"initial_models must name one or more of {', '.join(LR_SCALINGS)}, got "
+                             f"{','.join(self.initial_models) or 'none'}")  # fmt: skip
         if self.oracle_branches is not None and self.oracle_branches < 1:
             raise ValueError(f"oracle_branches must be >= 1, got {self.oracle_branches}")
+        for name in ("probe_rounds", "probe_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -318,7 +331,7 @@ class _Trainer:
         c = self.cfg
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
-                         probe_steps=c.probe_steps, code=code_digest())  # fmt: skip
+                         probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest())  # fmt: skip
 
     def probe(self) -> dict:
         """Step times of the probe plan plus the fastest strategies by the fitted model, from the
@@ -330,35 +343,49 @@ class _Trainer:
         dist.broadcast_object_list(box, 0)  # every rank takes the same path: measure or reuse
         cached: dict = box[0]
         measured_now, reused, cost_now = [], [], 0.0
+        spreads: list[float] = []
 
-        def get(s: Strategy) -> None:
+        def get(todo: list[Strategy]) -> None:
+            """Reuse cached entries; time the rest in ``probe_rounds`` interleaved rounds (each round builds and
+            times every strategy once) and keep each one's median round: a drift in the machine's speed then
+            lands on every strategy of the batch alike instead of on whichever was probed during it."""
             nonlocal cost_now
-            if s in self.cost.measured:
-                return
-            if s.name in cached:
-                self.cost.add(s, cached[s.name]["step_s"])
-                reused.append(s.name)
-                return
-            tp = time.perf_counter()
-            ex = self.executor(s, self.state0)
-            batch = self.data.samples(0, s.global_batch)
-            secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), cfg.probe_steps)
-            secs, cost = _bcast(secs), _bcast(time.perf_counter() - tp)
-            self.cost.add(s, secs)
-            measured_now.append(s.name)
-            cost_now += cost
-            if cache is not None:
-                cache.put(s, secs, cost)
+            fresh = []
+            for s in dict.fromkeys(todo):
+                if s in self.cost.measured:
+                    continue
+                if s.name in cached:
+                    self.cost.add(s, cached[s.name]["step_s"])
+                    reused.append(s.name)
+                else:
+                    fresh.append(s)
+            times: dict[Strategy, list[float]] = {s: [] for s in fresh}
+            costs = dict.fromkeys(fresh, 0.0)
+            for _ in range(cfg.probe_rounds if fresh else 0):
+                for s in fresh:
+                    tp = time.perf_counter()
+                    ex = self.executor(s, self.state0)
+                    batch = self.data.samples(0, s.global_batch)
+                    secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), cfg.probe_steps)
+                    times[s].append(_bcast(secs))
+                    costs[s] += _bcast(time.perf_counter() - tp)
+                    del ex
+            for s in fresh:
+                secs = statistics.median(times[s])
+                self.cost.add(s, secs)
+                measured_now.append(s.name)
+                cost_now += costs[s]
+                spreads.append((max(times[s]) - min(times[s])) / secs)
+                if cache is not None:
+                    cache.put(s, secs, costs[s], rounds=times[s])
 
-        for s in probe_plan(self.candidates):
-            get(s)
+        get(probe_plan(self.candidates))
         for _ in range(4):  # an offline searcher measures its pick: the model's fastest must be probed
             top = self._by_throughput()[: cfg.probe_verify_top]
             todo = [c for c in top if c not in self.cost.measured]
             if not todo:
                 break
-            for c in todo:
-                get(c)
+            get(todo)
         if cache is not None and measured_now:
             cache.save()
         old_cost = sum((cached[n].get("cost_s") or 0.0) for n in reused)
@@ -374,6 +401,9 @@ class _Trainer:
             "cached_measured_at": sorted({cached[n].get("measured_at") or "?" for n in reused}),
             "cached_max_loadavg_1m": max(loads) if loads else None,
             "cost_model_loo_rel_error": self.cost.relative_error(),
+            "probe_rounds": cfg.probe_rounds,
+            # (slowest - fastest round) / median, median over the strategies measured now
+            "round_spread_median": statistics.median(spreads) if spreads else None,
         }
 
     def gns_at_step0(self) -> tuple[GradientNoiseScale, float]:
@@ -557,12 +587,13 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
     margin = cfg.margin if cfg.hysteresis == "fixed" else cfg.remaining_margin
     chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=margin,
-                      switch_cost_s=reshard_s)  # fmt: skip
+                      switch_cost_s=reshard_s, initial_models=cfg.initial_models)  # fmt: skip
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
     surrogate0 = first.chosen
     step0 = {"noise_scale": gns0.noise_scale, "noise_range": [lo, hi if math.isfinite(hi) else None],
              "gns_s": gns0_s, "best_static": best_static.name, "surrogate_choice": surrogate0.name,
-             "reason": first.reason, "switch_cost_prior_s": reshard_s}  # fmt: skip
+             "reason": first.reason, "switch_cost_prior_s": reshard_s,
+             "initial_models": list(cfg.initial_models)}  # fmt: skip
     runs = {
         "best_static": Run("best_static"),
         "surrogate_static": Run("surrogate_static", clock=gns0_s, gns_s=gns0_s),
