@@ -11,8 +11,8 @@ preconditioned noise scale), per sample divided by M; printed with the plain squ
 beside the samples each batch needs, branched from the checkpoint, to four loss levels all branches reach
 (as ``batch_efficiency.py``). The README's "Step 0" figures come from:
 
-    python experiments/step_curvature.py --seeds 0 --checkpoints 0,512 --horizon 4096
-    python experiments/step_curvature.py --seeds 0 --checkpoints 4096,12288 --horizon 4096
+    python experiments/step_curvature.py --seeds 0 --checkpoints 0,512 --horizon 4096 --json a.json
+    python experiments/step_curvature.py --seeds 0 --checkpoints 4096,12288 --horizon 4096 --json b.json
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def one(cfg, tokens, seed, checkpoint, args):
         gb = int(spec)
         m = copy.deepcopy(model)
         o = adam(m.parameters(), lr_for(gb))
-        o.load_state_dict(opt.state_dict()) if opt.state else None
+        if opt.state:
+            o.load_state_dict(opt.state_dict())
         for g in o.param_groups:
             g["lr"] = lr_for(gb)
         curve, u = [(0, l0)], 0

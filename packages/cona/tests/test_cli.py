@@ -37,7 +37,9 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     assert cona["decisions"][0]["reason"].startswith("initial choice")
     # the efficiency model follows the LR rule every variant trains with, and every decision says which
     assert res["config"]["efficiency_model"] == "sqrt"
-    assert all(d["efficiency_model"] == "sqrt" for d in cona["decisions"])
+    # the initial choice holds under both models (the bench's initial_models), every later one under sqrt
+    assert cona["decisions"][0]["efficiency_model"] == "sqrt+tuned"
+    assert all(d["efficiency_model"] == "sqrt" for d in cona["decisions"][1:])
     # the oracle branches every distinct global batch (by default), and the JSON names them
     assert sorted(int(n.rsplit("gb", 1)[1]) for n in res["oracle_branches"]) == [8, 16]
     assert res["headline"]["oracle_branches"] == 2
@@ -79,6 +81,10 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
         (["bench", "--budget-s", "0"], "--budget-s must be > 0"),
         (["bench", "--target-ppl", "1"], "--target-ppl must be > 1"),
         (["bench", "--seeds", "0"], "--seeds must be >= 1"),
+        (
+            ["bench", "--initial-models", "sqrt,adam"],
+            "--initial-models must name one or more of sqrt, tuned, got sqrt,adam",
+        ),
         (
             [
                 "strategies",

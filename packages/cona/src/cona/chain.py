@@ -18,6 +18,9 @@ is the remaining time, and the newcomer must win wherever in the noise-scale ran
 
 i.e. the predicted rate gain times the remaining time exceeds the measured switch cost, with an allowance
 for the ranking's uncertainty (the same worst case over the range that the robust initial choice uses).
+The initial choice also takes the worst case over ``Chainer.initial_models`` (by default the estimator's
+model alone; the bench asks for both ``sqrt`` and ``tuned``: before any step nothing shows which learning-rate
+regime training is in); running decisions use the estimator's model.
 
 Every decision (switch or stay) is logged with the ranking and the reason.
 """
@@ -68,7 +71,7 @@ class Decision:
     noise_scale: float
     switch_cost_s: float
     ranking: tuple[Estimate, ...]
-    efficiency_model: str = "sqrt"  # the learning-rate rule the efficiency of the ranking assumes
+    efficiency_model: str = "sqrt"  # the learning-rate rule(s) the choice assumes ("sqrt+tuned": robust over both)
 
     def to_dict(self) -> dict:
         return {
@@ -158,8 +161,9 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     ``Chainer.initial_models``), so the choice must hold under each.
     """
     models = (lr_scaling,) if isinstance(lr_scaling, str) else tuple(lr_scaling)
-    if not models:
-        raise ValueError("lr_scaling must name at least one efficiency model")
+    if not models or any(m not in LR_SCALINGS for m in models):
+        raise ValueError(f"lr_scaling must name one or more of {', '.join(LR_SCALINGS)}, got "
+                         f"{','.join(map(str, models)) or 'none'}")  # fmt: skip
     grid = noise_grid(lo, hi, points)
     best: tuple[float, str, Strategy] | None = None
     table = {(m, phi): {s: goodput(t, s.global_batch, phi, reference_batch, m) for s, t in tputs.items()}
@@ -203,11 +207,11 @@ class Chainer:
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
         if self.initial_models is not None:
-            self.initial_models = tuple(self.initial_models)
-            bad = [m for m in self.initial_models if m not in LR_SCALINGS]
-            if bad or not self.initial_models:
+            models = self.initial_models
+            self.initial_models = (models,) if isinstance(models, str) else tuple(models)
+            if not self.initial_models or any(m not in LR_SCALINGS for m in self.initial_models):
                 raise ValueError(f"initial_models must name one or more of {', '.join(LR_SCALINGS)}, got "
-                                 f"{self.initial_models!r}")  # fmt: skip
+                                 f"{','.join(map(str, self.initial_models)) or 'none'}")  # fmt: skip
 
     def _throughput(self, s: Strategy) -> tuple[float, str]:
         if isinstance(self.throughput, Mapping):
@@ -289,7 +293,9 @@ class Chainer:
                         f"over {self.horizon_s:.1f}s (noise scale {phi:.1f})"
                     )
                 d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
-        d = replace(d, efficiency_model=self.gns.lr_scaling)
+        initial = current is None and noise_range is not None
+        models = (self.initial_models or (self.gns.lr_scaling,)) if initial else (self.gns.lr_scaling,)
+        d = replace(d, efficiency_model="+".join(models))  # the model(s) this decision's choice holds under
         self.decisions.append(d)
         log.info("step %d: %s", step, d.reason)
         return d

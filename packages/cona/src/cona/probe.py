@@ -136,6 +136,9 @@ def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+DIGEST_SOURCES = ("executor.py", "model.py", "dist.py", "space.py", "probe.py")  # the code that sets a step's time
+
+
 def code_digest() -> str:
     """Short hash of the source that sets a step's time (executor, model, process groups, strategy space,
     probe) and the transformers version the model runs through: a cache entry measured by other code is
@@ -151,7 +154,7 @@ def code_digest() -> str:
     h = hashlib.sha256(f"transformers {transformers.__version__}".encode())
     try:
         pkg = resources.files("cona")
-        for name in ("executor.py", "model.py", "dist.py", "space.py", "probe.py"):
+        for name in DIGEST_SOURCES:
             h.update((pkg / name).read_bytes())
     except OSError:
         try:

@@ -106,15 +106,15 @@ class BenchConfig:
     range_window: int = 8  # ~the pairs the EMA (0.64 per update) weighs: 0.64^8 = 0.03
     range_z: float | None = None  # None: the two-sided 95% Student-t quantile for the pairs in the window
     remaining_margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
-    # (the ProbeCache keeps one median step time per strategy, not repeat timings, so the throughput
-    # table's own spread is not known; the range covers noise-scale uncertainty only)
+    # (the throughput table's own spread, now kept as each probe's rounds, is not used by the rule yet: the
+    # range covers noise-scale uncertainty only)
     gns_every: int = 8  # a statistics step every 8 (was 4): ~6 pairs per 1 s decision at gb64, half the overhead
     seed: int = 0
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
     corpus_bytes: int = 1_000_000
     probe_steps: int = 5
     probe_rounds: int = 3  # interleaved rounds per probed strategy, median kept: one 5-step probe per strategy on
-    # 4 ranks over 2 cores read gb128/gb64 1.34 at 23:03 UTC and 1.15 at 01:53 (training realised ~1.23)
+    # 4 ranks over 2 cores read gb128/gb64 1.15 at 01:53 UTC where training in the same run realised ~1.23
     probe_verify_top: int = 3  # the fastest strategies by the fitted model are probed too (measured, not modelled)
     probe_cache: bool = True  # reuse step times measured by an earlier run with the same key (ProbeCache)
     clip_norm: float | None = 1.0  # global-norm gradient clipping (the same for every variant)
@@ -137,10 +137,11 @@ class BenchConfig:
             raise ValueError(f"hysteresis must be one of remaining, fixed, got {self.hysteresis!r}")
         if self.efficiency_model not in LR_SCALINGS:
             raise ValueError(f"efficiency_model must be one of {', '.join(LR_SCALINGS)}, got {self.efficiency_model!r}")
-        self.initial_models = tuple(self.initial_models)
+        models = self.initial_models
+        self.initial_models = (models,) if isinstance(models, str) else tuple(models)
         if not self.initial_models or any(m not in LR_SCALINGS for m in self.initial_models):
             raise ValueError(f"initial_models must name one or more of {', '.join(LR_SCALINGS)}, got "
-                             f"{','.join(self.initial_models) or 'none'}")  # fmt: skip
+                             f"{','.join(map(str, self.initial_models)) or 'none'}")  # fmt: skip
         if self.oracle_branches is not None and self.oracle_branches < 1:
             raise ValueError(f"oracle_branches must be >= 1, got {self.oracle_branches}")
         for name in ("probe_rounds", "probe_steps"):
@@ -347,8 +348,9 @@ class _Trainer:
 
         def get(todo: list[Strategy]) -> None:
             """Reuse cached entries; time the rest in ``probe_rounds`` interleaved rounds (each round builds and
-            times every strategy once) and keep each one's median round: a drift in the machine's speed then
-            lands on every strategy of the batch alike instead of on whichever was probed during it."""
+            times every strategy once) and keep each one's median round (the lower middle one for an even
+            count, so always a measured round): a drift in the machine's speed then lands on every strategy
+            of the batch alike instead of on whichever was probed during it."""
             nonlocal cost_now
             fresh = []
             for s in dict.fromkeys(todo):
@@ -371,7 +373,7 @@ class _Trainer:
                     costs[s] += _bcast(time.perf_counter() - tp)
                     del ex
             for s in fresh:
-                secs = statistics.median(times[s])
+                secs = statistics.median_low(times[s])
                 self.cost.add(s, secs)
                 measured_now.append(s.name)
                 cost_now += costs[s]
