@@ -29,6 +29,36 @@ from cona.gns import batch_efficiency, unbiased_estimates
 from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
 
 
+def ce(m, ids: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy of a causal LM on a batch of windows (the bench's loss)."""
+    lg = m(ids).logits
+    return F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def val_loss(m, windows: torch.Tensor) -> float:
+    """Mean loss over ``windows``, 64 at a time, without gradients."""
+    with torch.no_grad():
+        return float(sum(ce(m, v) * v.shape[0] for v in windows.split(64)) / windows.shape[0])
+
+
+def adam(params, lr: float) -> torch.optim.AdamW:
+    """The bench's AdamW (betas 0.9 / 0.95, no weight decay)."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
+
+
+def lr_for(gb: int) -> float:
+    """The bench's square-root rule from the reference batch 8."""
+    return 2e-3 * math.sqrt(gb / 8)
+
+
+def step(m, opt, batch: torch.Tensor) -> None:
+    """One training step as the bench takes it (global-norm clipping at 1.0)."""
+    opt.zero_grad()
+    ce(m, batch).backward()
+    torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0)
+    opt.step()
+
+
 def samples_to(curve: list[tuple[int, float]], level: float) -> float | None:
     """First sample count at which the loss curve reaches ``level`` (linear between evaluations)."""
     for (u0, v0), (u1, v1) in zip(curve, curve[1:]):
@@ -67,25 +97,8 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
     data = TextData(tokens, 32, seed)
     val = data.validation(args.val)
 
-    def ce(m, ids):
-        lg = m(ids).logits
-        return F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1))
-
     def loss(m) -> float:
-        with torch.no_grad():
-            return float(sum(ce(m, v) * v.shape[0] for v in val.split(64)) / val.shape[0])
-
-    def adam(params, lr):
-        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
-
-    def lr_for(gb: int) -> float:
-        return 2e-3 * math.sqrt(gb / 8)
-
-    def step(m, opt, batch) -> None:
-        opt.zero_grad()
-        ce(m, batch).backward()
-        torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0)
-        opt.step()
+        return val_loss(m, val)
 
     model = build_model(cfg, seed)
     opt = adam(model.parameters(), lr_for(64))

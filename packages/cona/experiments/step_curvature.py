@@ -24,18 +24,10 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from batch_efficiency import adam, ce, lr_for, samples_to, step, val_loss  # the same directory (run as a script)
 
 from cona.gns import unbiased_estimates
 from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
-
-
-def samples_to(curve, level):
-    """First sample count at which the loss curve reaches ``level`` (linear between evaluations)."""
-    for (u0, v0), (u1, v1) in zip(curve, curve[1:]):
-        if v1 <= level:
-            return u1 if v0 <= level or v0 == v1 else u0 + (u1 - u0) * (v0 - level) / (v0 - v1)
-    return None
 
 
 def main() -> None:
@@ -62,25 +54,8 @@ def one(cfg, tokens, seed, checkpoint, args):
     data = TextData(tokens, 32, seed)
     val = data.validation(256)
 
-    def ce(m, ids):
-        lg = m(ids).logits
-        return F.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1))
-
     def loss(m, v=val):
-        with torch.no_grad():
-            return float(sum(ce(m, x) * x.shape[0] for x in v.split(64)) / v.shape[0])
-
-    def lr_for(gb):
-        return 2e-3 * math.sqrt(gb / 8)
-
-    def adam(params, lr):
-        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
-
-    def step(m, opt, batch):
-        opt.zero_grad()
-        ce(m, batch).backward()
-        torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0)
-        opt.step()
+        return val_loss(m, v)
 
     model = build_model(cfg, seed)
     opt = adam(model.parameters(), lr_for(64))

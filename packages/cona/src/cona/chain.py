@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .gns import LR_SCALINGS, GradientNoiseScale, batch_efficiency
+from .gns import GradientNoiseScale, batch_efficiency, efficiency_models
 from .space import Strategy
 
 __all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time"]
@@ -160,10 +160,7 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     Several models: at step 0 nothing has shown which learning-rate regime training is in (see
     ``Chainer.initial_models``), so the choice must hold under each.
     """
-    models = (lr_scaling,) if isinstance(lr_scaling, str) else tuple(lr_scaling)
-    if not models or any(m not in LR_SCALINGS for m in models):
-        raise ValueError(f"lr_scaling must name one or more of {', '.join(LR_SCALINGS)}, got "
-                         f"{','.join(map(str, models)) or 'none'}")  # fmt: skip
+    models = efficiency_models(lr_scaling)
     grid = noise_grid(lo, hi, points)
     best: tuple[float, str, Strategy] | None = None
     table = {(m, phi): {s: goodput(t, s.global_batch, phi, reference_batch, m) for s, t in tputs.items()}
@@ -207,11 +204,7 @@ class Chainer:
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
         if self.initial_models is not None:
-            models = self.initial_models
-            self.initial_models = (models,) if isinstance(models, str) else tuple(models)
-            if not self.initial_models or any(m not in LR_SCALINGS for m in self.initial_models):
-                raise ValueError(f"initial_models must name one or more of {', '.join(LR_SCALINGS)}, got "
-                                 f"{','.join(map(str, self.initial_models)) or 'none'}")  # fmt: skip
+            self.initial_models = efficiency_models(self.initial_models, "initial_models")
 
     def _throughput(self, s: Strategy) -> tuple[float, str]:
         if isinstance(self.throughput, Mapping):

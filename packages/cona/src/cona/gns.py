@@ -34,6 +34,7 @@ __all__ = [
     "unbiased_estimates",
     "batch_efficiency",
     "LR_SCALINGS",
+    "efficiency_models",
     "GradientNoiseScale",
     "GnsSnapshot",
     "t_quantile_975",
@@ -51,6 +52,15 @@ def unbiased_estimates(sq_small: float, b_small: float, sq_big: float, b_big: fl
     g2 = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
     s = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
     return g2, s
+
+
+def efficiency_models(value, field: str = "lr_scaling") -> tuple[str, ...]:
+    """One efficiency-model name or several, as a tuple; ValueError naming ``field`` and the valid names."""
+    models = (value,) if isinstance(value, str) else tuple(value)
+    if not models or any(m not in LR_SCALINGS for m in models):
+        raise ValueError(f"{field} must name one or more of {', '.join(LR_SCALINGS)}, got "
+                         f"{','.join(map(str, models)) or 'none'}")  # fmt: skip
+    return models
 
 
 def batch_efficiency(batch: float, noise_scale: float, reference_batch: float, lr_scaling: str = "sqrt") -> float:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import dist as cdist
 from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
-from .gns import LR_SCALINGS, GradientNoiseScale
+from .gns import LR_SCALINGS, GradientNoiseScale, efficiency_models
 from .model import TextData, stdlib_tokens, tiny_llama_config
 from .probe import CostModel, ProbeCache, code_digest, probe_key, probe_plan, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
@@ -137,11 +137,7 @@ class BenchConfig:
             raise ValueError(f"hysteresis must be one of remaining, fixed, got {self.hysteresis!r}")
         if self.efficiency_model not in LR_SCALINGS:
             raise ValueError(f"efficiency_model must be one of {', '.join(LR_SCALINGS)}, got {self.efficiency_model!r}")
-        models = self.initial_models
-        self.initial_models = (models,) if isinstance(models, str) else tuple(models)
-        if not self.initial_models or any(m not in LR_SCALINGS for m in self.initial_models):
-            raise ValueError(f"initial_models must name one or more of {', '.join(LR_SCALINGS)}, got "
-                             f"{','.join(map(str, self.initial_models)) or 'none'}")  # fmt: skip
+        self.initial_models = efficiency_models(self.initial_models, "initial_models")
         if self.oracle_branches is not None and self.oracle_branches < 1:
             raise ValueError(f"oracle_branches must be >= 1, got {self.oracle_branches}")
         for name in ("probe_rounds", "probe_steps"):
