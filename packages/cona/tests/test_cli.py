@@ -63,6 +63,10 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     # a variant that missed the target (perplexity 80 in 2 s: some may) is censored and flagged, never dropped
     for name, r in res["results"].items():
         missed = [seed for seed, p in r["per_seed"].items() if p["time_to_target_s"] is None]
+        for p in r["per_seed"].values():  # one evaluation's dip comes no later than the mean of the last ones
+            if p["time_to_target_s"] is not None:
+                assert p["first_eval_at_target_s"] is not None
+                assert p["first_eval_at_target_s"] <= p["time_to_target_s"], name
         assert r["censored_seeds"] == missed, name
         assert all(f"{seed}: {name}" in res["headline"]["censored_seeds"] for seed in missed)
     assert all(v is not None for v in res["headline_spread"]["ttp_ratio_vs_best_static"]["per_seed"])
@@ -171,7 +175,7 @@ def test_a_seed_where_cona_misses_the_target_stays_in_the_headline_censored():
 
     from cona.cli import _aggregate, _headline
 
-    cfg = SimpleNamespace(target_ppl=5.8, budget_s=60.0)
+    cfg = SimpleNamespace(target_ppl=5.8, budget_s=60.0, target_window=5)
     per, notes = {}, []
     for seed, (c, o) in enumerate([(10.0, 10.0), (None, 12.0), (10.0, 10.0)]):
         per[seed], n = _headline(_runs(c, o), cfg, seed)

@@ -8,7 +8,7 @@ import pytest
 from cona.dist import launch
 from cona.model import tiny_llama_config
 from cona.space import ModelDims, enumerate_strategies
-from cona.train import BenchConfig, oracle_shortlist, pick_branch
+from cona.train import BenchConfig, oracle_shortlist, pick_branch, smoothed, time_to_target
 
 
 def _digest(state) -> float:
@@ -38,7 +38,7 @@ def _worker(rank, world):
 
     def end(self):
         ends.append([{"strategy": s.name, "consumed": v.consumed, "state": _digest(v.ex.full_state()),
-                      "trace": list(b.trace[1:])} for s, b, v, _ in self.branches])  # fmt: skip
+                      "trace": list(b.trace)} for s, b, v, _ in self.branches])  # fmt: skip
         end_phase(self)
 
     T._Oracle._end_phase = end
@@ -53,7 +53,7 @@ def _worker(rank, world):
     shortlist = [s.name for s in oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches)]
     res = T._run_seed(tr, best, 0.01)
     return {"starts": starts, "ends": ends, "reads": reads, "res": res, "shortlist": shortlist,
-            "target": cfg.target_loss}  # fmt: skip
+            "target": cfg.target_loss, "window": cfg.target_window}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,39 @@ def test_pick_branch_keeps_the_earliest_hit_else_the_lowest_loss():
     assert pick_branch([[(1.0, 2.4), (2.0, 2.3)], never], target) == 1
 
 
+def test_time_to_target_reads_the_mean_of_the_last_evaluations():
+    trace = [(0.1, 2.2), (0.2, 1.9), (0.3, 2.1), (0.4, 1.95), (0.5, 1.9), (0.6, 1.8)]
+    assert time_to_target(trace, 2.0) == 0.2  # one evaluation's dip
+    assert [t for t, _ in smoothed(trace, 2)] == [0.2, 0.3, 0.4, 0.5, 0.6]
+    assert [v for _, v in smoothed(trace, 2)] == pytest.approx([2.05, 2.0, 2.025, 1.925, 1.85])
+    assert time_to_target(trace, 2.01, window=2) == 0.3
+    assert time_to_target(trace, 2.0, window=3) == 0.4  # (1.9 + 2.1 + 1.95) / 3 = 1.983
+    assert time_to_target(trace, 1.9, window=3) == 0.6  # (1.95 + 1.9 + 1.8) / 3 = 1.883
+    assert time_to_target(trace, 2.01, window=2, after=0.3) == 0.5
+    assert time_to_target(trace, 1.0, window=3) is None
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        smoothed(trace, 0)
+    with pytest.raises(ValueError, match="target_window must be >= 1"):
+        BenchConfig(target_window=0)
+
+
+def test_pick_branch_does_not_keep_a_single_dip_when_averaging():
+    target = 2.0
+    dip = [(1.0, 2.3), (2.0, 1.99), (3.0, 2.3), (4.0, 2.2)]  # one evaluation below the target, then back up
+    steady = [(1.0, 2.05), (2.0, 2.02), (3.0, 2.0), (4.0, 1.98)]
+    assert pick_branch([steady, dip], target) == 1
+    assert pick_branch([steady, dip], target, window=2) == 0  # reaches a 2-mean of 1.99 at 4.0
+    # every branch's trace starts with the kept trace's last evaluations (the window's context); a context
+    # already at the target (its mean 1.925) must not count as a hit of the new phase: only ``after`` excludes it
+    context = [(0.5, 1.9), (1.0, 1.95)]
+    no_hit, hit = context + [(2.0, 2.1), (3.0, 1.99)], context + [(2.0, 1.98), (3.0, 2.2)]
+    assert time_to_target(no_hit, target, 2) == 1.0 and time_to_target(no_hit, target, 2, after=1.0) is None
+    assert time_to_target(hit, target, 2, after=1.0) == 2.0  # (1.95 + 1.98) / 2
+    assert pick_branch([no_hit, hit], target, window=2) == 0  # both "at 1.0": the lower last mean, 2.045 < 2.09
+    assert pick_branch([no_hit, hit], target, window=2, after=1.0) == 1  # the only hit in the phase
+    assert pick_branch([context + dip[1:], context + steady[1:]], 1.5, window=3, after=1.0) == 1  # 2.0 < 2.16
+
+
 @pytest.mark.slow
 def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_best(out):
     assert sorted(out["shortlist"]) == sorted(out["res"]["step0"]["oracle_branches"])
@@ -92,6 +125,9 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
         phases.setdefault(s["clock"], []).append(s)
     assert len(phases) == len(out["ends"]) >= 2
     chain = out["res"]["runs"]["oracle"]["chain"]
+    trace = [tuple(p) for p in out["res"]["runs"]["oracle"]["trace"]]
+    assert all(a[0] < b[0] for a, b in zip(trace, trace[1:]))  # nothing appended twice
+    w, kept_new = out["window"], []
     prev = None
     for (clock, branches), ended, link in zip(sorted(phases.items()), out["ends"], chain):
         assert sorted(b["strategy"] for b in branches) == sorted(out["shortlist"])  # every candidate batch
@@ -99,10 +135,19 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
         if prev is not None:  # the phase starts from the kept branch's state and sample position
             assert branches[0]["state"] == pytest.approx(prev["state"], rel=0, abs=0)
             assert branches[0]["consumed"] == prev["consumed"]
-        # the target (perplexity 1.5) is out of reach: the kept branch has the lowest last loss
-        lowest = min(ended, key=lambda b: b["trace"][-1][1])
-        assert link["strategy"] == lowest["strategy"] and link["clock"] <= clock
+        # each branch starts with the kept trace's last w evaluations at the phase start, then only later ones
+        context = [p for p in trace if p[0] <= clock][-w:]
+        for b in ended:
+            assert [(round(t, 4), round(v, 5)) for t, v in b["trace"][: len(context)]] == context
+            assert all(t > clock for t, _ in b["trace"][len(context) :])
+        # the target (perplexity 1.5) is out of reach: the kept branch has the lowest mean of its last losses
+        lowest = min(ended, key=lambda b: sum(v for _, v in b["trace"][-w:]))
+        kept_new += [(round(t, 4), round(v, 5)) for t, v in lowest["trace"][len(context) :]]
+        assert link["strategy"] == lowest["strategy"] and link["clock"] == clock
+        assert [o["strategy"] for o in link["branches"]] == [b["strategy"] for b in ended]
+        assert all(o["time_to_target_s"] is None for o in link["branches"])
         prev = lowest
+    assert trace[1:] == kept_new  # the oracle's trace: its first evaluation, then each kept branch's new ones
     assert out["res"]["runs"]["oracle"]["eval_s_excluded"] > 0
 
 

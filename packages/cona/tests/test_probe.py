@@ -80,4 +80,7 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
     # the best static pick (highest throughput) is a measured strategy, not a cost-model guess
     best = max(table, key=lambda n: table[n][0])
     assert table[best][1] == "probe", best
+    for gb in {int(n.rsplit("gb", 1)[1]) for n in table}:  # and so is the fastest of every global batch
+        fastest = max((n for n in table if n.endswith(f"-gb{gb}")), key=lambda n: table[n][0])
+        assert table[fastest][1] == "probe", fastest
     assert {src for _, src in table.values()} == {"probe", "model"}  # some strategies are still modelled
