@@ -112,7 +112,25 @@ def package_table(name: str, res: dict) -> list[str]:
     return lines
 
 
-def render(bench: dict, when: str) -> str:
+def previous_sections(text: str) -> dict[str, str]:
+    """The per-package sections (``## name version`` up to the next heading) of an earlier results page."""
+    sections, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            name = line[3:].split()[0] if line[3:].split() else None
+            if name is not None and name not in CLAIMS:
+                name = None
+            if name is not None:
+                sections[name] = []
+        if name is not None:
+            sections[name].append(line)
+    return {k: "\n".join(v).rstrip("\n") for k, v in sections.items()}
+
+
+def render(bench: dict, when: str, previous: str = "") -> str:
+    """The results page. A package this run did not measure keeps its section of ``previous`` (the page as
+    it was: its own "Measured" line dates it), since bench-output/ is not kept between clones."""
+    kept = previous_sections(previous)
     lines = [
         "# Results",
         "",
@@ -121,9 +139,12 @@ def render(bench: dict, when: str) -> str:
         "per package. The papers' claims are theirs, on their hardware.",
         "",
     ]
-    for name, res in bench.items():
-        lines += [f"## {name} {res.get('version', '')}", "", *package_table(name, res), ""]
-    missing = [p for p in CLAIMS if p not in bench]
+    for name in sorted(set(bench) | (set(kept) - set(bench))):
+        if name in bench:
+            lines += [f"## {name} {bench[name].get('version', '')}", "", *package_table(name, bench[name]), ""]
+        else:
+            lines += [kept[name], ""]
+    missing = [p for p in CLAIMS if p not in bench and p not in kept]
     if missing:
         lines += ["## Not measured in this run", "", ", ".join(missing), ""]
     return "\n".join(lines)
@@ -156,7 +177,7 @@ def main(argv: list[str]) -> int:
     src = Path(argv[1]) if len(argv) > 1 else Path("bench-output/bench.json")
     dst = Path(argv[2]) if len(argv) > 2 else Path(__file__).parent / "results.md"
     bench = json.loads(src.read_text())
-    text = render(bench, dt.datetime.now().strftime("%Y-%m-%d %H:%M"))
+    text = render(bench, dt.datetime.now().strftime("%Y-%m-%d %H:%M"), dst.read_text() if dst.exists() else "")
     tmp = dst.with_suffix(".md.tmp")
     tmp.write_text(text)
     os.replace(tmp, dst)
