@@ -159,9 +159,24 @@ def test_cona_decisions_read_only_charged_evaluations_one_second_apart(out):
     for read in out["reads"]:
         assert all(b[0] - a[0] >= 1.0 for a, b in zip(read, read[1:]))
         assert [(round(t, 4), round(v, 5)) for t, v in read] == charged[: len(read)]
+        assert {round(t, 4) for t, _ in read} <= {t for t, _ in cona["trace"]}  # read when the harness evaluated
     assert len(charged) < len(cona["trace"]) / 5  # the harness's 0.1 s evaluations are not read
     assert cona["decision_eval_s"] > 0 and cona["decision_eval_frac"] == pytest.approx(
         cona["decision_eval_s"] / cona["clock_s"]
     )
     for d in cona["decisions"][1:]:
         assert "remaining_s" in d and math.isfinite(d["remaining_s"])
+
+
+def test_cona_reads_its_own_quarter_of_the_validation_windows():
+    import cona.train as T
+
+    assert BenchConfig().decision_val_samples == 32 and BenchConfig(world=4, val_samples=20).decision_val_samples == 4
+    for bad in (0, 130, 3):
+        with pytest.raises(ValueError, match="decision_val_samples must be in 1..val_samples"):
+            BenchConfig(world=2, decision_val_samples=bad)
+    tr = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000))
+    val, sub = tr.val, tr.decision_val
+    assert sub.shape == (4, val.shape[1])
+    rows = [next(i for i in range(len(val)) if bool((val[i] == r).all())) for r in sub]
+    assert rows == [0, 5, 10, 15]  # evenly spaced over the same held-out windows, first and last included
