@@ -83,9 +83,10 @@ class BenchConfig:
     # from where their evaluations happened to fall
     target_window: int = 5  # time to target: the first evaluation at which the mean of the last 5 is at/below
     # the target (a count of evaluations: the mean trails the latest loss by ~0.2 s plus two steps, so a
-    # little more for big batches' longer steps, <1% of the time to target here). One evaluation's deviation from the trend (sd ~0.008-0.010 nats, 2 ranks, 03:20 UTC
-    # 2026-12-01; lag-1 autocorrelation 0.14-0.36, ~0 beyond) is 0.4-1 s of progress near the quick bench's
-    # target, and the oracle keeps the first of its branches to dip below it: selection on that noise
+    # little more for big batches' longer steps, <1% of the time to target here). One evaluation's deviation
+    # from the trend (sd ~0.008-0.010 nats, 2 ranks, 03:12 UTC 2026-12-01; lag-1 autocorrelation 0.14-0.36,
+    # ~0 beyond) is 0.4-1 s of progress near the quick bench's target, and the oracle keeps the first of its
+    # branches to dip below it: selection on that noise
     decide_every_s: float = 1.0  # the noise scale grows ~10x in the first seconds: re-rank often (switches are cheap)
     switch_horizon_s: float = 3.0  # how long a switch is expected to pay off (decoupled from decide_every_s)
     efficiency_model: str = "sqrt"  # the LR rule the surrogate's efficiency assumes: "sqrt" is the one every
@@ -504,8 +505,9 @@ class _Oracle:
     from the same layout-independent checkpoint and trained ``oracle_phase_s`` of clock; the branch that
     reached the target first (else the lowest mean of its last ``target_window`` evaluations) is kept and
     the next phase starts from its state. Each branch's trace starts with the kept trace's last
-    ``target_window`` evaluations (the window's context), and only evaluations after the phase start count. ``advance`` moves every branch of the current phase to the same clock, so the branches
-    interleave with the other variants' slices instead of running after them under other load."""
+    ``target_window`` evaluations (the window's context), and only evaluations after the phase start count.
+    ``advance`` moves every branch of the current phase to the same clock, so the branches interleave with
+    the other variants' slices instead of running after them under other load."""
 
     def __init__(self, tr: _Trainer, shortlist: list[Strategy], ckpt_dir: str) -> None:
         self.tr, self.shortlist = tr, shortlist
@@ -548,8 +550,9 @@ class _Oracle:
         run.steps += branch.steps
         run.samples += branch.samples
         run.switch_s += build_s
-        outcomes = [{"strategy": b.name, "time_to_target_s": time_to_target(t, cfg.target_loss, cfg.target_window, start),
-                     "last_mean_val_loss": smoothed(t, min(cfg.target_window, len(t)))[-1][1]} for (_, b, _, _), t in zip(self.branches, traces)]  # fmt: skip
+        outcomes = [dict(zip(("strategy", "time_to_target_s", "last_mean_val_loss"),
+                             (b.name, *branch_outcome(t, cfg.target_loss, cfg.target_window, start))))
+                    for (_, b, _, _), t in zip(self.branches, traces)]  # fmt: skip
         run.chain.append({"clock": start, "strategy": s.name, "branches": outcomes,
                           "why": f"first to the target, else lowest validation loss (mean of the last "
                                  f"{cfg.target_window} evaluations), of {len(self.shortlist)} branches"})  # fmt: skip
@@ -571,15 +574,21 @@ class _Oracle:
                 return
 
 
+def branch_outcome(trace: list[tuple[float, float]], target_loss: float, window: int = 1,
+                   after: float = -math.inf) -> tuple[float | None, float]:  # fmt: skip
+    """(time to target by ``time_to_target`` with ``window`` and ``after``, mean of the last ``window`` losses)
+    of one oracle branch's trace."""
+    last = smoothed(trace, min(window, len(trace)))[-1][1] if trace else math.inf
+    return time_to_target(trace, target_loss, window, after), last
+
+
 def pick_branch(traces: list[list[tuple[float, float]]], target_loss: float, window: int = 1,
                 after: float = -math.inf) -> int:  # fmt: skip
-    """Index of the oracle branch to keep: the one that reached the target first (``time_to_target`` with
-    ``window`` and ``after``), else the lowest mean of its last ``window`` validation losses (ties: the
-    earlier branch)."""
+    """Index of the oracle branch to keep: the one that reached the target first, else the lowest mean of
+    its last ``window`` validation losses (``branch_outcome``; ties: the earlier branch)."""
 
     def key(i: int) -> tuple[float, float, int]:
-        hit = time_to_target(traces[i], target_loss, window, after)
-        last = smoothed(traces[i], min(window, len(traces[i])))[-1][1] if traces[i] else math.inf
+        hit, last = branch_outcome(traces[i], target_loss, window, after)
         return (hit if hit is not None else math.inf, last, i)
 
     return min(range(len(traces)), key=key)
