@@ -59,6 +59,30 @@ def step(m, opt, batch: torch.Tensor) -> None:
     opt.step()
 
 
+def train_to(cfg, data, seed: int, checkpoint: int):
+    """(model, AdamW, samples read) of the bench's model trained at global batch 64 to ``checkpoint`` samples."""
+    model = build_model(cfg, seed)
+    opt = adam(model.parameters(), lr_for(64))
+    used = 0
+    while used < checkpoint:
+        step(model, opt, data.samples(used, 64))
+        used += 64
+    return model, opt, used
+
+
+def grad_pair(model, data, k: int) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """The k-th (16, 256) gradient pair: the 16 micro-batch gradients of 16 windows and their mean (the
+    256-window gradient), from samples far beyond those training reads."""
+    ps = list(model.parameters())
+    gs = []
+    for mb in data.samples(10**6 + 256 * k, 256).split(16):
+        for p in ps:
+            p.grad = None
+        ce(model, mb).backward()
+        gs.append([p.grad.clone() for p in ps])
+    return gs, [sum(g[i] for g in gs) / len(gs) for i in range(len(ps))]
+
+
 def samples_to(curve: list[tuple[int, float]], level: float) -> float | None:
     """First sample count at which the loss curve reaches ``level`` (linear between evaluations)."""
     for (u0, v0), (u1, v1) in zip(curve, curve[1:]):
@@ -100,12 +124,7 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
     def loss(m) -> float:
         return val_loss(m, val)
 
-    model = build_model(cfg, seed)
-    opt = adam(model.parameters(), lr_for(64))
-    used = 0
-    while used < checkpoint:
-        step(model, opt, data.samples(used, 64))
-        used += 64
+    model, opt, used = train_to(cfg, data, seed, checkpoint)
     # noise scale at the checkpoint: plain and in Adam's metric g / (sqrt(v_hat) + eps), v floored as cona does
     ps = list(model.parameters())
     bc = 1 - 0.95 ** float(opt.state[ps[0]]["step"])
@@ -117,13 +136,7 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
         return sum(float((g * x).double().pow(2).sum()) for g, x in zip(grads, w))
 
     for k in range(args.pairs):
-        gs = []
-        for mb in data.samples(10**6 + 256 * k, 256).split(16):
-            for p in ps:
-                p.grad = None
-            ce(model, mb).backward()
-            gs.append([p.grad.clone() for p in ps])
-        big = [sum(g[i] for g in gs) / len(gs) for i in range(len(ps))]
+        gs, big = grad_pair(model, data, k)
         for kind, w in (("plain", [1.0] * len(ps)), ("preconditioned", pre)):
             est[kind].append(unbiased_estimates(sum(sq(g, w) for g in gs) / len(gs), 16, sq(big, w), 256))
     for p in ps:

@@ -24,10 +24,10 @@ import math
 
 import numpy as np
 import torch
-from batch_efficiency import adam, ce, lr_for, samples_to, step, val_loss  # the same directory (run as a script)
+from batch_efficiency import adam, ce, grad_pair, lr_for, samples_to, step, train_to, val_loss  # same directory
 
 from cona.gns import unbiased_estimates
-from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
+from cona.model import TextData, stdlib_tokens, tiny_llama_config
 
 
 def main() -> None:
@@ -57,12 +57,7 @@ def one(cfg, tokens, seed, checkpoint, args):
     def loss(m, v=val):
         return val_loss(m, v)
 
-    model = build_model(cfg, seed)
-    opt = adam(model.parameters(), lr_for(64))
-    used = 0
-    while used < checkpoint:
-        step(model, opt, data.samples(used, 64))
-        used += 64
+    model, opt, used = train_to(cfg, data, seed, checkpoint)
     ps = list(model.parameters())
     # noise scale in Adam's metric (as the bench: v floored at 1% of its tensor's mean; before any step g^2)
     if opt.state:
@@ -76,13 +71,7 @@ def one(cfg, tokens, seed, checkpoint, args):
     pre = [1.0 / (x.clamp(min=0.01 * float(x.mean())).sqrt() + 1e-8) for x in v]
     pairs = []
     for k in range(12):
-        gs = []
-        for mb in data.samples(10**6 + 256 * k, 256).split(16):
-            for p in ps:
-                p.grad = None
-            ce(model, mb).backward()
-            gs.append([p.grad.clone() for p in ps])
-        big = [sum(g[i] for g in gs) / len(gs) for i in range(len(ps))]
+        gs, big = grad_pair(model, data, k)
         sq = lambda grads: sum(float((g * w).double().pow(2).sum()) for g, w in zip(grads, pre))  # noqa: E731
         pairs.append(unbiased_estimates(sum(sq(g) for g in gs) / len(gs), 16, sq(big), 256))
     phi = sum(s for _, s in pairs) / sum(g for g, _ in pairs)
