@@ -83,6 +83,24 @@ def grad_pair(model, data, k: int) -> tuple[list[list[torch.Tensor]], list[torch
     return gs, [sum(g[i] for g in gs) / len(gs) for i in range(len(ps))]
 
 
+def branch_curve(model, opt, data, used: int, gb: int, lr: float, horizon: int, every: int, loss, l0: float):
+    """Branch a copy of ``model`` (and of ``opt``'s state when it has any) at batch ``gb`` and learning rate
+    ``lr`` from sample ``used``: [(samples since the branch, validation loss)] every ``every`` samples."""
+    m = copy.deepcopy(model)
+    o = adam(m.parameters(), lr)
+    if opt.state:
+        o.load_state_dict(opt.state_dict())
+    for g in o.param_groups:
+        g["lr"] = lr
+    curve, u = [(0, l0)], 0
+    while u < horizon:
+        step(m, o, data.samples(used + u, gb))
+        u += gb
+        if u % every == 0:
+            curve.append((u, loss(m)))
+    return curve
+
+
 def samples_to(curve: list[tuple[int, float]], level: float) -> float | None:
     """First sample count at which the loss curve reaches ``level`` (linear between evaluations)."""
     for (u0, v0), (u1, v1) in zip(curve, curve[1:]):
@@ -148,17 +166,7 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
     for spec in args.branches.split(","):
         gb_text, _, mult_text = spec.partition("x")
         gb, mult = int(gb_text), float(mult_text or 1)
-        m = copy.deepcopy(model)
-        o = adam(m.parameters(), lr_for(gb) * mult)
-        o.load_state_dict(opt.state_dict())
-        for g in o.param_groups:
-            g["lr"] = lr_for(gb) * mult
-        curve, u = [(0, l0)], 0
-        while u < args.horizon:
-            step(m, o, data.samples(used + u, gb))
-            u += gb
-            if u % args.every == 0:
-                curve.append((u, loss(m)))
+        curve = branch_curve(model, opt, data, used, gb, lr_for(gb) * mult, args.horizon, args.every, loss, l0)
         r["branches"][spec] = curve
         print(
             f"  batch {gb} lr x{mult:g}: " + ", ".join(f"+{a}: {math.exp(b):.3f}" for a, b in curve[1::4]), flush=True

@@ -24,7 +24,16 @@ import math
 
 import numpy as np
 import torch
-from batch_efficiency import adam, ce, grad_pair, lr_for, samples_to, step, train_to, val_loss  # same directory
+from batch_efficiency import (  # same directory
+    adam,
+    branch_curve,
+    ce,
+    grad_pair,
+    lr_for,
+    samples_to,
+    train_to,
+    val_loss,
+)
 
 from cona.gns import unbiased_estimates
 from cona.model import TextData, stdlib_tokens, tiny_llama_config
@@ -124,18 +133,7 @@ def one(cfg, tokens, seed, checkpoint, args):
     res = {"seed": seed, "ckpt": used, "phi": phi, "alpha": alpha, "beta": beta, "fits": fits, "branches": {}}
     for spec in args.branches.split(","):
         gb = int(spec)
-        m = copy.deepcopy(model)
-        o = adam(m.parameters(), lr_for(gb))
-        if opt.state:
-            o.load_state_dict(opt.state_dict())
-        for g in o.param_groups:
-            g["lr"] = lr_for(gb)
-        curve, u = [(0, l0)], 0
-        while u < args.horizon:
-            step(m, o, data.samples(used + u, gb))
-            u += gb
-            if u % args.every == 0:
-                curve.append((u, loss(m)))
+        curve = branch_curve(model, opt, data, used, gb, lr_for(gb), args.horizon, args.every, loss, l0)
         res["branches"][gb] = curve
     br = res["branches"]
     worst = max(min(v for _, v in c[1:]) for c in br.values())
