@@ -9,7 +9,9 @@ evaluates the validation loss every ``--every`` samples. It then counts, for los
 reaches, the samples each batch needs relative to gb64 (interpolated between evaluations) and sets
 them against the ratios the two efficiency models of ``cona.gns.batch_efficiency`` predict from the
 measured preconditioned noise scale: "tuned" (Pollux, LR tuned per batch) and "sqrt" (Adam under the
-square-root rule the bench uses). Samples, not time. The README's figures come from:
+square-root rule the bench uses), and the ratios "sqrt_tensor" predicts: the square-root model per parameter
+tensor, each from its own preconditioned statistics (``tensor_progress``). Samples, not time. The README's
+figures come from:
 
     python experiments/batch_efficiency.py --seeds 0,1,2 --checkpoints 512,4096,16384 --horizon 8192 \
         --branches 32,64,128,256 --json /tmp/cona-eff.json
@@ -109,6 +111,17 @@ def samples_to(curve: list[tuple[int, float]], level: float) -> float | None:
     return None
 
 
+def tensor_progress(groups: list[dict], batch: int) -> float:
+    """Progress per sample at ``batch`` (up to a constant) under the per-tensor square-root model: the sum over
+    tensors of s sqrt(n) |G'| / sqrt(batch + phi'), phi' = tr Sigma' / |G'|^2 (a tensor whose |G'|^2 estimate is
+    not positive adds nothing)."""
+    total = 0.0
+    for g in groups:
+        if g["g2"] > 0:
+            total += g["s"] * math.sqrt(g["n"] * g["g2"]) / math.sqrt(batch + max(g["tr"], 0.0) / g["g2"])
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0", help="init / data-order seeds, comma separated")
@@ -153,15 +166,29 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
     def sq(grads, w) -> float:
         return sum(float((g * x).double().pow(2).sum()) for g, x in zip(grads, w))
 
+    per_tensor = [[0.0, 0.0] for _ in ps]  # per tensor, summed over pairs: preconditioned (|G|^2, tr Sigma)
     for k in range(args.pairs):
         gs, big = grad_pair(model, data, k)
         for kind, w in (("plain", [1.0] * len(ps)), ("preconditioned", pre)):
             est[kind].append(unbiased_estimates(sum(sq(g, w) for g in gs) / len(gs), 16, sq(big, w), 256))
+        for j, x in enumerate(pre):
+            small = sum(float((g[j] * x).double().pow(2).sum()) for g in gs) / len(gs)
+            gj, sj = unbiased_estimates(small, 16, float((big[j] * x).double().pow(2).sum()), 256)
+            per_tensor[j][0] += gj
+            per_tensor[j][1] += sj
     for p in ps:
         p.grad = None
     phi = {k: sum(s for _, s in e) / sum(g for g, _ in e) for k, e in est.items()}
+    # per-tensor form of the square-root model: within a tensor Adam's v evens the coordinates out, so each
+    # tensor j is taken as homogeneous in the preconditioned metric, and its progress per sample at batch M is
+    # s_j sqrt(n_j) |G'_j| / sqrt(M + phi'_j) (s_j: the tensor's mean sqrt(v), the scale the metric divided out)
+    groups = []
+    for j, x in enumerate(pre):
+        g2, tr = per_tensor[j][0] / args.pairs, per_tensor[j][1] / args.pairs
+        groups.append({"n": x.numel(), "s": float((1.0 / x).mean()), "g2": g2, "tr": tr})
     l0 = loss(model)
-    r = {"seed": seed, "checkpoint_samples": used, "checkpoint_loss": l0, "noise_scale": phi, "branches": {}}
+    r = {"seed": seed, "checkpoint_samples": used, "checkpoint_loss": l0, "noise_scale": phi, "tensors": groups,
+         "branches": {}}  # fmt: skip
     print(f"seed {seed} checkpoint {used} samples, perplexity {math.exp(l0):.3f}, noise scale {phi}", flush=True)
     for spec in args.branches.split(","):
         gb_text, _, mult_text = spec.partition("x")
@@ -189,14 +216,16 @@ def summarize(out: dict, n_levels: int) -> None:
             gb = int(k)
             meas = [samples_to(c, lv) / samples_to(br["64"], lv) for lv in levels]
             pred = {m: batch_efficiency(64, phi, 8, m) / batch_efficiency(gb, phi, 8, m) for m in ("tuned", "sqrt")}
+            pred["sqrt_tensor"] = tensor_progress(r["tensors"], 64) / tensor_progress(r["tensors"], gb)
             r["ratios"][k] = {"measured": meas, "predicted": pred}
         print(f"seed {r['seed']} ckpt {r['checkpoint_samples']} (ppl {math.exp(l0):.2f}, preconditioned phi "
               f"{phi:.0f}): samples vs gb64 at ppl " + ", ".join(f"{math.exp(x):.2f}" for x in levels))  # fmt: skip
         for k, q in r["ratios"].items():
             print(f"  gb{k}: measured " + ", ".join(f"{x:.2f}" for x in q["measured"])
-                  + f" | tuned {q['predicted']['tuned']:.2f}, sqrt {q['predicted']['sqrt']:.2f}")  # fmt: skip
+                  + f" | tuned {q['predicted']['tuned']:.2f}, sqrt {q['predicted']['sqrt']:.2f}"
+                  + f", sqrt per tensor {q['predicted']['sqrt_tensor']:.2f}")  # fmt: skip
     # log error of each model over every (run, batch, level)
-    err: dict[str, list[float]] = {"tuned": [], "sqrt": []}
+    err: dict[str, list[float]] = {"tuned": [], "sqrt": [], "sqrt_tensor": []}
     for r in out["runs"]:
         for k, q in r.get("ratios", {}).items():
             if k == "64":
