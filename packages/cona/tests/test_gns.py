@@ -118,8 +118,44 @@ def test_interval_over_a_window_follows_the_recent_noise_scale():
     for phi in [10.0] * 20 + [200.0] * 8:  # exact pairs: |G|^2 = 1, tr(Sigma) = phi
         gns.update(1.0 + phi / 4, 4, 1.0 + phi / 64, 64)
     assert gns.interval(window=8) == pytest.approx((200.0, 200.0))
-    lo, hi = gns.interval()
-    assert lo == pytest.approx((20 * 10 + 8 * 200) / 28) and hi == pytest.approx(lo)
+    lo, hi = gns.interval()  # |G|^2 exact, tr(Sigma) spread: the range is the mean of tr(Sigma) +- z se
+    ss = [10.0] * 20 + [200.0] * 8
+    mean = sum(ss) / 28
+    se = (sum((x - mean) ** 2 for x in ss) / 27 / 28) ** 0.5
+    assert (lo, hi) == pytest.approx((mean - 2 * se, mean + 2 * se))
+
+
+def test_interval_counts_the_error_of_both_estimates():
+    """Early on, with (32, 64) pairs (dp2 x 32 on 4 ranks) and a noise scale ~27, a range that takes only
+    |G|^2 as uncertain put its lower end above the truth in 15-21% of windows of 4-8 pairs (nominal 2.5%): the
+    spurious early switches. Fieller's set, over tr(Sigma), |G|^2 and their covariance, covers ~95%."""
+    from cona.gns import fieller_interval
+
+    rng = np.random.default_rng(0)
+    d = 50
+    G = rng.normal(size=d) * 0.3
+    sd = rng.uniform(0.5, 2.0, size=d)
+    phi = (sd**2).sum() / (G @ G)
+    pairs = []
+    for _ in range(2000):
+        x = G + rng.normal(size=(64, d)) * sd
+        a, b = x[:32].mean(0), x.mean(0)
+        pairs.append(unbiased_estimates(a @ a, 32, b @ b, 64))
+    windows = [pairs[i : i + 8] for i in range(0, 2000, 8)]
+    covered = above = above_old = 0
+    for w in windows:
+        lo, hi = fieller_interval(w, 2.365)  # Student-t, 7 degrees of freedom
+        covered += lo <= phi <= hi
+        above += lo > phi
+        g = sum(p[0] for p in w) / 8
+        s = sum(p[1] for p in w) / 8
+        se = (sum((p[0] - g) ** 2 for p in w) / 7 / 8) ** 0.5
+        above_old += s / (g + 2.365 * se) > phi  # the rule until 2026-12-01: only |G|^2 uncertain
+    assert covered / len(windows) > 0.9 and above / len(windows) < 0.05
+    assert above_old / len(windows) > 0.1
+    assert fieller_interval(pairs[:1]) == (0.0, math.inf)  # one pair bounds nothing
+    # |G|^2 not resolved above zero: the set is unbounded above
+    assert fieller_interval([(1.0, 50.0), (-1.0, 60.0), (0.5, 40.0)])[1] == math.inf
 
 
 def test_step0_range_uses_the_student_t_quantile_for_its_three_pairs():
