@@ -28,17 +28,19 @@ def _worker(rank, world):
     starts, ends, reads = [], [], []
     plain = tr.variant
 
-    def variant(run, s, state, chainer=None, gns=None, consumed=0):
+    def variant(run, s, state, chainer=None, gns=None, consumed=0, held_out=False):
         if run.name not in ("best_static", "surrogate_static", "cona"):  # an oracle branch
+            assert held_out  # its evaluations read the held-out windows too
             starts.append({"clock": run.clock, "strategy": s.name, "consumed": consumed, "state": _digest(state)})
-        return plain(run, s, state, chainer, gns, consumed)
+        return plain(run, s, state, chainer, gns, consumed, held_out)
 
     tr.variant = variant
     end_phase = T._Oracle._end_phase
 
     def end(self):
         ends.append([{"strategy": s.name, "consumed": v.consumed, "state": _digest(v.ex.full_state()),
-                      "trace": list(b.trace)} for s, b, v, _ in self.branches])  # fmt: skip
+                      "trace": list(b.trace), "held": list(b.held_out_trace)}
+                     for s, b, v, _ in self.branches])  # fmt: skip
         end_phase(self)
 
     T._Oracle._end_phase = end
@@ -71,6 +73,40 @@ def test_oracle_shortlist_is_every_distinct_global_batch_at_its_fastest_strategy
     for s in short:
         assert tput[s] == max(t for c, t in tput.items() if c.global_batch == s.global_batch)
     assert [s.global_batch for s in oracle_shortlist(cands, lambda s: (tput[s], "probe"), 4)] == [8, 32, 64, 256]
+
+
+def test_held_out_windows_lie_between_the_measuring_ones():
+    from cona.model import TextData, stdlib_tokens
+
+    data = TextData(stdlib_tokens(200_000), 32, 0)
+    val, held = data.validation(16).numpy(), data.validation_between(16).numpy()
+    assert held.shape == (15, 32)
+    rows = {tuple(r) for r in val}
+    assert not any(tuple(r) in rows for r in held)  # no window is shared
+    with pytest.raises(ValueError, match="no windows between"):
+        TextData(stdlib_tokens(200_000), 32, 0).validation_between(10_000)
+    with pytest.raises(ValueError, match="val_samples must be >= 2 x world"):
+        BenchConfig(world=4, val_samples=4, decision_val_samples=4)
+
+
+def test_pick_held_out_compares_at_the_first_hit_on_the_measuring_windows():
+    from cona.train import pick_held_out
+
+    target = 2.0
+    # measuring windows: b reaches the target first (at 2.0) by a lucky dip; c never does in the phase
+    a = [(1.0, 2.3), (2.0, 2.1), (3.0, 1.99)]
+    b = [(1.0, 2.3), (2.0, 1.98), (3.0, 2.05)]
+    c = [(1.0, 2.3), (2.0, 2.2), (3.0, 2.1)]
+    # held-out windows (lower level): at clock 2.0 a is furthest along, b behind; later evaluations do not count
+    ha = [(1.0, 2.2), (2.0, 1.90), (3.0, 1.5)]
+    hb = [(1.0, 2.2), (2.0, 1.95), (3.0, 1.4)]
+    hc = [(1.0, 2.2), (2.0, 1.93), (3.0, 1.3)]
+    assert pick_held_out([a, b, c], [ha, hb, hc], target) == (0, 2.0)
+    # with a window of 2 no measuring mean reaches the target (b's dip is averaged away): compared at the end
+    assert pick_held_out([a, b, c], [ha, hb, hc], target, window=2) == (2, math.inf)  # 1.7, 1.675, 1.615
+    # no hit in the phase: compared at the last evaluation, the lowest held-out mean wins
+    assert pick_held_out([c, c, c], [ha, hb, hc], target) == (2, math.inf)
+    assert pick_held_out([c, c], [ha, ha], target) == (0, math.inf)  # ties: the earlier branch
 
 
 def test_pick_branch_keeps_the_earliest_hit_else_the_lowest_loss():
@@ -126,6 +162,8 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
     assert len(phases) == len(out["ends"]) >= 2
     chain = out["res"]["runs"]["oracle"]["chain"]
     trace = [tuple(p) for p in out["res"]["runs"]["oracle"]["trace"]]
+    held = [tuple(p) for p in out["res"]["runs"]["oracle"]["held_out_trace"]]
+    assert [t for t, _ in held] == [t for t, _ in trace] and held != trace  # other windows, the same clocks
     assert all(a[0] < b[0] for a, b in zip(trace, trace[1:]))  # nothing appended twice
     w, kept_new = out["window"], []
     prev = None
@@ -135,15 +173,22 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
         if prev is not None:  # the phase starts from the kept branch's state and sample position
             assert branches[0]["state"] == pytest.approx(prev["state"], rel=0, abs=0)
             assert branches[0]["consumed"] == prev["consumed"]
-        # each branch starts with the kept trace's last w evaluations at the phase start, then only later ones
+        # each branch starts with the kept traces' last w evaluations at the phase start, then only later ones
         context = [p for p in trace if p[0] <= clock][-w:]
+        held_context = [p for p in held if p[0] <= clock][-w:]
         for b in ended:
             assert [(round(t, 4), round(v, 5)) for t, v in b["trace"][: len(context)]] == context
+            assert [(round(t, 4), round(v, 5)) for t, v in b["held"][: len(held_context)]] == held_context
             assert all(t > clock for t, _ in b["trace"][len(context) :])
-        # the target (perplexity 1.5) is out of reach: the kept branch has the lowest mean of its last losses
-        lowest = min(ended, key=lambda b: sum(v for _, v in b["trace"][-w:]))
+            assert [t for t, _ in b["held"]] == [t for t, _ in b["trace"]]  # both read at every evaluation
+        # the target (perplexity 1.5) is out of reach: compared at the phase end, the kept branch has the lowest
+        # mean of its last losses on the held-out windows; the pick on the measuring windows is only logged
+        assert link["compared_at"] is None
+        lowest = min(ended, key=lambda b: sum(v for _, v in b["held"][-w:]))
+        on_measured = min(ended, key=lambda b: sum(v for _, v in b["trace"][-w:]))
         kept_new += [(round(t, 4), round(v, 5)) for t, v in lowest["trace"][len(context) :]]
         assert link["strategy"] == lowest["strategy"] and link["clock"] == clock
+        assert link["pick_on_measuring_windows"] == on_measured["strategy"]
         assert [o["strategy"] for o in link["branches"]] == [b["strategy"] for b in ended]
         assert all(o["time_to_target_s"] is None for o in link["branches"])
         prev = lowest
@@ -176,7 +221,9 @@ def test_cona_reads_its_own_quarter_of_the_validation_windows():
         with pytest.raises(ValueError, match="decision_val_samples must be in 1..val_samples"):
             BenchConfig(world=2, decision_val_samples=bad)
     tr = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000))
-    val, sub = tr.val, tr.decision_val
+    val, held, sub = tr.val, tr.held_out, tr.decision_val
+    assert held.shape == (14, val.shape[1])  # the oracle's: 15 between, a multiple of 2
+    assert not any(bool((val[i] == r).all()) for r in held for i in range(len(val)))  # not a measuring window
     assert sub.shape == (4, val.shape[1])
     rows = [next(i for i in range(len(val)) if bool((val[i] == r).all())) for r in sub]
-    assert rows == [0, 5, 10, 15]  # evenly spaced over the same held-out windows, first and last included
+    assert rows == [0, 5, 10, 15]  # evenly spaced over the measuring windows, first and last included

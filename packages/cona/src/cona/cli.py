@@ -230,7 +230,11 @@ def _results(seeds: dict, budget_s: float) -> dict:
                     | {
                         "strategies": [c["strategy"] for c in s["runs"][k]["chain"]],
                         "chain": [
-                            {kk: c[kk] for kk in ("clock", "strategy", "branches") if kk in c}
+                            {
+                                kk: c[kk]
+                                for kk in ("clock", "strategy", "branches", "pick_on_measuring_windows", "compared_at")
+                                if kk in c
+                            }  # fmt: skip
                             for c in s["runs"][k]["chain"]
                         ],
                         "decisions": [_brief(d) for d in s["runs"][k]["decisions"][:40]],

@@ -12,8 +12,8 @@ validation. Variants:
 - ``cona``: the chainer re-ranks every ``decide_every_s`` and switches with hysteresis;
 - ``oracle``: quick oracle sequence: every phase, branch each shortlisted strategy (by default
   every distinct global batch of the candidates, each at the strategy that runs it fastest) from the
-  same checkpoint (written layout-independently), keep the branch that reached the target first, else
-  the lowest loss (both read from the mean of the last ``target_window`` evaluations).
+  same checkpoint (written layout-independently), keep the branch furthest along on held-out windows
+  (``pick_held_out``) when the first reaches the target on the measuring ones, else at the phase end.
 
 Validation evaluations every ``eval_every_s`` define time to target (the first evaluation at which the
 mean of the last ``target_window`` of them is at or below the target) and are excluded from every clock;
@@ -158,6 +158,9 @@ class BenchConfig:
         if not 1 <= self.decision_val_samples <= self.val_samples or self.decision_val_samples % self.world:
             raise ValueError(f"decision_val_samples must be in 1..val_samples ({self.val_samples}) and divisible by "
                              f"world ({self.world}), got {self.decision_val_samples}")  # fmt: skip
+        if self.val_samples < 2 * self.world:
+            raise ValueError(f"val_samples must be >= 2 x world ({2 * self.world}): the oracle picks on the windows "
+                             f"between them, as many as split over the ranks, got {self.val_samples}")  # fmt: skip
         if self.target_window < 1:
             raise ValueError(f"target_window must be >= 1 (evaluations averaged), got {self.target_window}")
         if self.oracle_branches is not None and self.oracle_branches < 1:
@@ -219,14 +222,16 @@ class Run:
     decision_eval_s: float = 0.0  # evaluations cona's decisions read, charged to its clock
     decision_trace: list[tuple[float, float]] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
+    held_out_trace: list[tuple[float, float]] = field(default_factory=list)  # the oracle's picks read these
 
 
 class _Variant:
     """One training run that can be advanced in slices (so variants interleave under the same load)."""
 
     def __init__(self, tr: _Trainer, run: Run, s: Strategy, state: FullState, chainer: Chainer | None,
-                 gns: GradientNoiseScale | None, consumed: int) -> None:  # fmt: skip
+                 gns: GradientNoiseScale | None, consumed: int, held_out: bool = False) -> None:  # fmt: skip
         self.tr, self.run, self.s, self.chainer, self.gns, self.consumed = tr, run, s, chainer, gns, consumed
+        self.held_out = held_out  # an oracle branch: each evaluation also reads the held-out windows (its pick's)
         cfg = tr.cfg
         self.ex = tr.executor(s, state)
         run.chain.append({"clock": run.clock, "strategy": s.name, "why": "start"})
@@ -291,6 +296,8 @@ class _Variant:
         t, te = run.clock, time.perf_counter()
         v = self.ex.evaluate(self.tr.val)
         run.trace.append((t, v))
+        if self.held_out:
+            run.held_out_trace.append((t, self.ex.evaluate(self.tr.held_out)))
         run.eval_s += time.perf_counter() - te
         if self.charge and readable and t >= self.next_charged:
             te = time.perf_counter()
@@ -346,9 +353,15 @@ class _Trainer:
         self.model_cfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
         self.dims = ModelDims.from_config(self.model_cfg, cfg.seq_len)
         self.data = TextData(stdlib_tokens(cfg.corpus_bytes), cfg.seq_len, self.seed)
-        self.val = self.data.validation(cfg.val_samples)
+        self.val = self.data.validation(cfg.val_samples)  # the windows time to target is measured on
+        # The oracle picks its branches on other windows: halfway between those (disjoint), as many as split
+        # over every dp degree, so that it does not select on the noise of the windows that measure the result
+        between = self.data.validation_between(cfg.val_samples)
+        self.held_out = between[: len(between) // cfg.world * cfg.world]
+        # cona's own evaluations: evenly spaced measuring windows. Its time-left trend compares their level with
+        # the target, and the held-out windows' loss runs 0.04-0.09 nats lower (other text); it selects nothing
         pick = torch.linspace(0, cfg.val_samples - 1, cfg.decision_val_samples).round().long()
-        self.decision_val = self.val[pick]  # cona's own evaluations: evenly spaced windows of the same set
+        self.decision_val = self.val[pick]
         self.state0 = initial_state(self.model_cfg, self.seed)
         self.candidates = enumerate_strategies(
             self.dims, cfg.world, list(cfg.global_batches), list(cfg.micro_batches),
@@ -491,8 +504,8 @@ class _Trainer:
 
     # --- one variant ---------------------------------------------------------------------------------
     def variant(self, run: Run, s: Strategy, state: FullState, chainer: Chainer | None = None,
-                gns: GradientNoiseScale | None = None, consumed: int = 0) -> _Variant:  # fmt: skip
-        return _Variant(self, run, s, state, chainer, gns, consumed)
+                gns: GradientNoiseScale | None = None, consumed: int = 0, held_out: bool = False) -> _Variant:  # fmt: skip
+        return _Variant(self, run, s, state, chainer, gns, consumed, held_out)
 
     def oracle(self, shortlist: list[Strategy], ckpt_dir: str) -> _Oracle:
         """Greedy per-phase oracle: branch every shortlisted strategy from one checkpoint, keep the best
@@ -502,18 +515,23 @@ class _Trainer:
 
 class _Oracle:
     """The quick oracle sequence as a sliced variant. Every phase, each shortlisted strategy is branched
-    from the same layout-independent checkpoint and trained ``oracle_phase_s`` of clock; the branch that
-    reached the target first (else the lowest mean of its last ``target_window`` evaluations) is kept and
-    the next phase starts from its state. Each branch's trace starts with the kept trace's last
-    ``target_window`` evaluations (the window's context), and only evaluations after the phase start count.
-    ``advance`` moves every branch of the current phase to the same clock, so the branches interleave with
-    the other variants' slices instead of running after them under other load."""
+    from the same layout-independent checkpoint and trained ``oracle_phase_s`` of clock; the branch with the
+    lowest held-out loss when the first branch reaches the target (else at the phase end) is kept
+    (``pick_held_out``) and the next phase starts from its state. The held-out windows lie between those that
+    measure time to target: picking on the measuring windows themselves selects, among branches that are
+    close, the one whose measurement happened to be lucky, and reports that luck as the oracle's time.
+    Each branch's traces start with the kept traces' last ``target_window`` evaluations (the window's
+    context), and only evaluations after the phase start count. ``advance`` moves every branch of the
+    current phase to the same clock, so the branches interleave with the other variants' slices instead of
+    running after them under other load."""
 
     def __init__(self, tr: _Trainer, shortlist: list[Strategy], ckpt_dir: str) -> None:
         self.tr, self.shortlist = tr, shortlist
         self.run = Run("oracle")
         self.state, self.consumed, self.prev = tr.state0, 0, None
-        self.run.trace.append((0.0, tr.executor(shortlist[0], self.state).evaluate(tr.val)))
+        ex = tr.executor(shortlist[0], self.state)
+        self.run.trace.append((0.0, ex.evaluate(tr.val)))
+        self.run.held_out_trace.append((0.0, ex.evaluate(tr.held_out)))
         self.path = os.path.join(ckpt_dir, "phase.safetensors")
         self.branches: list[tuple[Strategy, Run, _Variant, float]] = []
         self.phase_start = self.phase_end = 0.0
@@ -528,10 +546,12 @@ class _Oracle:
         self.phase_start, self.phase_end = run.clock, run.clock + tr.cfg.oracle_phase_s
         self.ctx = len(run.trace[-tr.cfg.target_window :])
         self.branches = []
-        for s in self.shortlist:
-            branch = Run(s.name, clock=run.clock, trace=run.trace[-self.ctx :])  # the window's context
+        for s in self.shortlist:  # each with the window's context
+            branch = Run(s.name, clock=run.clock, trace=run.trace[-self.ctx :],
+                         held_out_trace=run.held_out_trace[-self.ctx :])  # fmt: skip
             t0 = time.perf_counter()
-            v = tr.variant(branch, s, load_state(self.path), consumed=self.consumed)  # checkpoint read + executor
+            v = tr.variant(branch, s, load_state(self.path), consumed=self.consumed,
+                           held_out=True)  # checkpoint read + executor  # fmt: skip
             build_s = _bcast(time.perf_counter() - t0) if self.prev is not None and s != self.prev else 0.0
             branch.clock += build_s
             v.next_eval += build_s
@@ -541,21 +561,30 @@ class _Oracle:
         cfg, run = self.tr.cfg, self.run
         start, ctx = self.phase_start, self.ctx
         traces = [b.trace for _, b, _, _ in self.branches]
-        i = pick_branch(traces, cfg.target_loss, cfg.target_window, after=start)
+        held = [b.held_out_trace for _, b, _, _ in self.branches]
+        i, compared_at = pick_held_out(traces, held, cfg.target_loss, cfg.target_window, after=start)
         s, branch, v, build_s = self.branches[i]
         run.eval_s += sum(b.eval_s for _, b, _, _ in self.branches)  # every branch's evaluations, all excluded
         self.state, self.consumed = v.ex.full_state(), v.consumed
         run.trace += branch.trace[ctx:]
+        run.held_out_trace += branch.held_out_trace[ctx:]
         run.clock = branch.clock
         run.steps += branch.steps
         run.samples += branch.samples
         run.switch_s += build_s
-        outcomes = [dict(zip(("strategy", "time_to_target_s", "last_mean_val_loss"),
-                             (b.name, *branch_outcome(t, cfg.target_loss, cfg.target_window, start))))
-                    for (_, b, _, _), t in zip(self.branches, traces)]  # fmt: skip
+        keys = ("time_to_target_s", "last_mean_val_loss")
+        outcomes = [{"strategy": b.name}
+                    | dict(zip(keys, branch_outcome(t, cfg.target_loss, cfg.target_window, start)))
+                    | {"held_out_mean_at_compare": _mean_at(h, compared_at, cfg.target_window)}
+                    for (_, b, _, _), t, h in zip(self.branches, traces, held)]  # fmt: skip
+        # for reference: the branch a pick on the measuring windows would have kept
+        on_measured = self.branches[pick_branch(traces, cfg.target_loss, cfg.target_window, after=start)][0]
         run.chain.append({"clock": start, "strategy": s.name, "branches": outcomes,
-                          "why": f"first to the target, else lowest validation loss (mean of the last "
-                                 f"{cfg.target_window} evaluations), of {len(self.shortlist)} branches"})  # fmt: skip
+                          "pick_on_measuring_windows": on_measured.name,
+                          "compared_at": compared_at if math.isfinite(compared_at) else None,
+                          "why": f"lowest held-out validation loss (mean of the last {cfg.target_window} "
+                                 f"evaluations) when the first branch reached the target, else at the phase "
+                                 f"end, of {len(self.shortlist)} branches"})  # fmt: skip
         self.prev = s
         self.branches = []
         if outcomes[i]["time_to_target_s"] is not None or run.clock >= cfg.budget_s:
@@ -584,14 +613,41 @@ def branch_outcome(trace: list[tuple[float, float]], target_loss: float, window:
 
 def pick_branch(traces: list[list[tuple[float, float]]], target_loss: float, window: int = 1,
                 after: float = -math.inf) -> int:  # fmt: skip
-    """Index of the oracle branch to keep: the one that reached the target first, else the lowest mean of
-    its last ``window`` validation losses (``branch_outcome``; ties: the earlier branch)."""
+    """Index of the branch that reached the target first, else the lowest mean of its last ``window``
+    validation losses (``branch_outcome``; ties: the earlier branch). The oracle's pick until 2026-12-01 07:20
+    UTC; it now only logs what this rule would keep on the measuring windows (``pick_held_out`` keeps)."""
 
     def key(i: int) -> tuple[float, float, int]:
         hit, last = branch_outcome(traces[i], target_loss, window, after)
         return (hit if hit is not None else math.inf, last, i)
 
     return min(range(len(traces)), key=key)
+
+
+def _mean_at(trace: list[tuple[float, float]], at: float, window: int) -> float | None:
+    """Mean of the last ``window`` losses of ``trace`` at or before clock ``at`` (None without any)."""
+    seen = [p for p in trace if p[0] <= at]
+    return smoothed(seen, min(window, len(seen)))[-1][1] if seen else None
+
+
+def pick_held_out(traces: list[list[tuple[float, float]]], held: list[list[tuple[float, float]]], target_loss: float,
+                  window: int = 1, after: float = -math.inf) -> tuple[int, float]:  # fmt: skip
+    """(index of the oracle branch to keep, the clock it was compared at): the branch whose mean of its last
+    ``window`` held-out losses is lowest at the clock the first branch reached the target on the measuring
+    windows (``traces``), or at its last evaluation when none did (ties: the earlier branch).
+
+    The measuring windows only say *when* to compare, never *which* branch wins: on them the oracle kept the
+    branch whose measurement happened to be lucky among close ones, and reported that luck as its time. The
+    held-out windows are other text with a lower loss level, so they are compared with each other at one clock,
+    never against the target."""
+    hits = [branch_outcome(t, target_loss, window, after)[0] for t in traces]
+    at = min((h for h in hits if h is not None), default=math.inf)
+
+    def key(i: int) -> tuple[float, int]:
+        m = _mean_at(held[i], at, window)
+        return (m if m is not None else math.inf, i)
+
+    return min(range(len(held)), key=key), at
 
 
 def oracle_shortlist(candidates: list[Strategy], throughput, branches: int | None = None) -> list[Strategy]:
@@ -627,6 +683,7 @@ def _summary(run: Run, target_loss: float, window: int) -> dict:
         "decision_trace": [[round(t, 4), round(v, 5)] for t, v in run.decision_trace],
         "chain": run.chain,
         "trace": [[round(t, 4), round(v, 5)] for t, v in run.trace],
+        "held_out_trace": [[round(t, 4), round(v, 5)] for t, v in run.held_out_trace],  # the oracle's picks read it
         "decisions": run.decisions,
     }
 
