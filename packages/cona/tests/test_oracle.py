@@ -107,6 +107,13 @@ def test_pick_held_out_compares_at_the_first_hit_on_the_measuring_windows():
     # no hit in the phase: compared at the last evaluation, the lowest held-out mean wins
     assert pick_held_out([c, c, c], [ha, hb, hc], target) == (2, math.inf)
     assert pick_held_out([c, c], [ha, ha], target) == (0, math.inf)  # ties: the earlier branch
+    # the shared context (the kept traces' last evaluations, at or before the phase start 1.0) never counts: a
+    # branch that has not evaluated yet when the first hits is compared at its own first evaluation
+    ctx = [(0.5, 1.9), (1.0, 1.9)]
+    first = ctx + [(1.1, 1.98)]  # hits the target at 1.1 and stops
+    late = ctx + [(1.15, 2.1), (1.25, 2.05)]
+    h_first, h_late = ctx + [(1.1, 1.85)], ctx + [(1.15, 1.80), (1.25, 1.7)]
+    assert pick_held_out([first, late], [h_first, h_late], target, window=2, after=1.0) == (1, 1.15)
 
 
 def test_pick_branch_keeps_the_earliest_hit_else_the_lowest_loss():

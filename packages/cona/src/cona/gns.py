@@ -211,7 +211,7 @@ class GradientNoiseScale:
         Until 2026-12-01 only |G|^2 was taken as uncertain (mean tr(Sigma) / (mean |G|^2 +- z se)). With
         |G|^2 unresolved and tr(Sigma) noisy that put the lower end far above the truth: on 4 ranks at 1.2 s,
         four pairs gave [101, inf] where the noise scale read 15-40 in the other seeds, and cona left gb64
-        for gb128 there, 1.8 s behind the oracle at the target."""
+        for gb128 there, 1.9 s behind the oracle at the target."""
         pairs = self.raw if window is None else self.raw[-window:]
         return fieller_interval(pairs, z)
 

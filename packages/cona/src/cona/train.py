@@ -356,10 +356,12 @@ class _Trainer:
         self.val = self.data.validation(cfg.val_samples)  # the windows time to target is measured on
         # The oracle picks its branches on other windows: halfway between those (disjoint), as many as split
         # over every dp degree, so that it does not select on the noise of the windows that measure the result
-        between = self.data.validation_between(cfg.val_samples)
-        self.held_out = between[: len(between) // cfg.world * cfg.world]
+        self.held_out = None
+        if cfg.oracle:
+            between = self.data.validation_between(cfg.val_samples)
+            self.held_out = between[: len(between) // cfg.world * cfg.world]
         # cona's own evaluations: evenly spaced measuring windows. Its time-left trend compares their level with
-        # the target, and the held-out windows' loss runs 0.04-0.09 nats lower (other text); it selects nothing
+        # the target, and the held-out windows' loss runs 0.05-0.09 nats lower (other text); it selects nothing
         pick = torch.linspace(0, cfg.val_samples - 1, cfg.decision_val_samples).round().long()
         self.decision_val = self.val[pick]
         self.state0 = initial_state(self.model_cfg, self.seed)
@@ -575,7 +577,7 @@ class _Oracle:
         keys = ("time_to_target_s", "last_mean_val_loss")
         outcomes = [{"strategy": b.name}
                     | dict(zip(keys, branch_outcome(t, cfg.target_loss, cfg.target_window, start)))
-                    | {"held_out_mean_at_compare": _mean_at(h, compared_at, cfg.target_window)}
+                    | {"held_out_mean_at_compare": _mean_at(h, compared_at, cfg.target_window, start)}
                     for (_, b, _, _), t, h in zip(self.branches, traces, held)]  # fmt: skip
         # for reference: the branch a pick on the measuring windows would have kept
         on_measured = self.branches[pick_branch(traces, cfg.target_loss, cfg.target_window, after=start)][0]
@@ -624,17 +626,20 @@ def pick_branch(traces: list[list[tuple[float, float]]], target_loss: float, win
     return min(range(len(traces)), key=key)
 
 
-def _mean_at(trace: list[tuple[float, float]], at: float, window: int) -> float | None:
-    """Mean of the last ``window`` losses of ``trace`` at or before clock ``at`` (None without any)."""
-    seen = [p for p in trace if p[0] <= at]
+def _mean_at(trace: list[tuple[float, float]], at: float, window: int, after: float = -math.inf) -> float | None:
+    """Mean of the last ``window`` losses of ``trace`` after clock ``after`` and at or before ``at`` (None
+    without any)."""
+    seen = [p for p in trace if after < p[0] <= at]
     return smoothed(seen, min(window, len(seen)))[-1][1] if seen else None
 
 
 def pick_held_out(traces: list[list[tuple[float, float]]], held: list[list[tuple[float, float]]], target_loss: float,
                   window: int = 1, after: float = -math.inf) -> tuple[int, float]:  # fmt: skip
     """(index of the oracle branch to keep, the clock it was compared at): the branch whose mean of its last
-    ``window`` held-out losses is lowest at the clock the first branch reached the target on the measuring
-    windows (``traces``), or at its last evaluation when none did (ties: the earlier branch).
+    ``window`` held-out losses after ``after`` (the phase start: never the shared context) is lowest at the
+    clock the first branch reached the target on the measuring windows (``traces``), moved on to the first
+    held-out evaluation of the slowest-evaluating branch so that every branch has one of its own, or at its
+    last evaluation when none reached it (ties: the earlier branch).
 
     The measuring windows only say *when* to compare, never *which* branch wins: on them the oracle kept the
     branch whose measurement happened to be lucky among close ones, and reported that luck as its time. The
@@ -642,9 +647,12 @@ def pick_held_out(traces: list[list[tuple[float, float]]], held: list[list[tuple
     never against the target."""
     hits = [branch_outcome(t, target_loss, window, after)[0] for t in traces]
     at = min((h for h in hits if h is not None), default=math.inf)
+    if math.isfinite(at):
+        firsts = [next((p[0] for p in h if p[0] > after), None) for h in held]
+        at = max([at] + [f for f in firsts if f is not None])
 
     def key(i: int) -> tuple[float, int]:
-        m = _mean_at(held[i], at, window)
+        m = _mean_at(held[i], at, window, after)
         return (m if m is not None else math.inf, i)
 
     return min(range(len(held)), key=key), at
