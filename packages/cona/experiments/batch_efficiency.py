@@ -163,19 +163,22 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
     pre = [1.0 / (x.clamp(min=0.01 * float(x.mean())).sqrt() + 1e-8) for x in v]
     est: dict[str, list[tuple[float, float]]] = {"plain": [], "preconditioned": []}
 
-    def sq(grads, w) -> float:
-        return sum(float((g * x).double().pow(2).sum()) for g, x in zip(grads, w))
+    def sq_each(grads, w) -> list[float]:
+        """Squared norm of each tensor's gradient in the metric ``w``."""
+        return [float((g * x).double().pow(2).sum()) for g, x in zip(grads, w)]
 
     per_tensor = [[0.0, 0.0] for _ in ps]  # per tensor, summed over pairs: preconditioned (|G|^2, tr Sigma)
     for k in range(args.pairs):
         gs, big = grad_pair(model, data, k)
         for kind, w in (("plain", [1.0] * len(ps)), ("preconditioned", pre)):
-            est[kind].append(unbiased_estimates(sum(sq(g, w) for g in gs) / len(gs), 16, sq(big, w), 256))
-        for j, x in enumerate(pre):
-            small = sum(float((g[j] * x).double().pow(2).sum()) for g in gs) / len(gs)
-            gj, sj = unbiased_estimates(small, 16, float((big[j] * x).double().pow(2).sum()), 256)
-            per_tensor[j][0] += gj
-            per_tensor[j][1] += sj
+            small = [sum(col) / len(gs) for col in zip(*(sq_each(g, w) for g in gs))]
+            large = sq_each(big, w)
+            est[kind].append(unbiased_estimates(sum(small), 16, sum(large), 256))
+            if kind == "preconditioned":  # the estimates are linear: the tensors' add up to the whole's
+                for j, (a, b) in enumerate(zip(small, large)):
+                    gj, sj = unbiased_estimates(a, 16, b, 256)
+                    per_tensor[j][0] += gj
+                    per_tensor[j][1] += sj
     for p in ps:
         p.grad = None
     phi = {k: sum(s for _, s in e) / sum(g for g, _ in e) for k, e in est.items()}

@@ -609,8 +609,8 @@ def branch_outcome(trace: list[tuple[float, float]], target_loss: float, window:
                    after: float = -math.inf) -> tuple[float | None, float]:  # fmt: skip
     """(time to target by ``time_to_target`` with ``window`` and ``after``, mean of the last ``window`` losses)
     of one oracle branch's trace."""
-    last = smoothed(trace, min(window, len(trace)))[-1][1] if trace else math.inf
-    return time_to_target(trace, target_loss, window, after), last
+    last = _mean_at(trace, math.inf, window)
+    return time_to_target(trace, target_loss, window, after), math.inf if last is None else last
 
 
 def pick_branch(traces: list[list[tuple[float, float]]], target_loss: float, window: int = 1,
