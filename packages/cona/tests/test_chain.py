@@ -229,3 +229,28 @@ def test_noise_range_uses_the_t_quantile_for_few_pairs():
 
     cfg = BenchConfig()
     assert cfg.range_z is None and cfg.remaining_margin > 0 and cfg.hysteresis == "remaining"
+
+
+def test_a_realised_throughput_replaces_the_probe_in_the_ranking():
+    """The probe puts gb128 far enough ahead of gb64 to switch at a noise scale of 230. Training realises gb64 at
+    1.15x its probe: alone, that says the run is fast, not that gb64 is (the table scales with it, the decision
+    stands); once gb128 has run too, at its probe's rate, the realised ratio is what counts and the same decision
+    stays on gb64. The ranking says where each figure came from; a rate that is not a positive number is refused."""
+
+    def decide(observed: dict):
+        ch = _late_chainer(230.0, margin=0.0)
+        for s, t in observed.items():
+            ch.observe_throughput(s, t)
+        return ch, ch.decide(GB64, step=1, noise_range=(200.0, 300.0), remaining_s=5.0)
+
+    assert decide({})[1].switched
+    ch, d = decide({GB64: LATE[GB64] * 1.15})
+    assert d.switched and d.chosen == GB128 and ch.calibration() == pytest.approx(1.15)
+    tput = {e.strategy: (e.throughput, e.source) for e in d.ranking}
+    assert tput[GB64] == (pytest.approx(LATE[GB64] * 1.15), "online")
+    assert tput[GB128] == (pytest.approx(LATE[GB128] * 1.15), "probe x 1.150")
+    ch, d = decide({GB64: LATE[GB64] * 1.15, GB128: LATE[GB128]})
+    assert not d.switched and d.chosen == GB64
+    assert {e.strategy: e.source for e in d.ranking}[GB128] == "online"
+    with pytest.raises(ValueError, match="samples_per_s"):
+        ch.observe_throughput(GB64, float("nan"))

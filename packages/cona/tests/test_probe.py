@@ -7,6 +7,7 @@ import pytest
 from cona.dist import launch
 from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest
 from cona.space import Strategy
+from cona.train import middle_spread
 
 
 def test_probe_cache_round_trip_and_old_format(tmp_path):
@@ -65,14 +66,18 @@ def _probe_twice(rank, world, cfg_dict):
 @pytest.mark.slow
 def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # spawned ranks inherit it
-    cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "probe_rounds": 2, "seeds": 1}
+    # 2 rounds, then a third for every strategy whose two disagree at all (spread limit 0)
+    cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "probe_rounds": 2,
+           "probe_max_rounds": 3, "probe_spread_max": 0.0, "seeds": 1}  # fmt: skip
     first, second, table = launch(_probe_twice, 2, cfg, timeout_s=300)[0]
     assert first["measured_now"] and not first["from_cache"]
     assert first["probe_rounds"] == 2 and isinstance(first["round_spread_median"], float)
     entries = json.loads((tmp_path / "mlsyskit" / "cona" / "probes.json").read_text())
     (entries,) = entries.values()
-    for e in entries.values():  # every probe timed in both rounds; the lower middle round is the one used
-        assert len(e["rounds"]) == 2 and e["step_s"] == min(e["rounds"])
+    for e in entries.values():  # the lower middle round is the one used
+        r = e["rounds"]
+        assert len(r) == (3 if middle_spread(r[:2]) > 0 else 2), r
+        assert e["step_s"] == sorted(r)[(len(r) - 1) // 2]
     assert second["measured_now"] == [] and sorted(second["from_cache"]) == sorted(first["measured_now"])
     assert second["probe_measure_s"] == 0.0
     assert second["cached_probe_cost_s"] == pytest.approx(first["probe_measure_s"])
@@ -84,3 +89,17 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
         fastest = max((n for n in table if n.endswith(f"-gb{gb}")), key=lambda n: table[n][0])
         assert table[fastest][1] == "probe", fastest
     assert {src for _, src in table.values()} == {"probe", "model"}  # some strategies are still modelled
+
+
+def test_middle_spread_reads_the_rounds_next_to_the_median():
+    assert middle_spread([0.02]) == 0.0
+    assert middle_spread([0.03, 0.02, 0.025]) == pytest.approx(0.01 / 0.025)  # 3 rounds: the whole range
+    # 5 rounds: one wild round each way does not count
+    assert middle_spread([0.09, 0.02, 0.021, 0.022, 0.001]) == pytest.approx(0.002 / 0.021)
+
+
+def test_more_probe_rounds_than_the_maximum_are_refused():
+    from cona.train import BenchConfig
+
+    with pytest.raises(ValueError, match="probe_max_rounds must be >= probe_rounds"):
+        BenchConfig(probe_rounds=4, probe_max_rounds=3)

@@ -101,17 +101,24 @@ def noise_grid(lo: float, hi: float, points: int = 25) -> list[float]:
 
 
 def switch_gain(new_tput: float, new_batch: int, cur_tput: float, cur_batch: int, noise_scales: Sequence[float],
-                horizon_s: float, switch_cost_s: float, reference_batch: int, lr_scaling: str = "sqrt") -> float:  # fmt: skip
+                horizon_s: float, switch_cost_s: float, reference_batch: int, lr_scaling: str = "sqrt",
+                efficiency: Callable[[float, float], float] | None = None) -> float:  # fmt: skip
     """Worst case over ``noise_scales`` of the progress a switch makes over ``horizon_s`` (paying
     ``switch_cost_s`` first) relative to staying, minus 1: > 0 means switching wins wherever the noise scale
-    lies in the range; -1 when the switch cost eats the whole horizon."""
+    lies in the range; -1 when the switch cost eats the whole horizon. ``efficiency(batch, noise_scale)``, if
+    given, replaces the ``lr_scaling`` model (the estimator's own, e.g. per tensor)."""
     keep = horizon_s - switch_cost_s
     if keep <= 0:  # the switch would not finish paying for itself before the target
         return -1.0
+    if efficiency is None:
+
+        def efficiency(batch: float, phi: float) -> float:
+            return batch_efficiency(batch, phi, reference_batch, lr_scaling)
+
     worst = math.inf
     for phi in noise_scales:
-        new = goodput(new_tput, new_batch, phi, reference_batch, lr_scaling) * keep
-        cur = goodput(cur_tput, cur_batch, phi, reference_batch, lr_scaling) * horizon_s
+        new = new_tput * efficiency(new_batch, phi) * keep
+        cur = cur_tput * efficiency(cur_batch, phi) * horizon_s
         worst = min(worst, new / cur if cur > 0 else math.inf)
     return worst - 1.0
 
@@ -195,6 +202,7 @@ class Chainer:
     initial_models: tuple[str, ...] | None = None
     decisions: list[Decision] = field(default_factory=list)
     _switch_costs: list[float] = field(default_factory=list)
+    observed: dict[Strategy, float] = field(default_factory=dict)  # samples/s measured in this run's training
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -206,10 +214,43 @@ class Chainer:
         if self.initial_models is not None:
             self.initial_models = efficiency_models(self.initial_models, "initial_models")
 
-    def _throughput(self, s: Strategy) -> tuple[float, str]:
+    def _table(self, s: Strategy) -> tuple[float, str]:
         if isinstance(self.throughput, Mapping):
             return float(self.throughput[s]), "probe"
         return self.throughput(s)
+
+    def calibration(self) -> float:
+        """How fast training runs against the table: the geometric mean over the strategies observed so far of
+        realised / table samples/s (1.0 before any)."""
+        if not self.observed:
+            return 1.0
+        logs = [math.log(t / self._table(s)[0]) for s, t in self.observed.items()]
+        return math.exp(sum(logs) / len(logs))
+
+    def _throughput(self, s: Strategy) -> tuple[float, str]:
+        """A strategy's samples/s: measured in this run's own training where it has run (``observe_throughput``),
+        else its table figure (probe or cost model) scaled by ``calibration``, so that a rival's figure and the
+        current strategy's realised one are on the same footing: a speed the run's conditions give every
+        strategy alike (load, a warm process) moves no ranking, and only what training measured between
+        strategies it has run does."""
+        if s in self.observed:
+            return self.observed[s], "online"
+        t, src = self._table(s)
+        c = self.calibration()
+        return (t * c, f"{src} x {c:.3f}") if self.observed else (t, src)
+
+    def observe_throughput(self, s: Strategy, samples_per_s: float) -> None:
+        """Record ``s``'s throughput as training realises it; it replaces the probe in every later ranking.
+
+        A short probe of a fresh executor is a noisy stand-in: on 4 ranks (2026-12-01) the probed table put
+        dp2-pp2-gb128 at 1.27x dp2-pp2-gb64's samples/s where the same strategies realised 1.10-1.18x in the
+        bench's training (gb64 ran 11% above its probe, gb128 at it), and at that ratio gb128 wins from a
+        noise scale of ~46 where at the realised one it needs ~150. Once both have run, cona compares two
+        figures measured the same way, under the run's own conditions; until then the ratio is the table's
+        (``calibration``)."""
+        if not (samples_per_s > 0 and math.isfinite(samples_per_s)):
+            raise ValueError(f"samples_per_s must be a positive number, got {samples_per_s}")
+        self.observed[s] = float(samples_per_s)
 
     def expected_switch_cost_s(self) -> float:
         """Mean of measured switch costs so far, else the prior."""
@@ -287,7 +328,7 @@ class Chainer:
                     )
                 d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
         initial = current is None and noise_range is not None
-        models = (self.initial_models or (self.gns.lr_scaling,)) if initial else (self.gns.lr_scaling,)
+        models = (self.initial_models or (self.gns.lr_scaling,)) if initial else (self.gns.model,)
         d = replace(d, efficiency_model="+".join(models))  # the model(s) this decision's choice holds under
         self.decisions.append(d)
         log.info("step %d: %s", step, d.reason)
@@ -303,7 +344,8 @@ class Chainer:
         h = max(remaining_s, 0.0)
         gains = sorted(
             ((switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid, h, cost,
-                          self.gns.reference_batch, self.gns.lr_scaling), e) for e in ranking if e.strategy != current),
+                          self.gns.reference_batch, self.gns.lr_scaling, self.gns.efficiency), e)
+             for e in ranking if e.strategy != current),
             key=lambda ge: (-ge[0], -ge[1].goodput, ge[1].strategy.name),
         )  # fmt: skip
         where = (f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {h:.2f}s to target "

@@ -40,10 +40,13 @@ import torch.distributed as dist
 from . import dist as cdist
 from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
-from .gns import LR_SCALINGS, GradientNoiseScale, efficiency_models
+from .gns import EFFICIENCY_MODELS, GradientNoiseScale, efficiency_models
 from .model import TextData, stdlib_tokens, tiny_llama_config
 from .probe import CostModel, ProbeCache, code_digest, probe_key, probe_plan, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
+
+# the bench's progress lines (rank 0 only; ``bench_worker(progress=True)`` sends them to stderr)
+progress = logging.getLogger("cona.progress")
 
 __all__ = [
     "BenchConfig",
@@ -54,6 +57,7 @@ __all__ = [
     "oracle_shortlist",
     "pick_branch",
     "step0_range",
+    "middle_spread",
 ]
 
 log = logging.getLogger(__name__)
@@ -120,6 +124,13 @@ class BenchConfig:
     remaining_margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
     # (the throughput table's own spread, now kept as each probe's rounds, is not used by the rule yet: the
     # range covers noise-scale uncertainty only)
+    online_throughput: bool = False  # True: cona ranks a strategy it has trained on by its realised samples/s
+    # (the median of its last 15 plain steps) and the rest by the table scaled to the run's speed
+    # (Chainer.observe_throughput). Off by default here: on this VM the realised rate of one strategy swung by
+    # +-25% from one second to the next (2 ranks, 11:14-11:25 UTC 2026-12-01), so figures taken seconds apart
+    # compared the machine's moments, not the strategies (docs/measurements.md); the interleaved probe rounds
+    # compare them at the same moments
+    online_min_steps: int = 5  # plain steps of the current strategy before its realised rate is used
     gns_every: int = 8  # a statistics step every 8 (was 4): ~6 pairs per 1 s decision at gb64, half the overhead
     seed: int = 0
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
@@ -129,6 +140,10 @@ class BenchConfig:
     probe_rounds: int = 3  # interleaved rounds per probed strategy, median kept: (history, when a probe timed 5
     # steps) one probe per strategy on 4 ranks over 2 cores read gb128/gb64 1.15 at 01:53 UTC 2026-12-01 where
     # training in the same run realised ~1.23
+    probe_max_rounds: int = 6  # more rounds, past probe_rounds, for a strategy whose middle rounds spread by more
+    probe_spread_max: float = 0.10  # than this (middle_spread): on this VM one 2-rank probe at 11:08 UTC
+    # 2026-12-01 read gb256's rounds 0.093, 0.063, 0.087 s and put gb128 ahead of it, where every other probe
+    # and the bench's training put gb256 ahead by 5-30%
     probe_verify_top: int = 3  # the fastest strategies by the fitted model are probed too (measured, not modelled),
     # as is the fastest of every global batch
     probe_cache: bool = True  # reuse step times measured by an earlier run with the same key (ProbeCache)
@@ -150,8 +165,9 @@ class BenchConfig:
             raise ValueError(f"world must be >= 1, got {self.world}")
         if self.hysteresis not in ("remaining", "fixed"):
             raise ValueError(f"hysteresis must be one of remaining, fixed, got {self.hysteresis!r}")
-        if self.efficiency_model not in LR_SCALINGS:
-            raise ValueError(f"efficiency_model must be one of {', '.join(LR_SCALINGS)}, got {self.efficiency_model!r}")
+        if self.efficiency_model not in EFFICIENCY_MODELS:
+            raise ValueError(f"efficiency_model must be one of {', '.join(EFFICIENCY_MODELS)}, got "
+                             f"{self.efficiency_model!r}")  # fmt: skip
         self.initial_models = efficiency_models(self.initial_models, "initial_models")
         if self.decision_val_samples is None:
             self.decision_val_samples = max(self.world, self.val_samples // 4 // self.world * self.world)
@@ -168,6 +184,9 @@ class BenchConfig:
         for name in ("probe_rounds", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.probe_max_rounds < self.probe_rounds:
+            raise ValueError(f"probe_max_rounds must be >= probe_rounds ({self.probe_rounds}), got "
+                             f"{self.probe_max_rounds}")  # fmt: skip
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -181,9 +200,25 @@ class BenchConfig:
     def target_loss(self) -> float:
         return math.log(self.target_ppl)
 
+    def noise_scale_estimator(self) -> GradientNoiseScale:
+        """A fresh estimator for this run's efficiency model ("sqrt-tensor": the sqrt rule per tensor)."""
+        per_tensor = self.efficiency_model == "sqrt-tensor"
+        return GradientNoiseScale(self.reference_batch, decay=self.gns_decay, per_tensor=per_tensor,
+                                  lr_scaling="sqrt" if per_tensor else self.efficiency_model)  # fmt: skip
+
     def lr_for(self, global_batch: int) -> float:
         """Square-root learning-rate scaling from the reference batch (the same rule for every variant)."""
         return self.lr * math.sqrt(global_batch / self.reference_batch)
+
+
+def middle_spread(rounds: list[float]) -> float:
+    """How far the rounds next to the (low) median lie apart, relative to it: the whole range for 3 rounds,
+    the second-lowest to the second-highest for 5 (0 for fewer than 2 rounds)."""
+    t = sorted(rounds)
+    if len(t) < 2:
+        return 0.0
+    m = (len(t) - 1) // 2
+    return (t[min(m + 1, len(t) - 1)] - t[max(m - 1, 0)]) / t[m]
 
 
 def smoothed(trace: list[tuple[float, float]], window: int = 1) -> list[tuple[float, float]]:
@@ -276,7 +311,7 @@ class _Variant:
             run.steps += 1
             run.samples += s.global_batch
             if want_gns:
-                gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps)
+                gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps, tensors=r.tensors)
             if run.clock >= self.next_eval:
                 self._evaluate()
                 self.next_eval = run.clock + cfg.eval_every_s
@@ -312,12 +347,14 @@ class _Variant:
     def _decide(self) -> None:
         tr, run, s = self.tr, self.run, self.s
         self.next_decide = run.clock + tr.cfg.decide_every_s
-        # The ranking uses the probed table only (the one best static was chosen from): replacing the
-        # current strategy's entry by its recent step times would compare a value measured under this
-        # moment's load with others measured under another (on a shared machine that made the chain
-        # thrash). The online figure is logged next to the decision.
+        # A strategy cona has trained on is ranked by its realised rate (``online_throughput``), the others by
+        # the probed table. (Until 2026-12-01 the probes alone: the realised rate of the current strategy set
+        # against probes measured under other load made the chain thrash on a then-shared machine. A rival is
+        # still ranked by its probe until cona has run it; from then both figures are its own training's.)
         online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
         cfg = tr.cfg
+        if cfg.online_throughput and online is not None and len(self.plain_times) >= cfg.online_min_steps:
+            self.chainer.observe_throughput(s, online)
         extra: dict = {}
         if cfg.hysteresis == "remaining":
             left = cfg.budget_s - run.clock
@@ -373,14 +410,16 @@ class _Trainer:
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
         return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm,
-                        precondition=self.cfg.gns_precondition)  # fmt: skip
+                        precondition=self.cfg.gns_precondition,
+                        tensor_stats=self.cfg.efficiency_model == "sqrt-tensor")  # fmt: skip
 
     # --- throughput --------------------------------------------------------------------------------
     def probe_key(self) -> str:
         c = self.cfg
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
-                         probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest())  # fmt: skip
+                         probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest(),
+                         rounds_to=[c.probe_max_rounds, c.probe_spread_max])  # fmt: skip
 
     def probe(self) -> dict:
         """Step times of the probe plan plus the fastest strategies by the fitted model, from the
@@ -396,9 +435,10 @@ class _Trainer:
 
         def get(todo: list[Strategy]) -> None:
             """Reuse cached entries; time the rest in ``probe_rounds`` interleaved rounds (each round builds and
-            times every strategy once) and keep each one's median round (the lower middle one for an even
-            count, so always a measured round): a drift in the machine's speed then lands on every strategy
-            of the batch alike instead of on whichever was probed during it."""
+            times every strategy once), then further rounds (to ``probe_max_rounds``) of those whose middle rounds
+            still spread by more than ``probe_spread_max``, and keep each one's median round (the lower middle one
+            for an even count, so always a measured round): a drift in the machine's speed then lands on every
+            strategy of the batch alike instead of on whichever was probed during it."""
             nonlocal cost_now
             fresh = []
             for s in dict.fromkeys(todo):
@@ -411,8 +451,9 @@ class _Trainer:
                     fresh.append(s)
             times: dict[Strategy, list[float]] = {s: [] for s in fresh}
             costs = dict.fromkeys(fresh, 0.0)
-            for _ in range(cfg.probe_rounds if fresh else 0):
-                for s in fresh:
+            rnd, todo = 0, list(fresh)
+            while todo:
+                for s in todo:
                     tp = time.perf_counter()
                     ex = self.executor(s, self.state0)
                     batch = self.data.samples(0, s.global_batch)
@@ -420,6 +461,13 @@ class _Trainer:
                     times[s].append(_bcast(secs))
                     costs[s] += _bcast(time.perf_counter() - tp)
                     del ex
+                rnd += 1
+                # past the minimum, only the strategies whose middle rounds still disagree are timed again
+                todo = (
+                    []
+                    if rnd >= cfg.probe_max_rounds
+                    else [s for s in fresh if rnd < cfg.probe_rounds or middle_spread(times[s]) > cfg.probe_spread_max]
+                )
             for s in fresh:
                 secs = statistics.median_low(times[s])
                 self.cost.add(s, secs)
@@ -429,7 +477,12 @@ class _Trainer:
                 if cache is not None:
                     cache.put(s, secs, costs[s], rounds=times[s])
 
-        get(probe_plan(self.candidates))
+        plan = probe_plan(self.candidates)
+        fresh = [s for s in plan if s.name not in cached]
+        if fresh:
+            progress.info("probing %d strategies: %d-%d interleaved rounds of %d steps each (cached for later runs)",
+                          len(fresh), cfg.probe_rounds, cfg.probe_max_rounds, cfg.probe_steps)  # fmt: skip
+        get(plan)
         for _ in range(4):  # an offline searcher measures its pick: the model's fastest must be probed; and so
             # must the fastest of every global batch, which cona and the oracle choose among (on 2 ranks at 03:49
             # UTC 2026-12-01 the model put dp2-mb16-gb32 at 2793 samples/s, cona started on it in every seed and
@@ -467,7 +520,7 @@ class _Trainer:
         (up to the reference batch x 8: a well-resolved |G|^2 needs the big batch well above the small)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        gns = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
+        gns = cfg.noise_scale_estimator()
         informative = [c for c in self.candidates if c.dp * c.accum > 1] or self.candidates
         capped = [c for c in informative if c.global_batch <= 8 * cfg.reference_batch] or informative
         s = min(capped, key=lambda c: (-c.dp * c.accum, c.global_batch, c.tp, c.pp, -self.cost.throughput(c)[0]))
@@ -709,12 +762,14 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     lo, hi = step0_range(gns0, cfg)
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
-    gns_run = GradientNoiseScale(cfg.reference_batch, decay=cfg.gns_decay, lr_scaling=cfg.efficiency_model)
+    gns_run = cfg.noise_scale_estimator()
     margin = cfg.margin if cfg.hysteresis == "fixed" else cfg.remaining_margin
     chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=margin,
                       switch_cost_s=reshard_s, initial_models=cfg.initial_models)  # fmt: skip
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
     surrogate0 = first.chosen
+    progress.info("seed %d: step 0 chose %s (noise scale in [%.0f, %s]); training 4 variants to perplexity %g",
+                  tr.seed, surrogate0.name, lo, f"{hi:.0f}" if math.isfinite(hi) else "inf", cfg.target_ppl)  # fmt: skip
     step0 = {"noise_scale": gns0.noise_scale, "noise_range": [lo, hi if math.isfinite(hi) else None],
              "gns_s": gns0_s, "best_static": best_static.name, "surrogate_choice": surrogate0.name,
              "reason": first.reason, "switch_cost_prior_s": reshard_s,
@@ -740,17 +795,29 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
             oracle = tr.oracle(shortlist, dirs[0])
             runs["oracle"] = oracle.run
             variants.append(oracle)
-        t, rnd = cfg.slice_s, 0
+        t, rnd, w0 = cfg.slice_s, 0, time.perf_counter()
+        finished: set[str] = set()
         while not all(v.done for v in variants):  # interleaved slices: the variants share the machine's load
             k = rnd % len(variants)
             for v in variants[k:] + variants[:k]:  # rotated so no variant always goes first
                 v.advance(t)
             t += cfg.slice_s
             rnd += 1
+            for v in variants:
+                if v.done and v.run.name not in finished:
+                    finished.add(v.run.name)
+                    ttt = time_to_target(v.run.trace, cfg.target_loss, cfg.target_window)
+                    progress.info("seed %d: %s %s (%.0f s wall so far)", tr.seed, v.run.name,
+                                  f"reached the target at {ttt:.1f} s of clock" if ttt is not None else
+                                  f"stopped at the {cfg.budget_s:g} s budget above the target",
+                                  time.perf_counter() - w0)  # fmt: skip
+            if rnd % 10 == 0:  # every 10 slices (5 s of training clock, ~1 min of wall on 2 cores)
+                progress.info("seed %d: %.1f s of training clock, %d of %d variants done", tr.seed, t,
+                              len(finished), len(variants))  # fmt: skip
     return {"step0": step0, "runs": {k: _summary(v, cfg.target_loss, cfg.target_window) for k, v in runs.items()}}
 
 
-def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
+def bench_worker(rank: int, world: int, cfg_dict: dict, show_progress: bool = False) -> dict | None:
     """All variants of every seed in one process group; rank 0 returns the results.
 
     Throughput is measured once (or read from the ProbeCache) and every seed starts from the same
@@ -759,6 +826,13 @@ def bench_worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
     decision, never fed back into the ranking).
     """
     torch.manual_seed(0)
+    progress.disabled = not (show_progress and rank == 0)
+    if not progress.disabled and not progress.handlers:
+        h = logging.StreamHandler()  # stderr
+        h.setFormatter(logging.Formatter("cona: %(message)s"))
+        progress.addHandler(h)
+        progress.setLevel(logging.INFO)
+        progress.propagate = False
     cfg = BenchConfig(**cfg_dict)
     base = _Trainer(cfg)
     out: dict = {"candidates": [s.name for s in base.candidates], "probe": base.probe()}
