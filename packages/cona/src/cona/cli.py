@@ -91,9 +91,10 @@ def _run_config(args, quick: bool):
 # throughput keeps growing with the global batch up to the largest candidate (256): the batch that uses
 # samples best grows during training and stays below the throughput-optimal one.
 # The quick bench is one seed to perplexity 6.5 on 2 ranks, within the house limit of 3 minutes once the
-# probes are cached (the first run probes for ~70 s more). Until 2026-12-01 it ran 3 seeds to 5.8 (~12
-# minutes): on 2 ranks the oracle then kept gb64 all the way to 6.5; it now moves to gb128 / gb256 from 3-6 s,
-# so chaining shows at 6.5 too. Median-over-seeds figures come from ``--seeds N`` (README).
+# probes are cached (a first run probes for ~1.5-2.5 minutes more on the development VM). Until 2026-12-01 it
+# ran 3 seeds to 5.8 (~12 minutes). At 6.5 on 2 ranks a switch is worth making with some probe tables and not
+# with others (12:28 UTC: gb128 only 1.11x gb64, no switch, the oracle kept gb64 to 9 s; 11:02-11:25 UTC:
+# one or two per seed); the 4-rank bench with --seeds 5 is the headline (README). ``--seeds N`` for medians.
 QUICK = {"world": 2, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1}
 FULL = {"world": 4, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1}
 
