@@ -45,8 +45,11 @@ def test_small_bench_side_by_side():
     g = res["results"]["geomesh"]
     # a time-boxed profiling phase, then planned phases until at least DiLoCo's tokens are done
     assert g["syncs"] >= 2 and g["plan"]["imbalance"] < 0.5
-    assert g["tokens"] >= res["results"]["diloco-fp32"]["tokens"]
-    assert 0 <= h["tokens_rel_diff_vs_diloco"] < 0.6  # H=3 leaves coarse (b, H) choices
+    # it stops at the first sync at or past DiLoCo's tokens, so it overshoots by less than its last phase
+    # (how far depends on the measured speeds: the profiling phase is time-boxed, H=3 leaves coarse plans)
+    d_tokens, last_phase = res["results"]["diloco-fp32"]["tokens"], sum(g["final_inner_steps"][0])
+    assert d_tokens <= g["tokens"] < d_tokens + last_phase
+    assert h["tokens_rel_diff_vs_diloco"] == pytest.approx((g["tokens"] - d_tokens) / d_tokens)
     assert res["emulated"]["wan_mode"]["mode"] == "inprocess"
     # GeoMesh vs DiLoCo repeated at a second seed: the perplexity gap is reported per seed and as their mean
     per = h["ppl_rel_diff_vs_diloco_per_seed"]
