@@ -115,20 +115,36 @@ def test_throttle_bad_arguments():
     assert hwtopo.throttle(os.getpid(), speed=1.0).method == "none"
 
 
-def test_token_bucket_accounting():
+class _Clock:
+    """A monotonic clock that moves only when told (the bucket's refill then follows exactly)."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_token_bucket_accounting(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(hwtopo.emulate.time, "monotonic", clock)
     b = hwtopo.TokenBucket(1000.0, burst_bytes=100)
     assert b.reserve(100) == 0.0
-    wait = b.reserve(500)
-    assert 0.45 <= wait <= 0.5  # 500 bytes of debt at 1000 B/s (minus refill since the last call)
+    assert b.reserve(500) == pytest.approx(0.5)  # 500 bytes of debt at 1000 B/s
+    clock.t += 0.2  # 200 bytes refilled
+    assert b.reserve(0) == pytest.approx(0.3)
+    clock.t += 10.0  # refill stops at the burst
+    assert b.reserve(150) == pytest.approx(0.05)
 
 
-def test_link_shaper_delay_and_label():
+def test_link_shaper_delay_and_label(monkeypatch):
+    monkeypatch.setattr(hwtopo.emulate.time, "monotonic", _Clock())
     link = hwtopo.Link("a", "b", bandwidth_bytes_per_s=1e6, latency_s=0.03)
     s = hwtopo.LinkShaper(link)
     d1 = s.delay_s(s.bucket.burst)  # within the burst: latency only
-    assert d1 == pytest.approx(0.03, abs=1e-3)
+    assert d1 == pytest.approx(0.03)
     d2 = s.delay_s(2e6)
-    assert d2 == pytest.approx(0.03 + 2.0, rel=0.01)
+    assert d2 == pytest.approx(0.03 + 2.0)
     assert s.bytes_sent == int(s.bucket.burst) + 2_000_000
     assert s.describe()["emulated"] is True
 
