@@ -55,7 +55,11 @@ def test_every_rank_pays_its_dilation_at_collectives_and_transfers():
     d = res[1]
     assert d["method"] == "dilation" and d["speed"] == 0.5
     assert d["sync_points"] >= 4  # three all-reduces and a receive
-    assert d["slept_s"] > 0 and d["cpu_s"] > 0
+    assert d["cpu_s"] > 0
+    # every second of compute owes (1/speed - 1) s, paid by sleeping or by waiting for a core: under load
+    # the waits alone can pay a small debt, so what holds is the sum (less than one unpaid minimum sleep)
+    owed = d["cpu_s"] * (1 / d["speed"] - 1)
+    assert d["slept_s"] + (d["runqueue_wait_s"] or 0.0) > owed - 1e-4, d
     assert d["tp_forward_syncs"] == 1  # the row-parallel output all-reduce
     assert d["tp_backward_syncs"] == 1  # the column-parallel input-gradient all-reduce, in backward
 
