@@ -97,7 +97,7 @@ def test_hung_tool_is_killed_and_the_request_still_answers():
         runner, url = await _serve(h)
         try:
             async with aiohttp.ClientSession() as s:
-                body = {"task_type": "coding", "input": {"variant": "hang", "work": 500}, "tool_timeout_s": 10}
+                body = {"task_type": "coding", "input": {"variant": "hang", "work": 500}, "tool_timeout_s": 25}
                 async with s.post(url + "/v1/agent", json=body) as r:
                     return r.status, await r.json()
         finally:
@@ -109,7 +109,9 @@ def test_hung_tool_is_killed_and_the_request_still_answers():
     tools = [e for e in body["timeline"] if e["phase"] == "tool"]
     assert [e["tool"] for e in tools] == ["repo_init", "run_tests", "read_file", "apply_patch", "run_tests"]
     assert tools[1]["ok"] is True and tools[1]["killed"] is False  # buggy tests run and fail
-    assert tools[-1]["killed"] is True and "timed out after 10s" in tools[-1]["error"]
+    # the limit covers every tool of the request, the first real pytest run too (two interpreter starts and a
+    # collection: a few seconds on a loaded 2-core machine), so it is not tight; only the hung run reaches it
+    assert tools[-1]["killed"] is True and "timed out after 25s" in tools[-1]["error"]
     assert zombie_children() == []
 
 
