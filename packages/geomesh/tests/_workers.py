@@ -112,7 +112,9 @@ def time_boxed(rank, world):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per = 0.01 * (1 + 3 * rank)
     prof = WorkerProfile(f"w{rank}", 4 / per)  # a deliberately rough guess: the clock measures the rest
-    clock = PhaseClock(0.3, 4, prof, seq_len=1, target_tokens=60)
+    # ~0.5 s cycles (the three ranks make ~560 tokens/s): a 0.1 s cycle (60 tokens) left a rank whose post-sync
+    # work ran late under load no time for a step, so the test read its scheduling, not the clock
+    clock = PhaseClock(0.3, 4, prof, seq_len=1, target_tokens=300)
     dl = DiLoCo(model, opt, 1 << 30, batch_size=4, phase_clock=clock, worker_name=f"w{rank}")
     dl.start_phase()
     step, batches = 0, []
