@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cona.dist import launch
-from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest
+from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest, round_steps, time_steps
 from cona.space import Strategy
 from cona.train import middle_spread
 
@@ -103,3 +103,33 @@ def test_more_probe_rounds_than_the_maximum_are_refused():
 
     with pytest.raises(ValueError, match="probe_max_rounds must be >= probe_rounds"):
         BenchConfig(probe_rounds=4, probe_max_rounds=3)
+
+
+def test_a_slow_strategy_is_timed_for_fewer_steps():
+    # 20 steps where they fit in the round's seconds, as many as fit otherwise, never fewer than 3
+    assert round_steps(0.02, 20, 1.5) == 20
+    assert round_steps(0.1, 20, 1.5) == 15
+    assert round_steps(0.67, 20, 1.5) == 3
+    assert round_steps(0.67, 2, 1.5) == 2  # the minimum never exceeds the steps asked for
+    assert round_steps(0.67, 20, None) == 20  # no limit
+    calls, seen = [], []
+
+    def step():
+        calls.append(1)
+
+    def count(first_s):
+        seen.append(first_s)
+        return 4
+
+    time_steps(step, steps=20, warmup=1, steps_after_first=count)
+    assert len(calls) == 1 + 4 and len(seen) == 1  # one warm-up, then the count set after the first timed step
+    calls.clear()
+    time_steps(step, steps=6, warmup=2)
+    assert len(calls) == 8
+
+
+def test_probe_round_seconds_must_be_positive():
+    from cona.train import BenchConfig
+
+    with pytest.raises(ValueError, match="probe_round_s must be > 0 seconds"):
+        BenchConfig(probe_round_s=0)

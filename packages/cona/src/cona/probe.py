@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -25,7 +26,16 @@ import hwtopo
 
 from .space import Strategy
 
-__all__ = ["cache_dir", "code_digest", "CostModel", "ProbeCache", "probe_key", "probe_plan", "time_steps"]
+__all__ = [
+    "cache_dir",
+    "code_digest",
+    "CostModel",
+    "ProbeCache",
+    "probe_key",
+    "probe_plan",
+    "round_steps",
+    "time_steps",
+]
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +133,32 @@ def probe_plan(candidates: Iterable[Strategy], per_layout: int = 3) -> list[Stra
     return plan
 
 
-def time_steps(step_fn, steps: int = 3, warmup: int = 1) -> float:
+def time_steps(step_fn, steps: int = 3, warmup: int = 1, steps_after_first=None) -> float:
     """Median seconds of ``steps`` timed calls of ``step_fn()`` after ``warmup`` untimed ones (the
-    typical step under the machine's current load, which is what training will see)."""
+    typical step under the machine's current load, which is what training will see).
+
+    ``steps_after_first(seconds)``, when given, sets the number of timed steps from the first timed one
+    (e.g. fewer for a slow strategy, whose long steps already average out the machine's jitter); in a
+    distributed probe it must return the same count on every rank, since each step holds collectives.
+    """
     for _ in range(warmup):
         step_fn()
     times = []
-    for _ in range(steps):
+    while len(times) < steps:
         t0 = time.perf_counter()
         step_fn()
         times.append(time.perf_counter() - t0)
+        if len(times) == 1 and steps_after_first is not None:
+            steps = int(steps_after_first(times[0]))
     return statistics.median(times)
+
+
+def round_steps(first_step_s: float, max_steps: int, round_s: float | None, min_steps: int = 3) -> int:
+    """Timed steps of one probe round: ``max_steps``, or fewer where they would take longer than ``round_s``
+    (never fewer than ``min_steps``); None: no time limit."""
+    if round_s is None or first_step_s <= 0:
+        return max_steps
+    return max(min(min_steps, max_steps), min(max_steps, math.ceil(round_s / first_step_s)))
 
 
 DIGEST_SOURCES = ("executor.py", "model.py", "dist.py", "space.py", "probe.py")  # the code that sets a step's time

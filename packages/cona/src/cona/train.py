@@ -42,7 +42,7 @@ from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
 from .gns import EFFICIENCY_MODELS, GradientNoiseScale, efficiency_models
 from .model import TextData, stdlib_tokens, tiny_llama_config
-from .probe import CostModel, ProbeCache, code_digest, probe_key, probe_plan, time_steps
+from .probe import CostModel, ProbeCache, code_digest, probe_key, probe_plan, round_steps, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
 
 # the bench's progress lines (rank 0 only; ``bench_worker(progress=True)`` sends them to stderr)
@@ -137,6 +137,10 @@ class BenchConfig:
     corpus_bytes: int = 1_000_000
     probe_steps: int = 20  # timed steps per round (median kept). 5 read gb256/gb64 1.31, 1.52, 1.54 and 1.96 in four
     # passes on 4 ranks (03:34-03:47 UTC 2026-12-01) where 40 training-like steps read 1.39, 1.37, 1.45
+    probe_round_s: float | None = 1.0  # a round times probe_steps steps or, for a slow strategy, as many as fit
+    # in this many seconds by its first timed step (at least 3): tp2-mb8-gb256 at 0.67 s a step took 45 of the
+    # 2-rank quick bench's 116 s of probing (2026-12-01 21:06 UTC); every strategy at or under 0.05 s a step
+    # (gb64 and gb128 at dp2-mb32 among them) still times all 20, gb256 (0.074 s) 14. None: no limit
     probe_rounds: int = 3  # interleaved rounds per probed strategy, median kept: (history, when a probe timed 5
     # steps) one probe per strategy on 4 ranks over 2 cores read gb128/gb64 1.15 at 01:53 UTC 2026-12-01 where
     # training in the same run realised ~1.23
@@ -184,6 +188,8 @@ class BenchConfig:
         for name in ("probe_rounds", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.probe_round_s is not None and not self.probe_round_s > 0:
+            raise ValueError(f"probe_round_s must be > 0 seconds (or None for no limit), got {self.probe_round_s}")
         if self.probe_max_rounds < self.probe_rounds:
             raise ValueError(f"probe_max_rounds must be >= probe_rounds ({self.probe_rounds}), got "
                              f"{self.probe_max_rounds}")  # fmt: skip
@@ -419,7 +425,7 @@ class _Trainer:
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
                          probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest(),
-                         rounds_to=[c.probe_max_rounds, c.probe_spread_max])  # fmt: skip
+                         rounds_to=[c.probe_max_rounds, c.probe_spread_max], round_s=c.probe_round_s)  # fmt: skip
 
     def probe(self) -> dict:
         """Step times of the probe plan plus the fastest strategies by the fitted model, from the
@@ -457,7 +463,9 @@ class _Trainer:
                     tp = time.perf_counter()
                     ex = self.executor(s, self.state0)
                     batch = self.data.samples(0, s.global_batch)
-                    secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), cfg.probe_steps)
+                    secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), cfg.probe_steps,
+                                      steps_after_first=lambda t: round_steps(_bcast(t), cfg.probe_steps,
+                                                                              cfg.probe_round_s))  # fmt: skip
                     times[s].append(_bcast(secs))
                     costs[s] += _bcast(time.perf_counter() - tp)
                     del ex
@@ -480,8 +488,9 @@ class _Trainer:
         plan = probe_plan(self.candidates)
         fresh = [s for s in plan if s.name not in cached]
         if fresh:
-            progress.info("probing %d strategies: %d-%d interleaved rounds of %d steps each (cached for later runs)",
-                          len(fresh), cfg.probe_rounds, cfg.probe_max_rounds, cfg.probe_steps)  # fmt: skip
+            progress.info("probing %d strategies: %d-%d interleaved rounds of %d steps each%s (cached for later runs)",
+                          len(fresh), cfg.probe_rounds, cfg.probe_max_rounds, cfg.probe_steps,
+                          f", fewer past {cfg.probe_round_s:g} s" if cfg.probe_round_s else "")  # fmt: skip
         get(plan)
         for _ in range(4):  # an offline searcher measures its pick: the model's fastest must be probed; and so
             # must the fastest of every global batch, which cona and the oracle choose among (on 2 ranks at 03:49
