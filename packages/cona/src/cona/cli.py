@@ -95,7 +95,10 @@ def _run_config(args, quick: bool):
 # ran 3 seeds to 5.8 (~12 minutes). At 6.5 on 2 ranks a switch is worth making with some probe tables and not
 # with others (12:28 UTC: gb128 only 1.11x gb64, no switch, the oracle kept gb64 to 9 s; 11:02-11:25 UTC:
 # one or two per seed); the 4-rank bench with --seeds 5 is the headline (README). ``--seeds N`` for medians.
-QUICK = {"world": 2, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1}
+# The quick bench's space starts at gb16: on 2 ranks gb8 runs only as pp2 or tp2 (dp2 needs micro-batch 4), at a
+# quarter of gb64's samples/s, and it ended every recorded oracle phase last (phase 0, 2026-12-01 21:00-21:45 UTC:
+# held-out loss 2.36-2.40 against gb64's 2.11-2.16); its oracle branch and probes took ~13 s of the 3 minutes.
+QUICK = {"world": 2, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1, "global_batches": (16, 32, 64, 128, 256)}
 FULL = {"world": 4, "target_ppl": 6.5, "budget_s": 60.0, "seeds": 1}
 
 
@@ -452,7 +455,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--world", type=int, help="number of ranks (quick: 2, full: 4)")
         sp.add_argument("--target-ppl", type=float, help="target validation perplexity")
         sp.add_argument("--budget-s", type=float, help="training-time budget per variant, seconds")
-        sp.add_argument("--global-batches", type=_ints, help="candidate global batch sizes, e.g. 8,16,32,64")
+        sp.add_argument(
+            "--global-batches",
+            type=_ints,
+            help="candidate global batch sizes (quick: 16,32,64,128,256; full: 8,...,256)",
+        )
         sp.add_argument("--micro-batches", type=_ints, help="candidate micro-batch sizes, e.g. 4,8,16")
         sp.add_argument("--oracle-branches", type=int, help="strategies branched per oracle phase")
         sp.add_argument("--no-oracle", action="store_true", help="skip the oracle sequence (faster)")
