@@ -1,11 +1,12 @@
 """Throughput probes: the ProbeCache is read back, so a second bench pays no probing."""
 
 import json
+import math
 
 import pytest
 
 from cona.dist import launch
-from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest, round_steps, time_steps
+from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest, paired_rates, round_steps, time_steps
 from cona.space import Strategy
 from cona.train import middle_spread
 
@@ -68,16 +69,28 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # spawned ranks inherit it
     # 2 rounds, then a third for every strategy whose two disagree at all (spread limit 0)
     cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "probe_rounds": 2,
-           "probe_max_rounds": 3, "probe_spread_max": 0.0, "seeds": 1}  # fmt: skip
+           "probe_max_rounds": 3, "probe_spread_max": 0.0, "probe_paired_cycles": 3, "seeds": 1}  # fmt: skip
     first, second, table = launch(_probe_twice, 2, cfg, timeout_s=300)[0]
     assert first["measured_now"] and not first["from_cache"]
     assert first["probe_rounds"] == 2 and isinstance(first["round_spread_median"], float)
     entries = json.loads((tmp_path / "mlsyskit" / "cona" / "probes.json").read_text())
     (entries,) = entries.values()
-    for e in entries.values():  # the lower middle round is the one used
+    for e in entries.values():  # the lower middle round is the one used (for a contender, before its cycles)
         r = e["rounds"]
         assert len(r) == (3 if middle_spread(r[:2]) > 0 else 2), r
-        assert e["step_s"] == sorted(r)[(len(r) - 1) // 2]
+        assert (e["paired"]["rounds_step_s"] if "paired" in e else e["step_s"]) == sorted(r)[(len(r) - 1) // 2]
+    # the contenders, the fastest of every global batch, were timed again in cycles, and a second run reuses that
+    paired = first["paired"]
+    assert paired["measured"] and paired["cycles"] == 3 and not second["paired"]["measured"]
+    assert {int(n.rsplit("gb", 1)[1]) for n in paired["contenders"]} == {8, 16, 32}
+    for gb in (8, 16, 32):  # every global batch's leader in the final table was among them
+        leader = max((n for n in table if n.endswith(f"-gb{gb}")), key=lambda n: table[n][0])
+        assert leader in paired["contenders"], leader
+    assert all("paired" in entries[n] for n in paired["contenders"])
+    for n in paired["contenders"]:
+        assert entries[n]["step_s"] == pytest.approx(
+            entries[n]["paired"]["rounds_step_s"] / paired["rate_vs_rounds"][n]
+        )
     assert second["measured_now"] == [] and sorted(second["from_cache"]) == sorted(first["measured_now"])
     assert second["probe_measure_s"] == 0.0
     assert second["cached_probe_cost_s"] == pytest.approx(first["probe_measure_s"])
@@ -133,3 +146,39 @@ def test_probe_round_seconds_must_be_positive():
 
     with pytest.raises(ValueError, match="probe_round_s must be > 0 seconds"):
         BenchConfig(probe_round_s=0)
+
+
+def test_paired_rates_cancel_a_speed_common_to_a_cycle():
+    import random
+
+    true = {"gb32": 1700.0, "gb64": 2600.0, "gb128": 2950.0}
+    rng = random.Random(0)
+    cycles = []
+    for c in range(21):
+        speed = rng.uniform(0.55, 1.3)  # the machine's speed of this cycle, shared by its blocks
+        row = {n: r * speed * rng.uniform(0.99, 1.01) for n, r in true.items()}
+        if c % 5 == 0:  # a burst inside one block of a few cycles
+            row["gb64"] *= 0.5
+        cycles.append(row)
+    got = paired_rates(cycles)
+    for a in true:
+        for b in true:
+            assert got[a] / got[b] == pytest.approx(true[a] / true[b], rel=0.03), (a, b)
+    # per strategy, the median of its own blocks keeps the machine's moments: one cycle slower for the same one
+    raw = {n: sorted(c[n] for c in cycles)[10] for n in true}
+    assert min(got.values()) > 0 and set(got) == set(true)
+    # the scale is the geometric mean of the medians, the same in both
+    assert math.prod(got.values()) == pytest.approx(math.prod(raw.values()), rel=1e-9)
+    with pytest.raises(ValueError, match="each timing the same strategies"):
+        paired_rates([{"a": 1.0}, {"b": 1.0}])
+    with pytest.raises(ValueError, match="at least one cycle"):
+        paired_rates([])
+
+
+def test_paired_settings_are_checked():
+    from cona.train import BenchConfig
+
+    with pytest.raises(ValueError, match="probe_paired_cycles must be >= 0"):
+        BenchConfig(probe_paired_cycles=-1)
+    with pytest.raises(ValueError, match="probe_paired_block_s must be > 0 seconds"):
+        BenchConfig(probe_paired_block_s=0)

@@ -32,6 +32,7 @@ __all__ = [
     "CostModel",
     "ProbeCache",
     "probe_key",
+    "paired_rates",
     "probe_plan",
     "round_steps",
     "time_steps",
@@ -161,6 +162,24 @@ def round_steps(first_step_s: float, max_steps: int, round_s: float | None, min_
     return max(min(min_steps, max_steps), min(max_steps, math.ceil(round_s / first_step_s)))
 
 
+def paired_rates(cycles: list[dict]) -> dict:
+    """Throughputs of strategies timed in alternating blocks, one block each per cycle (``cycles``: per cycle,
+    strategy -> samples/s of its block). Each strategy's figure is its median over cycles of its rate relative to
+    the cycle's geometric mean, so a drift or a burst of the machine's speed that a cycle's blocks share cancels
+    from the ratios; the scale is the geometric mean over strategies of their median rates."""
+    if not cycles or any(set(c) != set(cycles[0]) for c in cycles):
+        raise ValueError("paired_rates needs at least one cycle, each timing the same strategies")
+    names = list(cycles[0])
+
+    def gmean(xs) -> float:
+        xs = list(xs)
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    rel = {n: statistics.median(c[n] / gmean(c.values()) for c in cycles) for n in names}
+    scale = gmean(statistics.median(c[n] for c in cycles) for n in names) / gmean(rel.values())
+    return {n: scale * rel[n] for n in names}
+
+
 DIGEST_SOURCES = ("executor.py", "model.py", "dist.py", "space.py", "probe.py")  # the code that sets a step's time
 
 
@@ -239,14 +258,15 @@ class ProbeCache:
         e = self.entry(s)
         return float(e["step_s"]) if e else None
 
-    def put(self, s: Strategy, step_s: float, cost_s: float | None = None, rounds: list[float] | None = None) -> None:
+    def put(self, s: Strategy, step_s: float, cost_s: float | None = None, rounds: list[float] | None = None,
+            **extra) -> None:  # fmt: skip
         if not step_s > 0:
             raise ValueError(f"step time of {s.name} must be > 0, got {step_s}")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         # the load it was measured under: a cache filled on a busy machine is visible (re-probe with
         # `cona bench --no-probe-cache`)
         self.data.setdefault(self.key, {})[s.name] = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp,
-                                                      "loadavg_1m": os.getloadavg()[0], "rounds": rounds}  # fmt: skip
+                                                      "loadavg_1m": os.getloadavg()[0], "rounds": rounds} | extra  # fmt: skip
 
     def clear(self) -> None:
         self.data.pop(self.key, None)

@@ -42,7 +42,7 @@ from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
 from .gns import EFFICIENCY_MODELS, GradientNoiseScale, efficiency_models
 from .model import TextData, stdlib_tokens, tiny_llama_config
-from .probe import CostModel, ProbeCache, code_digest, probe_key, probe_plan, round_steps, time_steps
+from .probe import CostModel, ProbeCache, code_digest, paired_rates, probe_key, probe_plan, round_steps, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
 
 # the bench's progress lines (rank 0 only; ``bench_worker(progress=True)`` sends them to stderr)
@@ -144,10 +144,20 @@ class BenchConfig:
     probe_rounds: int = 3  # interleaved rounds per probed strategy, median kept: (history, when a probe timed 5
     # steps) one probe per strategy on 4 ranks over 2 cores read gb128/gb64 1.15 at 01:53 UTC 2026-12-01 where
     # training in the same run realised ~1.23
-    probe_max_rounds: int = 6  # more rounds, past probe_rounds, for a strategy whose middle rounds spread by more
+    probe_max_rounds: int = 3  # more rounds, past probe_rounds, for a strategy whose middle rounds spread by more
     probe_spread_max: float = 0.10  # than this (middle_spread): on this VM one 2-rank probe at 11:08 UTC
     # 2026-12-01 read gb256's rounds 0.093, 0.063, 0.087 s and put gb128 ahead of it, where every other probe
-    # and the bench's training put gb256 ahead by 5-30%
+    # and the bench's training put gb256 ahead by 5-30%. Off by default since the paired cycles below time every
+    # global batch's leaders again (up to 6 rounds had been the default: 10-25 s of a 2-rank probe, and the
+    # contenders' ratios still moved by 10-25% from one table to the next)
+    probe_paired_cycles: int = 16  # the contenders (the fastest strategy of every global batch, which cona, the
+    # oracle and best static choose among) are timed again in this many cycles of alternating blocks, their
+    # ratios read cycle by cycle (``paired_rates``); 0: off. Their rounds alone moved gb64 / gb32 from 1.26 to 1.61
+    # and put gb128 below gb64 across quick benches of one hour (2026-12-01 21:00-22:20 UTC, round spreads 0.13-0.44),
+    # where training realised 1.43-1.60 and gb128 at 1.1-1.2x gb64; with gb64 / gb32 read at 1.26-1.31 the step-0
+    # choice went to gb32, 0.16-0.30 behind the oracle
+    probe_paired_block_s: float = 0.12  # one contender's block per cycle: as many steps as fill it (at least 2)
+    probe_paired_band: float = 0.1  # besides each global batch's leader, its measured strategies within 10% of it
     probe_verify_top: int = 3  # the fastest strategies by the fitted model are probed too (measured, not modelled),
     # as is the fastest of every global batch
     probe_cache: bool = True  # reuse step times measured by an earlier run with the same key (ProbeCache)
@@ -190,6 +200,12 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.probe_round_s is not None and not self.probe_round_s > 0:
             raise ValueError(f"probe_round_s must be > 0 seconds (or None for no limit), got {self.probe_round_s}")
+        if self.probe_paired_cycles < 0:
+            raise ValueError(f"probe_paired_cycles must be >= 0 (0: no paired timing), got {self.probe_paired_cycles}")
+        if not 0 <= self.probe_paired_band < 1:
+            raise ValueError(f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}")
+        if not self.probe_paired_block_s > 0:
+            raise ValueError(f"probe_paired_block_s must be > 0 seconds, got {self.probe_paired_block_s}")
         if self.probe_max_rounds < self.probe_rounds:
             raise ValueError(f"probe_max_rounds must be >= probe_rounds ({self.probe_rounds}), got "
                              f"{self.probe_max_rounds}")  # fmt: skip
@@ -413,6 +429,7 @@ class _Trainer:
             memory_budget_bytes=rank_memory_budget(None, cfg.world),
         )  # fmt: skip
         self.cost = cost if cost is not None else CostModel()
+        self.round_step_s: dict[Strategy, float] = {}  # each probed strategy's figure from its rounds alone
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
         return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm,
@@ -425,7 +442,8 @@ class _Trainer:
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
                          probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest(),
-                         rounds_to=[c.probe_max_rounds, c.probe_spread_max], round_s=c.probe_round_s)  # fmt: skip
+                         rounds_to=[c.probe_max_rounds, c.probe_spread_max], round_s=c.probe_round_s,
+                         paired=[c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band])  # fmt: skip
 
     def probe(self) -> dict:
         """Step times of the probe plan plus the fastest strategies by the fitted model, from the
@@ -440,21 +458,13 @@ class _Trainer:
         spreads: list[float] = []
 
         def get(todo: list[Strategy]) -> None:
-            """Reuse cached entries; time the rest in ``probe_rounds`` interleaved rounds (each round builds and
+            """Time the strategies not measured yet in ``probe_rounds`` interleaved rounds (each round builds and
             times every strategy once), then further rounds (to ``probe_max_rounds``) of those whose middle rounds
             still spread by more than ``probe_spread_max``, and keep each one's median round (the lower middle one
             for an even count, so always a measured round): a drift in the machine's speed then lands on every
             strategy of the batch alike instead of on whichever was probed during it."""
             nonlocal cost_now
-            fresh = []
-            for s in dict.fromkeys(todo):
-                if s in self.cost.measured:
-                    continue
-                if s.name in cached:
-                    self.cost.add(s, cached[s.name]["step_s"])
-                    reused.append(s.name)
-                else:
-                    fresh.append(s)
+            fresh = [s for s in dict.fromkeys(todo) if s not in self.cost.measured]
             times: dict[Strategy, list[float]] = {s: [] for s in fresh}
             costs = dict.fromkeys(fresh, 0.0)
             rnd, todo = 0, list(fresh)
@@ -479,30 +489,59 @@ class _Trainer:
             for s in fresh:
                 secs = statistics.median_low(times[s])
                 self.cost.add(s, secs)
+                self.round_step_s[s] = secs
                 measured_now.append(s.name)
                 cost_now += costs[s]
                 spreads.append((max(times[s]) - min(times[s])) / secs)
                 if cache is not None:
                     cache.put(s, secs, costs[s], rounds=times[s])
 
+        for s in self.candidates:  # every strategy an earlier run measured, so that its table is this one's
+            if s.name in cached:
+                e = cached[s.name]
+                self.cost.add(s, e["step_s"])
+                self.round_step_s[s] = (e.get("paired") or {}).get("rounds_step_s", e["step_s"])
+                reused.append(s.name)
         plan = probe_plan(self.candidates)
         fresh = [s for s in plan if s.name not in cached]
         if fresh:
-            progress.info("probing %d strategies: %d-%d interleaved rounds of %d steps each%s (cached for later runs)",
-                          len(fresh), cfg.probe_rounds, cfg.probe_max_rounds, cfg.probe_steps,
-                          f", fewer past {cfg.probe_round_s:g} s" if cfg.probe_round_s else "")  # fmt: skip
+            rounds = (f"{cfg.probe_rounds}" if cfg.probe_max_rounds == cfg.probe_rounds
+                      else f"{cfg.probe_rounds}-{cfg.probe_max_rounds}")  # fmt: skip
+            progress.info("probing %d strategies: %s interleaved rounds of %d steps each%s (%s)",
+                          len(fresh), rounds, cfg.probe_steps,
+                          f", fewer past {cfg.probe_round_s:g} s" if cfg.probe_round_s else "",
+                          "cached for later runs" if cfg.probe_cache else "not cached")  # fmt: skip
         get(plan)
-        for _ in range(4):  # an offline searcher measures its pick: the model's fastest must be probed; and so
-            # must the fastest of every global batch, which cona and the oracle choose among (on 2 ranks at 03:49
-            # UTC 2026-12-01 the model put dp2-mb16-gb32 at 2793 samples/s, cona started on it in every seed and
-            # training realised 1231-2241)
-            top = self._by_throughput()[: cfg.probe_verify_top]
-            top += oracle_shortlist(self.candidates, self.cost.throughput)
-            todo = [c for c in dict.fromkeys(top) if c not in self.cost.measured]
-            if not todo:
-                break
-            get(todo)
-        if cache is not None and measured_now:
+
+        def verify() -> None:
+            for _ in range(4):  # an offline searcher measures its pick: the model's fastest must be probed; and so
+                # must the fastest of every global batch, which cona and the oracle choose among (on 2 ranks at 03:49
+                # UTC 2026-12-01 the model put dp2-mb16-gb32 at 2793 samples/s, cona started on it in every seed and
+                # training realised 1231-2241)
+                top = self._by_throughput()[: cfg.probe_verify_top]
+                top += oracle_shortlist(self.candidates, self.cost.throughput)
+                todo = [c for c in dict.fromkeys(top) if c not in self.cost.measured]
+                if not todo:
+                    break
+                get(todo)
+
+        verify()
+        paired = None
+        if cfg.probe_paired_cycles and not measured_now:  # all from the cache: its table is reused as it stands
+            paired = {"contenders": [s.name for s in oracle_shortlist(self.candidates, self.cost.throughput)],
+                      "measured": False}  # fmt: skip
+        elif cfg.probe_paired_cycles:
+            done = {n for n, e in cached.items() if e.get("paired")}
+            for _ in range(3):  # the paired figures refit the cost model and can change which strategy leads a
+                # global batch: verify again and time the new leaders too, until every leader has paired figures
+                p = self._paired(done, cache)
+                paired = p if p["measured"] or paired is None else paired
+                if not p["measured"]:
+                    break
+                cost_now += p["cost_s"]
+                done |= set(p["contenders"])
+                verify()
+        if cache is not None and (measured_now or (paired and paired["measured"])):
             cache.save()
         old_cost = sum((cached[n].get("cost_s") or 0.0) for n in reused)
         loads = [cached[n].get("loadavg_1m") for n in reused if cached[n].get("loadavg_1m") is not None]
@@ -520,7 +559,56 @@ class _Trainer:
             "probe_rounds": cfg.probe_rounds,
             # (slowest - fastest round) / median, median over the strategies measured now
             "round_spread_median": statistics.median(spreads) if spreads else None,
+            "paired": paired,
         }
+
+    def _paired(self, done: set[str], cache: ProbeCache | None) -> dict:
+        """Time the contenders (the fastest measured strategy of every global batch) again, in
+        ``probe_paired_cycles`` cycles of one ``probe_paired_block_s`` block each, executors kept alive and the
+        order rotated per cycle, and replace their step times by ``paired_rates``: ratios read within each cycle,
+        where the interleaved rounds compare figures taken seconds apart on a machine whose speed moves that fast.
+        Nothing is measured when every contender is in ``done`` (timed so already, now or by a cached run)."""
+        cfg = self.cfg
+        leaders = oracle_shortlist(self.candidates, self.cost.throughput)
+        if all(s.name in done for s in leaders):
+            return {"contenders": [s.name for s in leaders], "measured": False}
+        # with every measured strategy within probe_paired_band of its global batch's leader, so that the cycles, not
+        # the rounds, decide a leader that the rounds could not tell apart from its neighbour (one pass, no flip)
+        best = {s.global_batch: self.cost.throughput(s)[0] for s in leaders}
+        cons = [s for s in self.candidates if s in self.cost.measured
+                and self.cost.throughput(s)[0] >= (1 - cfg.probe_paired_band) * best[s.global_batch]]  # fmt: skip
+        t0 = time.perf_counter()
+        exs = {s: self.executor(s, self.state0) for s in cons}
+        batches = {s: self.data.samples(0, s.global_batch) for s in cons}
+        steps = {s: max(2, math.ceil(cfg.probe_paired_block_s / self.cost.measured[s])) for s in cons}
+        for s in cons:  # one warm-up step each
+            exs[s].train_step(batches[s], gns=False)
+        cycles = []
+        for c in range(cfg.probe_paired_cycles):
+            row = {}
+            for s in cons[c % len(cons) :] + cons[: c % len(cons)]:
+                tb = time.perf_counter()
+                for _ in range(steps[s]):
+                    exs[s].train_step(batches[s], gns=False)
+                row[s] = steps[s] * s.global_batch / _bcast(time.perf_counter() - tb)
+            cycles.append(row)
+        del exs
+        rates = paired_rates(cycles)
+        cost = _bcast(time.perf_counter() - t0)
+        before = {s: self.round_step_s.get(s, self.cost.measured[s]) for s in cons}
+        for s in cons:
+            self.cost.add(s, s.global_batch / rates[s])
+            if cache is not None:
+                e = cache.entry(s) or {}
+                cache.put(s, s.global_batch / rates[s], (e.get("cost_s") or 0.0) + cost / len(cons), e.get("rounds"),
+                          paired={"cycles": cfg.probe_paired_cycles, "block_steps": steps[s],
+                                  "rounds_step_s": before[s]})  # fmt: skip
+        progress.info("paired timing of %d contenders, %d cycles (%.0f s): %s", len(cons), len(cycles), cost,
+                      ", ".join(f"{s.name} x{before[s] * rates[s] / s.global_batch:.2f}" for s in cons))  # fmt: skip
+        return {"contenders": [s.name for s in cons], "measured": True, "cycles": len(cycles), "cost_s": cost,
+                "block_steps": {s.name: steps[s] for s in cons},
+                # paired samples/s over the rounds' figure, per contender (what the cycles corrected)
+                "rate_vs_rounds": {s.name: before[s] * rates[s] / s.global_batch for s in cons}}  # fmt: skip
 
     def gns_at_step0(self) -> tuple[GradientNoiseScale, float]:
         """Gradient statistics from the first batches (no optimizer step): preconditioned by the squared
