@@ -116,13 +116,14 @@ def test_cona_chains_with_sysprdict_time_predictions():
         f"chosen {decision.chosen.name} (real goodput {real[decision.chosen]:.1f}), best by real probes {best.name} "
         f"({real[best]:.1f}); sysprdict median error on unprobed strategies {statistics.median(errors):.2f}"
     )
-    # the composition itself (holds whatever the measured times): probed strategies keep their probe, the rest
-    # are sysprdict's predictions on the probes' scale, and the chainer takes the best goodput of that table
-    for s in cands:
-        step_s = probed[s] if s in probed else scale * predicted_step_s(s)
-        assert throughput(s)[0] == pytest.approx(s.global_batch / step_s)
-    composed = {e.strategy: e.goodput for e in decision.ranking}
-    assert decision.chosen == max(composed, key=composed.get)
+    # the composition itself (holds whatever the measured times): the chainer ranked every candidate by its probe
+    # where probed and by sysprdict's prediction on the probes' scale elsewhere, and took that table's best goodput
+    assert {e.strategy for e in decision.ranking} == set(cands)
+    for e in decision.ranking:
+        step_s = probed[e.strategy] if e.strategy in probed else scale * predicted_step_s(e.strategy)
+        assert e.throughput == pytest.approx(e.strategy.global_batch / step_s), e.strategy.name
+        assert e.source == ("probe" if e.strategy in probed else "model")
+    assert decision.chosen == max(decision.ranking, key=lambda e: e.goodput).strategy
     # quality, from measured times (so with room for the machine's noise): sysprdict's predictions of the
     # unprobed strategies are within 50% of their real probes on the median, and the choice they lead to keeps
     # at least half of the best real goodput (0.75-0.92 measured on 2026-12-01; a broken scale or an inverted

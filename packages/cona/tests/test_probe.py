@@ -164,11 +164,14 @@ def test_paired_rates_cancel_a_speed_common_to_a_cycle():
     for a in true:
         for b in true:
             assert got[a] / got[b] == pytest.approx(true[a] / true[b], rel=0.03), (a, b)
-    # per strategy, the median of its own blocks keeps the machine's moments: one cycle slower for the same one
-    raw = {n: sorted(c[n] for c in cycles)[10] for n in true}
-    assert min(got.values()) > 0 and set(got) == set(true)
-    # the scale is the geometric mean of the medians, the same in both
-    assert math.prod(got.values()) == pytest.approx(math.prod(raw.values()), rel=1e-9)
+    assert set(got) == set(true)
+    # the level: by default the geometric mean of each strategy's median block rate; else the one asked for
+    medians = {n: sorted(c[n] for c in cycles)[10] for n in true}
+    assert math.prod(got.values()) == pytest.approx(math.prod(medians.values()), rel=1e-9)
+    at = paired_rates(cycles, level=2000.0)
+    assert math.prod(at.values()) == pytest.approx(2000.0**3) and at["gb64"] / at["gb32"] == pytest.approx(
+        got["gb64"] / got["gb32"]
+    )
     with pytest.raises(ValueError, match="each timing the same strategies"):
         paired_rates([{"a": 1.0}, {"b": 1.0}])
     with pytest.raises(ValueError, match="at least one cycle"):

@@ -3,6 +3,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -127,7 +128,7 @@ class _Clock:
 
 def test_token_bucket_accounting(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(hwtopo.emulate.time, "monotonic", clock)
+    monkeypatch.setattr(emulate, "time", types.SimpleNamespace(monotonic=clock))  # emulate's clock only
     b = hwtopo.TokenBucket(1000.0, burst_bytes=100)
     assert b.reserve(100) == 0.0
     assert b.reserve(500) == pytest.approx(0.5)  # 500 bytes of debt at 1000 B/s
@@ -138,7 +139,7 @@ def test_token_bucket_accounting(monkeypatch):
 
 
 def test_link_shaper_delay_and_label(monkeypatch):
-    monkeypatch.setattr(hwtopo.emulate.time, "monotonic", _Clock())
+    monkeypatch.setattr(emulate, "time", types.SimpleNamespace(monotonic=_Clock()))
     link = hwtopo.Link("a", "b", bandwidth_bytes_per_s=1e6, latency_s=0.03)
     s = hwtopo.LinkShaper(link)
     d1 = s.delay_s(s.bucket.burst)  # within the burst: latency only

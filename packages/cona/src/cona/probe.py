@@ -162,21 +162,19 @@ def round_steps(first_step_s: float, max_steps: int, round_s: float | None, min_
     return max(min(min_steps, max_steps), min(max_steps, math.ceil(round_s / first_step_s)))
 
 
-def paired_rates(cycles: list[dict]) -> dict:
+def paired_rates(cycles: list[dict], level: float | None = None) -> dict:
     """Throughputs of strategies timed in alternating blocks, one block each per cycle (``cycles``: per cycle,
     strategy -> samples/s of its block). Each strategy's figure is its median over cycles of its rate relative to
     the cycle's geometric mean, so a drift or a burst of the machine's speed that a cycle's blocks share cancels
-    from the ratios; the scale is the geometric mean over strategies of their median rates."""
+    from the ratios. ``level``: the figures' geometric mean (default: that of the strategies' median rates)."""
     if not cycles or any(set(c) != set(cycles[0]) for c in cycles):
         raise ValueError("paired_rates needs at least one cycle, each timing the same strategies")
     names = list(cycles[0])
-
-    def gmean(xs) -> float:
-        xs = list(xs)
-        return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-    rel = {n: statistics.median(c[n] / gmean(c.values()) for c in cycles) for n in names}
-    scale = gmean(statistics.median(c[n] for c in cycles) for n in names) / gmean(rel.values())
+    means = [statistics.geometric_mean(c.values()) for c in cycles]
+    rel = {n: statistics.median(c[n] / m for c, m in zip(cycles, means)) for n in names}
+    if level is None:
+        level = statistics.geometric_mean(statistics.median(c[n] for c in cycles) for n in names)
+    scale = level / statistics.geometric_mean(rel.values())
     return {n: scale * rel[n] for n in names}
 
 

@@ -593,14 +593,12 @@ class _Trainer:
                 row[s] = steps[s] * s.global_batch / _bcast(time.perf_counter() - tb)
             cycles.append(row)
         del exs
-        rates = paired_rates(cycles)
         cost = _bcast(time.perf_counter() - t0)
         before = {s: self.round_step_s.get(s, self.cost.measured[s]) for s in cons}
         # the cycles give ratios; their level stays the rounds' (geometric mean over the contenders), so that the
         # contenders stay comparable with the strategies timed in rounds alone when the machine's speed moved
         # between the two (one 2-rank pass read six of its seven contenders 8-30% slower than their rounds)
-        level = math.exp(statistics.fmean(math.log(s.global_batch / before[s]) - math.log(rates[s]) for s in cons))
-        rates = {s: r * level for s, r in rates.items()}
+        rates = paired_rates(cycles, level=statistics.geometric_mean(s.global_batch / before[s] for s in cons))
         for s in cons:
             self.cost.add(s, s.global_batch / rates[s])
             if cache is not None:
