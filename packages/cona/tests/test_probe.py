@@ -111,6 +111,25 @@ def test_middle_spread_reads_the_rounds_next_to_the_median():
     assert middle_spread([0.09, 0.02, 0.021, 0.022, 0.001]) == pytest.approx(0.002 / 0.021)
 
 
+def test_a_strategy_whose_median_round_fell_in_a_slow_spell_is_still_paired():
+    """The rounds of 2026-12-02 02:42 UTC (2 ranks): dp2-mb32-gb256 ran 0.094, 0.088, 0.051 s, its median put it at
+    2901 samples/s behind the pp2 leader of gb256 (3533), and gb128's leader read 4513; by its fastest round it
+    leads gb256, so the cycles time it. A strategy slower than the band by every round is left out."""
+    from cona.space import Strategy
+    from cona.train import pair_contenders
+
+    dp256, pp256 = Strategy(2, 1, 1, 32, 256), Strategy(1, 1, 2, 32, 256)
+    dp128, slow128 = Strategy(2, 1, 1, 32, 128), Strategy(2, 1, 1, 8, 128)
+    step = {dp256: 0.088, pp256: 0.0725, dp128: 0.0284, slow128: 0.045}
+    fastest = {dp256: 0.0506, pp256: 0.0722, dp128: 0.028, slow128: 0.040}
+    best = {256: 256 / 0.0725, 128: 128 / 0.0284}
+    cands = [dp256, pp256, dp128, slow128, Strategy(1, 2, 1, 32, 128)]  # the last one never measured
+    assert pair_contenders(cands, step, fastest, best, 0.1) == [dp256, pp256, dp128]
+    # by the median rounds alone (the rule until then) it would not be
+    assert 256 / step[dp256] < 0.9 * best[256]
+    assert pair_contenders(cands, step, {}, best, 0.1) == [pp256, dp128]
+
+
 def test_more_probe_rounds_than_the_maximum_are_refused():
     from cona.train import BenchConfig
 

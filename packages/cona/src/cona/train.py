@@ -32,6 +32,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ __all__ = [
     "pick_branch",
     "step0_range",
     "middle_spread",
+    "pair_contenders",
 ]
 
 log = logging.getLogger(__name__)
@@ -241,6 +243,15 @@ def middle_spread(rounds: list[float]) -> float:
         return 0.0
     m = (len(t) - 1) // 2
     return (t[min(m + 1, len(t) - 1)] - t[max(m - 1, 0)]) / t[m]
+
+
+def pair_contenders(candidates: Sequence[Strategy], step_s: Mapping[Strategy, float],
+                    fastest_round_s: Mapping[Strategy, float], best: Mapping[int, float], band: float) -> list[Strategy]:  # fmt: skip
+    """The measured strategies (``step_s``, in ``candidates``' order) whose samples/s by their fastest round (or
+    their table figure, if faster) reach ``1 - band`` of ``best[global batch]``, the table's leader of their
+    global batch: the strategies the paired cycles time again."""
+    return [s for s in candidates if s in step_s
+            and s.global_batch / min(fastest_round_s.get(s, math.inf), step_s[s]) >= (1 - band) * best[s.global_batch]]  # fmt: skip
 
 
 def smoothed(trace: list[tuple[float, float]], window: int = 1) -> list[tuple[float, float]]:
@@ -430,6 +441,7 @@ class _Trainer:
         )  # fmt: skip
         self.cost = cost if cost is not None else CostModel()
         self.round_step_s: dict[Strategy, float] = {}  # each probed strategy's figure from its rounds alone
+        self.fastest_round_s: dict[Strategy, float] = {}  # and its fastest round (a contender by it, _paired)
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
         return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm,
@@ -438,12 +450,13 @@ class _Trainer:
 
     # --- throughput --------------------------------------------------------------------------------
     def probe_key(self) -> str:
-        c = self.cfg
+        c = self.cfg  # contenders: since 2026-12-02 chosen by their fastest round; a table paired otherwise is stale
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
                          probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest(),
                          rounds_to=[c.probe_max_rounds, c.probe_spread_max], round_s=c.probe_round_s,
-                         paired=[c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band])  # fmt: skip
+                         paired=[c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band],
+                         contenders="fastest-round")  # fmt: skip
 
     def probe(self) -> dict:
         """Step times of the probe plan plus the fastest strategies by the fitted model, from the
@@ -490,6 +503,7 @@ class _Trainer:
                 secs = statistics.median_low(times[s])
                 self.cost.add(s, secs)
                 self.round_step_s[s] = secs
+                self.fastest_round_s[s] = min(times[s])
                 measured_now.append(s.name)
                 cost_now += costs[s]
                 spreads.append((max(times[s]) - min(times[s])) / secs)
@@ -501,6 +515,7 @@ class _Trainer:
                 e = cached[s.name]
                 self.cost.add(s, e["step_s"])
                 self.round_step_s[s] = (e.get("paired") or {}).get("rounds_step_s", e["step_s"])
+                self.fastest_round_s[s] = min(e.get("rounds") or [self.round_step_s[s]])
                 reused.append(s.name)
         plan = probe_plan(self.candidates)
         fresh = [s for s in plan if s.name not in cached]
@@ -573,10 +588,13 @@ class _Trainer:
         if all(s.name in done for s in leaders):
             return {"contenders": [s.name for s in leaders], "measured": False}
         # with every measured strategy within probe_paired_band of its global batch's leader, so that the cycles, not
-        # the rounds, decide a leader that the rounds could not tell apart from its neighbour (one pass, no flip)
+        # the rounds, decide a leader that the rounds could not tell apart from its neighbour (one pass, no flip).
+        # "Within" by its fastest round: interference only slows a round, and a strategy whose median round fell in
+        # a slow spell is a contender all the same (2 ranks, 2026-12-02 02:42 UTC, on a VM up for minutes: the
+        # first rounds of every strategy ran ~2x slow, dp2-mb32-gb256's first two of three (0.094, 0.088, 0.051 s),
+        # so its median read 2901 samples/s, below gb128's 4513, it was not paired, and best static became gb128)
         best = {s.global_batch: self.cost.throughput(s)[0] for s in leaders}
-        cons = [s for s in self.candidates if s in self.cost.measured
-                and self.cost.throughput(s)[0] >= (1 - cfg.probe_paired_band) * best[s.global_batch]]  # fmt: skip
+        cons = pair_contenders(self.candidates, self.cost.measured, self.fastest_round_s, best, cfg.probe_paired_band)
         t0 = time.perf_counter()
         exs = {s: self.executor(s, self.state0) for s in cons}
         batches = {s: self.data.samples(0, s.global_batch) for s in cons}
