@@ -227,8 +227,35 @@ def test_noise_range_uses_the_t_quantile_for_few_pairs():
     assert (lo_t, hi_t) == pytest.approx(gns.interval(z=t_quantile_975(7), window=8))
     from cona.train import BenchConfig
 
-    cfg = BenchConfig()
-    assert cfg.range_z is None and cfg.remaining_margin > 0 and cfg.hysteresis == "remaining"
+    cfg = BenchConfig()  # running decisions: one standard error (a switch is reversible a second later)
+    assert cfg.range_z == 1.0 and cfg.remaining_margin > 0 and cfg.hysteresis == "remaining"
+    lo_1, hi_1 = gns.interval(z=cfg.range_z, window=8)
+    assert lo_2 < lo_1 < hi_1 < hi_2  # narrower than the t range on both sides, around the same estimate
+
+
+def test_one_standard_error_switches_where_the_t_range_holds_back_and_both_keep_the_hysteresis():
+    """gb128 at 1.2x gb64's samples/s wins under the square-root model (1% margin, 5 s left) above a noise scale of
+    ~95. Pairs whose ratio of means reads ~150 bound it above that at one standard error (switch) but not at the t
+    quantile (stay);
+    back on gb128, neither range moves cona back to gb64 (the rival must win at the range's far end)."""
+    from cona.space import Strategy
+    from cona.train import BenchConfig
+
+    a, b = Strategy(2, 1, 2, 32, 64), Strategy(4, 1, 1, 32, 128)
+    tput = {a: 2500.0, b: 3000.0}
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    for i in range(8):  # (|G|^2, tr Sigma) around (1, 150), spread so that the ranges differ
+        g2, tr = 1.0 + 0.4 * (-1) ** i, 150.0 + 60.0 * ((i % 4) - 1.5)
+        gns.update(g2 + tr / 8, 8, g2 + tr / 64, 64)
+    t_range = gns.interval(z=None, window=8)
+    one_se = gns.interval(z=BenchConfig().range_z, window=8)
+    assert t_range[0] < 80 and one_se[0] > 110
+    ch = Chainer([a, b], tput, gns, margin=0.01, switch_cost_s=0.03)
+    assert not ch.decide(a, step=1, noise_range=t_range, remaining_s=5.0).switched
+    d = ch.decide(a, step=2, noise_range=one_se, remaining_s=5.0)
+    assert d.switched and d.chosen == b
+    for rng in (t_range, one_se):
+        assert not ch.decide(b, step=3, noise_range=rng, remaining_s=5.0).switched
 
 
 def test_a_realised_throughput_replaces_the_probe_in_the_ranking():

@@ -160,7 +160,7 @@ def test_interval_counts_the_error_of_both_estimates():
 
 def test_step0_range_uses_the_student_t_quantile_for_its_three_pairs():
     """The step-0 range comes from 3 pairs: +-2 standard errors (used until 2026-11-30) under-covers with
-    2 degrees of freedom; the bench uses the same Student-t quantile as for the running range (4.30)."""
+    2 degrees of freedom; the bench uses the Student-t quantile (4.30), whatever its running decisions use."""
     import random
 
     from cona.gns import t_quantile_975
@@ -171,7 +171,7 @@ def test_step0_range_uses_the_student_t_quantile_for_its_three_pairs():
     for _ in range(3):  # noisy pairs around |G|^2 = 1, tr(Sigma) = 40
         g2 = 1.0 + rng.gauss(0, 0.2)
         gns.update(g2 + 40 / 8 + rng.gauss(0, 0.5), 8, g2 + 40 / 64, 64)
-    cfg = BenchConfig()
+    cfg = BenchConfig(range_z=1.0)
     lo, hi = step0_range(gns, cfg)
     assert (lo, hi) == pytest.approx(gns.interval(z=t_quantile_975(2)))
     lo2, hi2 = gns.interval(z=2.0)

@@ -60,7 +60,7 @@ def _run_config(args, quick: bool):
 
     kw = dict(QUICK if quick else FULL)
     for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches", "seeds",
-                 "seed", "efficiency_model", "hysteresis", "initial_models"):  # fmt: skip
+                 "seed", "efficiency_model", "hysteresis", "initial_models", "range_z"):  # fmt: skip
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -482,6 +482,9 @@ def _parser() -> argparse.ArgumentParser:
             "probe table scaled to the run's speed (default: the probe table alone; on a machine "
             "whose speed swings from second to second the realised figures compare moments)",
         )
+        sp.add_argument("--range-z", type=float,
+                        help="standard errors the noise-scale range of a running switch decision spans (default: the "
+                             "two-sided 95%% Student-t quantile for its pairs; 0: the point estimates)")  # fmt: skip
         sp.add_argument("--hysteresis", choices=("remaining", "fixed"),
                         help="cona's switch rule: remaining (default; the newcomer must win over the estimated time "
                              "to target, switch cost paid, at every plausible noise scale) or fixed (5%% margin over "

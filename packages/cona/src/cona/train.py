@@ -122,7 +122,12 @@ class BenchConfig:
     # time-left trend is their only reader, and reading all 128 cost 2.1% (2 ranks) and 3.2% (4 ranks) of its
     # clock at 04:08-04:39 UTC 2026-12-01, against gaps to the oracle of 5-8%
     range_window: int = 8  # ~the pairs the EMA (0.64 per update) weighs: 0.64^8 = 0.03
-    range_z: float | None = None  # None: the two-sided 95% Student-t quantile for the pairs in the window
+    range_z: float | None = 1.0  # standard errors the running range spans (None: the two-sided 95% Student-t
+    # quantile for the pairs in the window, 2.36 for 8, the default until 2026-12-02). A switch is reversible a
+    # second later for its switch cost (0.03 s here), while holding back costs the goodput difference until the
+    # range's far end crosses over: on 4 ranks (2026-12-02 02:40-03:25 UTC, one probe table, 5 seeds each) the
+    # t range moved cona to gb128 at 5.3-7.4 s or never (gap 0.056), one standard error at 4.3-6.3 s in every
+    # seed (gap 0.044), where the oracle took gb128 or gb256 from 3-6 s
     remaining_margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
     # (the throughput table's own spread, now kept as each probe's rounds, is not used by the rule yet: the
     # range covers noise-scale uncertainty only)
@@ -213,6 +218,9 @@ class BenchConfig:
                              f"{self.probe_max_rounds}")  # fmt: skip
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+        if self.range_z is not None and not (math.isfinite(self.range_z) and self.range_z >= 0):
+            raise ValueError(f"range_z must be >= 0 standard errors (or None for the Student-t 95% quantile), got "
+                             f"{self.range_z}")  # fmt: skip
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {self.clip_norm}")
 
@@ -397,7 +405,8 @@ class _Variant:
             lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
             lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem)
-            extra = {"remaining_s": rem, "noise_range": [lo, hi]}
+            pairs = [[float(f"{g:.4g}"), float(f"{t:.4g}")] for g, t in self.gns.raw[-cfg.range_window :]]
+            extra = {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
         else:
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
@@ -868,9 +877,10 @@ def _summary(run: Run, target_loss: float, window: int) -> dict:
 
 
 def step0_range(gns: GradientNoiseScale, cfg: BenchConfig) -> tuple[float, float]:
-    """The noise scales the step-0 pairs support, at the same quantile as the running range (``range_z``; None:
-    Student's t for the pairs, 4.30 for the bench's 3 where +-2 standard errors were used until 2026-11-30)."""
-    return gns.interval(z=cfg.range_z)
+    """The noise scales the step-0 pairs support at the two-sided 95% Student-t quantile for the pairs (4.30 for
+    the bench's 3; +-2 standard errors were used until 2026-11-30), whatever ``range_z`` the running decisions
+    use: the initial choice is robust over its range and both efficiency models by design."""
+    return gns.interval(z=None)
 
 
 def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
