@@ -214,7 +214,7 @@ def test_a_fixed_gain_switches_with_a_long_time_left_and_stays_with_a_short_one(
     assert not slim.decide(a, step=3, noise_range=(50.0, 200.0), remaining_s=20.0).switched
 
 
-def test_noise_range_uses_the_t_quantile_for_few_pairs():
+def test_noise_range_quantiles_for_few_pairs_and_the_running_default():
     from cona.gns import t_quantile_975
 
     gns = GradientNoiseScale(reference_batch=8, decay=0.0)
@@ -230,14 +230,13 @@ def test_noise_range_uses_the_t_quantile_for_few_pairs():
     cfg = BenchConfig()  # running decisions: one standard error (a switch is reversible a second later)
     assert cfg.range_z == 1.0 and cfg.remaining_margin > 0 and cfg.hysteresis == "remaining"
     lo_1, hi_1 = gns.interval(z=cfg.range_z, window=8)
-    assert lo_2 < lo_1 < hi_1 < hi_2  # narrower than the t range on both sides, around the same estimate
+    assert lo_t < lo_2 < lo_1 < hi_1 < hi_2 < hi_t  # narrower than +-2 standard errors (and the t range) both sides
 
 
-def test_one_standard_error_switches_where_the_t_range_holds_back_and_both_keep_the_hysteresis():
+def test_one_standard_error_switches_where_the_t_range_holds_back_and_the_way_back_reads_the_far_end():
     """gb128 at 1.2x gb64's samples/s wins under the square-root model (1% margin, 5 s left) above a noise scale of
     ~95. Pairs whose ratio of means reads ~150 bound it above that at one standard error (switch) but not at the t
-    quantile (stay);
-    back on gb128, neither range moves cona back to gb64 (the rival must win at the range's far end)."""
+    quantile (stay); back on gb128, gb64 must win at the range's far end, not at the point estimate."""
     from cona.space import Strategy
     from cona.train import BenchConfig
 
@@ -254,8 +253,15 @@ def test_one_standard_error_switches_where_the_t_range_holds_back_and_both_keep_
     assert not ch.decide(a, step=1, noise_range=t_range, remaining_s=5.0).switched
     d = ch.decide(a, step=2, noise_range=one_se, remaining_s=5.0)
     assert d.switched and d.chosen == b
-    for rng in (t_range, one_se):
-        assert not ch.decide(b, step=3, noise_range=rng, remaining_s=5.0).switched
+    # back on gb128 the guard is the range's far end: gb64 wins (1% margin, 0.03 s switch, 5 s left) only below a
+    # noise scale of ~67, so a point estimate of 50 moves nothing while the range reaches 120, and moves back once
+    # the whole range lies below
+    low = GradientNoiseScale(reference_batch=8, decay=0.0)
+    _set_phi(low, 50.0)
+    back = Chainer([a, b], tput, low, margin=0.01, switch_cost_s=0.03)
+    assert not back.decide(b, step=3, noise_range=(40.0, 120.0), remaining_s=5.0).switched
+    d = back.decide(b, step=4, noise_range=(30.0, 60.0), remaining_s=5.0)
+    assert d.switched and d.chosen == a
 
 
 def test_a_realised_throughput_replaces_the_probe_in_the_ranking():

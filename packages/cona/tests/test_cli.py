@@ -89,7 +89,7 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
             ["bench", "--initial-models", "sqrt,adam"],
             "--initial-models must name one or more of sqrt, tuned, got sqrt,adam",
         ),
-        (["bench", "--quick", "--range-z", "-1"], "--range-z must be >= 0 standard errors"),
+        (["bench", "--quick", "--range-z", "-1"], "--range-z must be a number of standard errors >= 0, got -1.0"),
         (
             [
                 "strategies",

@@ -61,6 +61,8 @@ def _probe_twice(rank, world, cfg_dict):
     second_tr = _Trainer(cfg)
     second = second_tr.probe()
     table = {s.name: second_tr.cost.throughput(s) for s in second_tr.candidates}
+    # every measured strategy's fastest round is known, from this run's rounds or the cache's (pair_contenders)
+    assert set(second_tr.cost.measured) <= set(second_tr.fastest_round_s)
     return (first, second, table) if rank == 0 else None
 
 
@@ -114,20 +116,41 @@ def test_middle_spread_reads_the_rounds_next_to_the_median():
 def test_a_strategy_whose_median_round_fell_in_a_slow_spell_is_still_paired():
     """The rounds of 2026-12-02 02:42 UTC (2 ranks): dp2-mb32-gb256 ran 0.094, 0.088, 0.051 s, its median put it at
     2901 samples/s behind the pp2 leader of gb256 (3533), and gb128's leader read 4513; by its fastest round it
-    leads gb256, so the cycles time it. A strategy slower than the band by every round is left out."""
+    leads gb256, so the cycles time it. Fastest rounds are set against fastest rounds: a strategy within the band of
+    a leader's median but not of its global batch's best round is left out, the leaders never."""
     from cona.space import Strategy
     from cona.train import pair_contenders
 
     dp256, pp256 = Strategy(2, 1, 1, 32, 256), Strategy(1, 1, 2, 32, 256)
-    dp128, slow128 = Strategy(2, 1, 1, 32, 128), Strategy(2, 1, 1, 8, 128)
-    step = {dp256: 0.088, pp256: 0.0725, dp128: 0.0284, slow128: 0.045}
-    fastest = {dp256: 0.0506, pp256: 0.0722, dp128: 0.028, slow128: 0.040}
-    best = {256: 256 / 0.0725, 128: 128 / 0.0284}
-    cands = [dp256, pp256, dp128, slow128, Strategy(1, 2, 1, 32, 128)]  # the last one never measured
-    assert pair_contenders(cands, step, fastest, best, 0.1) == [dp256, pp256, dp128]
-    # by the median rounds alone (the rule until then) it would not be
-    assert 256 / step[dp256] < 0.9 * best[256]
-    assert pair_contenders(cands, step, {}, best, 0.1) == [pp256, dp128]
+    dp128, mb16_128, mb8_128 = Strategy(2, 1, 1, 32, 128), Strategy(2, 1, 1, 16, 128), Strategy(2, 1, 1, 8, 128)
+    step = {dp256: 0.088, pp256: 0.0725, dp128: 0.0284, mb16_128: 0.030, mb8_128: 0.045}
+    fastest = {dp256: 0.0506, pp256: 0.0722, dp128: 0.0260, mb16_128: 0.0300, mb8_128: 0.040}
+    cands = [dp256, pp256, dp128, mb16_128, mb8_128, Strategy(1, 2, 1, 32, 128)]  # the last one never measured
+    leaders = [pp256, dp128]  # by the table (median rounds)
+    # mb16: 128 / 0.030 is within 10% of dp128's median figure (4507) but not of its fastest round (4923)
+    assert 128 / 0.030 >= 0.9 * 128 / 0.0284 and 128 / 0.030 < 0.9 * 128 / 0.026
+    assert pair_contenders(cands, step, fastest, leaders, 0.1) == [dp256, pp256, dp128]
+    # by the median rounds alone (the rule until then) dp256 would not be
+    assert 256 / step[dp256] < 0.9 * 256 / step[pp256]
+    assert pair_contenders(cands, step, {}, leaders, 0.1) == [pp256, dp128, mb16_128]
+
+
+def test_the_paired_level_is_the_rounds_median_not_moved_by_one_slow_median():
+    """Paired figures come at some common level; the rounds' level is the median over the contenders of rounds /
+    paired, so one contender whose median round ran at 0.62 of its speed moves nobody (a geometric mean moved all
+    seven by ~7%)."""
+    from cona.space import Strategy
+    from cona.train import rounds_level
+
+    ss = [Strategy(2, 1, 1, 32, gb) for gb in (16, 32, 64, 128, 256)] + [Strategy(1, 1, 2, 32, 256)]
+    true = dict(zip(ss, (1600.0, 2600.0, 3700.0, 4400.0, 4700.0, 3500.0)))
+    paired = {s: v / 2.0 for s, v in true.items()}  # right ratios, another level
+    rounds = dict(true)
+    rounds[ss[4]] = 0.62 * true[ss[4]]  # its median round fell in a slow spell
+    k = rounds_level(rounds, paired)
+    assert all(k * paired[s] == pytest.approx(true[s]) for s in ss)
+    gm = math.exp(sum(math.log(rounds[s] / paired[s]) for s in ss) / len(ss))
+    assert gm * paired[ss[0]] < 0.93 * true[ss[0]]  # what the geometric mean did
 
 
 def test_more_probe_rounds_than_the_maximum_are_refused():

@@ -256,7 +256,8 @@ def _results(seeds: dict, budget_s: float) -> dict:
 
 def _brief(d: dict) -> dict:
     """One decision, short (every seed's log in the JSON, not only the first seed's)."""
-    keep = ("elapsed_s", "current", "chosen", "switched", "noise_scale", "noise_range", "remaining_s", "reason")
+    keep = ("elapsed_s", "current", "chosen", "switched", "noise_scale", "noise_range", "pairs", "remaining_s",
+            "reason")  # fmt: skip
     return {k: d[k] for k in keep if k in d} | {
         "top": [[e["strategy"], round(e["throughput"]), round(e["efficiency"], 3), round(e["goodput"])]
                 for e in d.get("ranking", [])[:4]]}  # fmt: skip
@@ -483,8 +484,9 @@ def _parser() -> argparse.ArgumentParser:
             "whose speed swings from second to second the realised figures compare moments)",
         )
         sp.add_argument("--range-z", type=float,
-                        help="standard errors the noise-scale range of a running switch decision spans (default: the "
-                             "two-sided 95%% Student-t quantile for its pairs; 0: the point estimates)")  # fmt: skip
+                        help="standard errors the noise-scale range of a running switch decision spans, around the "
+                             "ratio of its pairs' means and the smoothed estimate (default 1; 2.365 is the two-sided "
+                             "95%% Student-t quantile for its 8 pairs, the rule until 2026-12-02)")  # fmt: skip
         sp.add_argument("--hysteresis", choices=("remaining", "fixed"),
                         help="cona's switch rule: remaining (default; the newcomer must win over the estimated time "
                              "to target, switch cost paid, at every plausible noise scale) or fixed (5%% margin over "

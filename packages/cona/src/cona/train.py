@@ -60,6 +60,7 @@ __all__ = [
     "step0_range",
     "middle_spread",
     "pair_contenders",
+    "rounds_level",
 ]
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,8 @@ class BenchConfig:
     range_window: int = 8  # ~the pairs the EMA (0.64 per update) weighs: 0.64^8 = 0.03
     range_z: float | None = 1.0  # standard errors the running range spans (None: the two-sided 95% Student-t
     # quantile for the pairs in the window, 2.36 for 8, the default until 2026-12-02). A switch is reversible a
-    # second later for its switch cost (0.03 s here), while holding back costs the goodput difference until the
-    # range's far end crosses over: on 4 ranks (2026-12-02 02:40-03:25 UTC, one probe table, 5 seeds each) the
+    # second later for its switch cost (0.01-0.05 s here), while holding back costs the goodput difference until
+    # the range's far end crosses over: on 4 ranks (2026-12-02 02:11-02:40 UTC, one probe table, 5 seeds each) the
     # t range moved cona to gb128 at 5.3-7.4 s or never (gap 0.056), one standard error at 4.3-6.3 s in every
     # seed (gap 0.044), where the oracle took gb128 or gb256 from 3-6 s
     remaining_margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
@@ -219,8 +220,7 @@ class BenchConfig:
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
         if self.range_z is not None and not (math.isfinite(self.range_z) and self.range_z >= 0):
-            raise ValueError(f"range_z must be >= 0 standard errors (or None for the Student-t 95% quantile), got "
-                             f"{self.range_z}")  # fmt: skip
+            raise ValueError(f"range_z must be a number of standard errors >= 0, got {self.range_z}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {self.clip_norm}")
 
@@ -254,12 +254,30 @@ def middle_spread(rounds: list[float]) -> float:
 
 
 def pair_contenders(candidates: Sequence[Strategy], step_s: Mapping[Strategy, float],
-                    fastest_round_s: Mapping[Strategy, float], best: Mapping[int, float], band: float) -> list[Strategy]:  # fmt: skip
-    """The measured strategies (``step_s``, in ``candidates``' order) whose samples/s by their fastest round (or
-    their table figure, if faster) reach ``1 - band`` of ``best[global batch]``, the table's leader of their
-    global batch: the strategies the paired cycles time again."""
-    return [s for s in candidates if s in step_s
-            and s.global_batch / min(fastest_round_s.get(s, math.inf), step_s[s]) >= (1 - band) * best[s.global_batch]]  # fmt: skip
+                    fastest_round_s: Mapping[Strategy, float], leaders: Sequence[Strategy], band: float) -> list[Strategy]:  # fmt: skip
+    """The strategies the paired cycles time again, in ``candidates``' order: every global batch's leader in the
+    table (``leaders``) and every measured strategy (``step_s``) whose samples/s by its fastest round (or by its
+    table figure, if faster) reach ``1 - band`` of the best such figure of its global batch. Fastest rounds are
+    compared with fastest rounds: interference only slows a round, so a strategy whose median round fell in a slow
+    spell is a contender all the same, and the band is not widened by setting one's best against another's median."""
+
+    def rate(s: Strategy) -> float:
+        return s.global_batch / min(fastest_round_s.get(s, math.inf), step_s[s])
+
+    best: dict[int, float] = {}
+    for s in candidates:
+        if s in step_s:
+            best[s.global_batch] = max(best.get(s.global_batch, 0.0), rate(s))
+    lead = set(leaders)
+    return [s for s in candidates if s in lead or (s in step_s and rate(s) >= (1 - band) * best[s.global_batch])]
+
+
+def rounds_level(rounds_rate: Mapping[Strategy, float], paired: Mapping[Strategy, float]) -> float:
+    """The factor that puts paired figures (``paired``, at any common level) at the level of the rounds'
+    (``rounds_rate``, samples/s by each one's median round): the median over the strategies of rounds / paired,
+    so that one strategy whose rounds fell in a slow spell does not move every contender's figure (a geometric
+    mean did: one median read at 0.62 of its strategy's speed among 7 lowered them all by ~7%)."""
+    return statistics.median(rounds_rate[s] / paired[s] for s in paired)
 
 
 def smoothed(trace: list[tuple[float, float]], window: int = 1) -> list[tuple[float, float]]:
@@ -405,7 +423,7 @@ class _Variant:
             lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
             lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem)
-            pairs = [[float(f"{g:.4g}"), float(f"{t:.4g}")] for g, t in self.gns.raw[-cfg.range_window :]]
+            pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in self.gns.raw[-cfg.range_window :]]
             extra = {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
         else:
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
@@ -459,13 +477,13 @@ class _Trainer:
 
     # --- throughput --------------------------------------------------------------------------------
     def probe_key(self) -> str:
-        c = self.cfg  # contenders: since 2026-12-02 chosen by their fastest round; a table paired otherwise is stale
+        c = self.cfg  # contenders: since 2026-12-02 chosen by fastest rounds, level by a median; older tables are stale
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
                          probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest(),
                          rounds_to=[c.probe_max_rounds, c.probe_spread_max], round_s=c.probe_round_s,
                          paired=[c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band],
-                         contenders="fastest-round")  # fmt: skip
+                         contenders="fastest-rounds, median level")  # fmt: skip
 
     def probe(self) -> dict:
         """Step times of the probe plan plus the fastest strategies by the fitted model, from the
@@ -596,14 +614,14 @@ class _Trainer:
         leaders = oracle_shortlist(self.candidates, self.cost.throughput)
         if all(s.name in done for s in leaders):
             return {"contenders": [s.name for s in leaders], "measured": False}
-        # with every measured strategy within probe_paired_band of its global batch's leader, so that the cycles, not
+        # with every measured strategy within probe_paired_band of its global batch's best, so that the cycles, not
         # the rounds, decide a leader that the rounds could not tell apart from its neighbour (one pass, no flip).
-        # "Within" by its fastest round: interference only slows a round, and a strategy whose median round fell in
-        # a slow spell is a contender all the same (2 ranks, 2026-12-02 02:42 UTC, on a VM up for minutes: the
-        # first rounds of every strategy ran ~2x slow, dp2-mb32-gb256's first two of three (0.094, 0.088, 0.051 s),
-        # so its median read 2901 samples/s, below gb128's 4513, it was not paired, and best static became gb128)
-        best = {s.global_batch: self.cost.throughput(s)[0] for s in leaders}
-        cons = pair_contenders(self.candidates, self.cost.measured, self.fastest_round_s, best, cfg.probe_paired_band)
+        # "Within" by fastest rounds: interference only slows a round, and a strategy whose median round fell in a
+        # slow spell is a contender all the same (2 ranks, 2026-12-02 02:42 UTC, on a VM up for minutes: the first
+        # rounds of every strategy ran ~2x slow, dp2-mb32-gb256's first two of three (0.094, 0.088, 0.051 s), so
+        # its median read 2901 samples/s, below gb128's 4513, it was not paired, and best static became gb128)
+        cons = pair_contenders(self.candidates, self.cost.measured, self.fastest_round_s, leaders,
+                               cfg.probe_paired_band)  # fmt: skip
         t0 = time.perf_counter()
         exs = {s: self.executor(s, self.state0) for s in cons}
         batches = {s: self.data.samples(0, s.global_batch) for s in cons}
@@ -622,10 +640,13 @@ class _Trainer:
         del exs
         cost = _bcast(time.perf_counter() - t0)
         before = {s: self.round_step_s.get(s, self.cost.measured[s]) for s in cons}
-        # the cycles give ratios; their level stays the rounds' (geometric mean over the contenders), so that the
-        # contenders stay comparable with the strategies timed in rounds alone when the machine's speed moved
-        # between the two (one 2-rank pass read six of its seven contenders 8-30% slower than their rounds)
-        rates = paired_rates(cycles, level=statistics.geometric_mean(s.global_batch / before[s] for s in cons))
+        # the cycles give ratios; their level stays the rounds' (``rounds_level``: the median over the contenders of
+        # rounds over paired), so that the contenders stay comparable with the strategies timed in rounds alone when
+        # the machine's speed moved between the two (one 2-rank pass read six of its seven contenders 8-30% slower
+        # than their rounds), and a contender whose median round fell in a slow spell does not move the others
+        rel = paired_rates(cycles)
+        k = rounds_level({s: s.global_batch / before[s] for s in cons}, rel)
+        rates = {s: k * r for s, r in rel.items()}
         for s in cons:
             self.cost.add(s, s.global_batch / rates[s])
             if cache is not None:
