@@ -171,8 +171,8 @@ def test_step0_range_uses_the_student_t_quantile_for_its_three_pairs():
     for _ in range(3):  # noisy pairs around |G|^2 = 1, tr(Sigma) = 40
         g2 = 1.0 + rng.gauss(0, 0.2)
         gns.update(g2 + 40 / 8 + rng.gauss(0, 0.5), 8, g2 + 40 / 64, 64)
-    cfg = BenchConfig(range_z=1.0)
-    lo, hi = step0_range(gns, cfg)
+    assert BenchConfig().range_z == 1.0  # the running decisions' quantile is not the step-0 one
+    lo, hi = step0_range(gns)
     assert (lo, hi) == pytest.approx(gns.interval(z=t_quantile_975(2)))
     lo2, hi2 = gns.interval(z=2.0)
     assert lo < lo2 < hi2 < hi  # wider than +-2 standard errors on both sides

@@ -136,21 +136,14 @@ def test_a_strategy_whose_median_round_fell_in_a_slow_spell_is_still_paired():
 
 
 def test_the_paired_level_is_the_rounds_median_not_moved_by_one_slow_median():
-    """Paired figures come at some common level; the rounds' level is the median over the contenders of rounds /
-    paired, so one contender whose median round ran at 0.62 of its speed moves nobody (a geometric mean moved all
-    seven by ~7%)."""
-    from cona.space import Strategy
-    from cona.train import rounds_level
-
-    ss = [Strategy(2, 1, 1, 32, gb) for gb in (16, 32, 64, 128, 256)] + [Strategy(1, 1, 2, 32, 256)]
-    true = dict(zip(ss, (1600.0, 2600.0, 3700.0, 4400.0, 4700.0, 3500.0)))
-    paired = {s: v / 2.0 for s, v in true.items()}  # right ratios, another level
-    rounds = dict(true)
-    rounds[ss[4]] = 0.62 * true[ss[4]]  # its median round fell in a slow spell
-    k = rounds_level(rounds, paired)
-    assert all(k * paired[s] == pytest.approx(true[s]) for s in ss)
-    gm = math.exp(sum(math.log(rounds[s] / paired[s]) for s in ss) / len(ss))
-    assert gm * paired[ss[0]] < 0.93 * true[ss[0]]  # what the geometric mean did
+    """Paired cycles give ratios at some level; put at the rounds' level (the median over the contenders of rounds /
+    paired), one contender whose median round ran at 0.62 of its speed moves nobody (a geometric mean moved all
+    six here by ~8%)."""
+    true = {"gb16": 1600.0, "gb32": 2600.0, "gb64": 3700.0, "gb128": 4400.0, "gb256": 4700.0, "pp-gb256": 3500.0}
+    cycles = [{n: r * speed for n, r in true.items()} for speed in (0.5, 0.7, 0.6)]  # right ratios, another level
+    rounds = dict(true, gb256=0.62 * true["gb256"])  # its median round fell in a slow spell
+    got = paired_rates(cycles, reference=rounds)
+    assert all(got[n] == pytest.approx(true[n]) for n in true)
 
 
 def test_more_probe_rounds_than_the_maximum_are_refused():
@@ -207,13 +200,11 @@ def test_paired_rates_cancel_a_speed_common_to_a_cycle():
         for b in true:
             assert got[a] / got[b] == pytest.approx(true[a] / true[b], rel=0.03), (a, b)
     assert set(got) == set(true)
-    # the level: by default the geometric mean of each strategy's median block rate; else the one asked for
+    # the level: by default the geometric mean of each strategy's median block rate; else a reference's
     medians = {n: sorted(c[n] for c in cycles)[10] for n in true}
     assert math.prod(got.values()) == pytest.approx(math.prod(medians.values()), rel=1e-9)
-    at = paired_rates(cycles, level=2000.0)
-    assert math.prod(at.values()) == pytest.approx(2000.0**3) and at["gb64"] / at["gb32"] == pytest.approx(
-        got["gb64"] / got["gb32"]
-    )
+    at = paired_rates(cycles, reference={n: 2.0 * r for n, r in got.items()})  # the level of figures measured otherwise
+    assert all(at[n] == pytest.approx(2.0 * got[n]) for n in got)
     with pytest.raises(ValueError, match="each timing the same strategies"):
         paired_rates([{"a": 1.0}, {"b": 1.0}])
     with pytest.raises(ValueError, match="at least one cycle"):

@@ -162,19 +162,24 @@ def round_steps(first_step_s: float, max_steps: int, round_s: float | None, min_
     return max(min(min_steps, max_steps), min(max_steps, math.ceil(round_s / first_step_s)))
 
 
-def paired_rates(cycles: list[dict], level: float | None = None) -> dict:
+def paired_rates(cycles: list[dict], reference: dict | None = None) -> dict:
     """Throughputs of strategies timed in alternating blocks, one block each per cycle (``cycles``: per cycle,
     strategy -> samples/s of its block). Each strategy's figure is its median over cycles of its rate relative to
     the cycle's geometric mean, so a drift or a burst of the machine's speed that a cycle's blocks share cancels
-    from the ratios. ``level``: the figures' geometric mean (default: that of the strategies' median rates)."""
+    from the ratios. ``reference``: strategy -> samples/s measured otherwise (the probe rounds); the figures are put
+    at its level, the median over the strategies of reference / figure (one reference read in a slow spell moves
+    no figure: a geometric mean lowered all seven of a 2-rank table by ~7% for one at 0.62 of its speed, 2026-12-02).
+    Default level: the geometric mean of the strategies' median block rates."""
     if not cycles or any(set(c) != set(cycles[0]) for c in cycles):
         raise ValueError("paired_rates needs at least one cycle, each timing the same strategies")
     names = list(cycles[0])
     means = [statistics.geometric_mean(c.values()) for c in cycles]
     rel = {n: statistics.median(c[n] / m for c, m in zip(cycles, means)) for n in names}
-    if level is None:
+    if reference is None:
         level = statistics.geometric_mean(statistics.median(c[n] for c in cycles) for n in names)
-    scale = level / statistics.geometric_mean(rel.values())
+        scale = level / statistics.geometric_mean(rel.values())
+    else:
+        scale = statistics.median(reference[n] / rel[n] for n in names)
     return {n: scale * rel[n] for n in names}
 
 

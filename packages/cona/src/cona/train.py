@@ -60,7 +60,6 @@ __all__ = [
     "step0_range",
     "middle_spread",
     "pair_contenders",
-    "rounds_level",
 ]
 
 log = logging.getLogger(__name__)
@@ -270,14 +269,6 @@ def pair_contenders(candidates: Sequence[Strategy], step_s: Mapping[Strategy, fl
             best[s.global_batch] = max(best.get(s.global_batch, 0.0), rate(s))
     lead = set(leaders)
     return [s for s in candidates if s in lead or (s in step_s and rate(s) >= (1 - band) * best[s.global_batch])]
-
-
-def rounds_level(rounds_rate: Mapping[Strategy, float], paired: Mapping[Strategy, float]) -> float:
-    """The factor that puts paired figures (``paired``, at any common level) at the level of the rounds'
-    (``rounds_rate``, samples/s by each one's median round): the median over the strategies of rounds / paired,
-    so that one strategy whose rounds fell in a slow spell does not move every contender's figure (a geometric
-    mean did: one median read at 0.62 of its strategy's speed among 7 lowered them all by ~7%)."""
-    return statistics.median(rounds_rate[s] / paired[s] for s in paired)
 
 
 def smoothed(trace: list[tuple[float, float]], window: int = 1) -> list[tuple[float, float]]:
@@ -640,13 +631,10 @@ class _Trainer:
         del exs
         cost = _bcast(time.perf_counter() - t0)
         before = {s: self.round_step_s.get(s, self.cost.measured[s]) for s in cons}
-        # the cycles give ratios; their level stays the rounds' (``rounds_level``: the median over the contenders of
-        # rounds over paired), so that the contenders stay comparable with the strategies timed in rounds alone when
-        # the machine's speed moved between the two (one 2-rank pass read six of its seven contenders 8-30% slower
-        # than their rounds), and a contender whose median round fell in a slow spell does not move the others
-        rel = paired_rates(cycles)
-        k = rounds_level({s: s.global_batch / before[s] for s in cons}, rel)
-        rates = {s: k * r for s, r in rel.items()}
+        # the cycles give ratios; their level stays the rounds' (a median, see ``paired_rates``), so that the
+        # contenders stay comparable with the strategies timed in rounds alone when the machine's speed moved between
+        # the two (one 2-rank pass read six of its seven contenders 8-30% slower than their rounds)
+        rates = paired_rates(cycles, reference={s: s.global_batch / before[s] for s in cons})
         for s in cons:
             self.cost.add(s, s.global_batch / rates[s])
             if cache is not None:
@@ -897,7 +885,7 @@ def _summary(run: Run, target_loss: float, window: int) -> dict:
     }
 
 
-def step0_range(gns: GradientNoiseScale, cfg: BenchConfig) -> tuple[float, float]:
+def step0_range(gns: GradientNoiseScale) -> tuple[float, float]:
     """The noise scales the step-0 pairs support at the two-sided 95% Student-t quantile for the pairs (4.30 for
     the bench's 3; +-2 standard errors were used until 2026-11-30), whatever ``range_z`` the running decisions
     use: the initial choice is robust over its range and both efficiency models by design."""
@@ -908,7 +896,7 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     """Every variant of one seed, from that seed's initial weights and sample stream."""
     cfg = tr.cfg
     gns0, gns0_s = tr.gns_at_step0()
-    lo, hi = step0_range(gns0, cfg)
+    lo, hi = step0_range(gns0)
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = cfg.noise_scale_estimator()
