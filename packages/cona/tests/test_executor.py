@@ -57,6 +57,11 @@ def _worker(rank, world, ckpt_dir):
             rq.tensors,
             plain.compute_grads(b0).tensors,
         )
+        out["per"][s.name]["micro"] = Executor(s, cfg, st0, lr=LR, eps=EPS).micro_batch_stats([b0, b1])
+        step0 = Executor(s, cfg, st0, lr=LR, eps=EPS, precondition=True)  # step 0's metric: a warm batch's g^2
+        step0.compute_grads(b0, gns=False)
+        step0.fold_second_moment()
+        out["per"][s.name]["micro_pre"] = step0.micro_batch_stats([b1])
         clipped = Executor(s, cfg, st0, lr=LR, eps=EPS, clip_norm=CLIP)
         rc = clipped.train_step(b0)
         out["per"][s.name]["clip"] = {"norm": rc.grad_norm, "coef": rc.clip_coef, "grads": clipped.full_grads(),
@@ -158,6 +163,24 @@ def test_gradient_clipping_uses_the_global_norm_across_shards_and_replicas(resul
         torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=1e-7, msg=f"{name}: clipped grad {n}")
     for n, p in ref["params"].items():
         torch.testing.assert_close(got["state"].tensors["param"][n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s.name for s in STRATEGIES])
+def test_micro_batch_statistics_match_the_reference(results, name, micro_reference):
+    """Every micro-batch of two global batches on every replica, and of one batch in step 0's metric (a warm batch's
+    squared gradient as v): |g_k|^2, g_k . S and |S|^2 as one process computes them from each micro-batch's own
+    gradient, assembled over shards, stages and replicas (slots go replica by replica: compared as sets)."""
+    s = next(x for x in STRATEGIES if x.name == name)
+    data = _data()
+    b0, b1 = data.samples(0, 8), data.samples(8, 8)
+    for key, ids, warm in (("micro", torch.cat([b0, b1]), None), ("micro_pre", b1, b0)):
+        b, norms, dots, mean_sq = results["per"][name][key]
+        want, want_sq = micro_reference(ids, s.micro_batch, warm, EPS)
+        assert b == s.micro_batch and len(norms) == len(dots) == len(want), key
+        got = sorted(zip(norms, dots))
+        assert [x for p in got for x in p] == pytest.approx([x for p in want for x in p], rel=1e-4), key
+        assert mean_sq == pytest.approx(want_sq, rel=1e-4), key
 
 
 def _sq_grad(rows):

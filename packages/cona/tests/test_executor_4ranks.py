@@ -13,8 +13,8 @@ CLIP = 0.5
 THEN = [Strategy(2, 1, 2, 2, 8), Strategy(1, 2, 2, 2, 8), Strategy(4, 1, 1, 1, 8)]
 
 
-def _ids():
-    return TextData(stdlib_tokens(200_000), 32).samples(0, 8)
+def _ids(start=0):
+    return TextData(stdlib_tokens(200_000), 32).samples(start, 8)
 
 
 def _worker(rank, world):
@@ -33,15 +33,27 @@ def _worker(rank, world):
         ex = Executor(s, cfg, initial_state(cfg, 0), lr=1e-3, eps=1e-4, clip_norm=CLIP)
         r = ex.train_step(ids)
         out["clip", s.name] = (r.grad_norm, ex.full_state().tensors["param"])
+    for s in [FIRST, THEN[0]]:  # step 0's micro-batch statistics with dp x tp and dp x pp
+        ex = Executor(s, cfg, initial_state(cfg, 0), lr=1e-3, eps=1e-4, precondition=True)
+        ex.compute_grads(ids, gns=False)
+        ex.fold_second_moment()
+        out["micro", s.name] = ex.micro_batch_stats([_ids(8)])
     return out if rank == 0 else None
 
 
 @pytest.mark.slow  # 4 spawned ranks: ~20 s on 2 cores; runs in nox -s tests like every slow test
-def test_four_rank_combinations_match_reference_and_reshard_exactly():
+def test_four_rank_combinations_match_reference_and_reshard_exactly(micro_reference):
     got = launch(_worker, 4, timeout_s=500)[0]
     model = build_model(tiny_llama_config(), 0)
     ids = _ids()
     _check_clipped(got, ids)
+    for s in [FIRST, THEN[0]]:  # replicas' slots with several ranks each, |S|^2 over dp, step 0's metric
+        b, norms, dots, mean_sq = got["micro", s.name]
+        want, want_sq = micro_reference(_ids(8), s.micro_batch, ids)
+        assert b == s.micro_batch and len(norms) == len(want) == 8 // s.micro_batch, s.name
+        got_pairs = [x for p in sorted(zip(norms, dots)) for x in p]
+        assert got_pairs == pytest.approx([x for p in want for x in p], rel=1e-4), s.name
+        assert mean_sq == pytest.approx(want_sq, rel=1e-4), s.name
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert got["first"][0] == pytest.approx(float(loss.detach()), rel=1e-5)

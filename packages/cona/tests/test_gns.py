@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from cona.gns import GradientNoiseScale, batch_efficiency, unbiased_estimates
+from cona.gns import GradientNoiseScale, batch_efficiency, fieller_interval, unbiased_estimates
 
 
 def _trials(n_trials, b, B, d=50, seed=0):
@@ -158,24 +158,78 @@ def test_interval_counts_the_error_of_both_estimates():
     assert fieller_interval([(1.0, 50.0), (-1.0, 60.0), (0.5, 40.0)])[1] == math.inf
 
 
-def test_step0_range_uses_the_student_t_quantile_for_its_three_pairs():
-    """The step-0 range comes from 3 pairs: +-2 standard errors (used until 2026-11-30) under-covers with
-    2 degrees of freedom; the bench uses the Student-t quantile (4.30), whatever its running decisions use."""
+def test_step0_range_uses_the_student_t_quantile_for_its_pairs():
+    """The step-0 range comes from few pairs (8 micro-batches): the bench uses the Student-t quantile for them
+    (2.36), whatever its running decisions use."""
     import random
 
     from cona.gns import t_quantile_975
     from cona.train import BenchConfig, step0_range
 
     rng = random.Random(3)
-    gns = GradientNoiseScale(reference_batch=8)
-    for _ in range(3):  # noisy pairs around |G|^2 = 1, tr(Sigma) = 40
-        g2 = 1.0 + rng.gauss(0, 0.2)
-        gns.update(g2 + 40 / 8 + rng.gauss(0, 0.5), 8, g2 + 40 / 64, 64)
+    pairs = [(1.0 + rng.gauss(0, 0.2), 40 + rng.gauss(0, 8)) for _ in range(8)]
     assert BenchConfig().range_z == 1.0  # the running decisions' quantile is not the step-0 one
-    lo, hi = step0_range(gns)
-    assert (lo, hi) == pytest.approx(gns.interval(z=t_quantile_975(2)))
-    lo2, hi2 = gns.interval(z=2.0)
-    assert lo < lo2 < hi2 < hi  # wider than +-2 standard errors on both sides
+    lo, hi = step0_range(pairs)
+    assert (lo, hi) == pytest.approx(fieller_interval(pairs, t_quantile_975(7)))
+    assert t_quantile_975(7) == 2.365
+    lo2, hi2 = fieller_interval(pairs, 2.0)
+    assert lo < lo2 < hi2 < hi  # wider than two standard errors on both sides
+
+
+def _micro_batches(rng, k, b, g, sigma):
+    """k micro-batch gradients of b samples each: the true gradient g plus per-sample noise of sd sigma per
+    coordinate, averaged."""
+    return [[gi + sum(rng.gauss(0, sigma) for _ in range(b)) / b for gi in g] for _ in range(k)]
+
+
+def test_micro_batch_jackknife_is_unbiased_and_its_range_covers_the_noise_scale():
+    """Micro-batch gradients with a known |G|^2 and tr(Sigma): the pseudo-pairs' means are unbiased for both, and
+    Fieller's set over one batch's 8 pseudo-pairs covers the true noise scale about 95% of the time."""
+    import random
+
+    from cona.gns import micro_batch_pairs, t_quantile_975
+
+    rng = random.Random(5)
+    dim, k, b, sigma = 40, 8, 8, 1.0
+    g = [0.25] * dim  # |G|^2 = 2.5, tr(Sigma) = 40 (per sample): noise scale 16
+    g2_true, tr_true = sum(x * x for x in g), dim * sigma**2
+    phi = tr_true / g2_true
+    sums, covered, n = [0.0, 0.0], 0, 400
+    for _ in range(n):
+        mbs = _micro_batches(rng, k, b, g, sigma)
+        mean = [sum(c) / k for c in zip(*mbs)]
+        norms = [sum(x * x for x in m) for m in mbs]
+        dots = [sum(x * y for x, y in zip(m, mean)) for m in mbs]
+        pairs = micro_batch_pairs(norms, dots, sum(x * x for x in mean), b)
+        assert len(pairs) == k
+        u, t = (sum(x) / k for x in zip(*pairs))
+        sums[0] += u
+        sums[1] += t
+        lo, hi = fieller_interval(pairs, t_quantile_975(k - 1))
+        covered += lo <= phi <= hi
+    assert sums[0] / n == pytest.approx(g2_true, rel=0.05)
+    assert sums[1] / n == pytest.approx(tr_true, rel=0.05)
+    assert 0.88 <= covered / n <= 0.99
+    # each pseudo-value against the estimates recomputed from the vectors without micro-batch k
+    mbs = _micro_batches(rng, 5, b, g, sigma)
+
+    def estimates(vs):
+        n, mean = len(vs), [sum(c) / len(vs) for c in zip(*vs)]
+        g2 = sum(sum(x * y for x, y in zip(vs[i], vs[j])) for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+        return g2, b * (sum(sum(x * x for x in v) for v in vs) / n - g2), mean
+
+    g2, tr, mean = estimates(mbs)
+    pairs = micro_batch_pairs([sum(x * x for x in m) for m in mbs], [sum(x * y for x, y in zip(m, mean)) for m in mbs],
+                              sum(x * x for x in mean), b)  # fmt: skip
+    for k, (pu, pt) in enumerate(pairs):
+        g2k, trk, _ = estimates(mbs[:k] + mbs[k + 1 :])
+        assert (pu, pt) == pytest.approx((5 * g2 - 4 * g2k, 5 * tr - 4 * trk), rel=1e-9, abs=1e-9)
+    with pytest.raises(ValueError, match="at least 3 micro-batches"):
+        micro_batch_pairs([1.0, 2.0], [1.0, 1.0], 1.0, 8)
+    with pytest.raises(ValueError, match="at least 3 micro-batches"):
+        micro_batch_pairs([1.0, 2.0, 3.0], [1.0, 1.0], 1.0, 8)
+    with pytest.raises(ValueError, match="b \\(samples per micro-batch\\)"):
+        micro_batch_pairs([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], 1.0, 0)
 
 
 def test_per_tensor_efficiency_reduces_to_the_pooled_model_and_departs_from_it_where_tensors_differ():

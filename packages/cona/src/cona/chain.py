@@ -161,7 +161,7 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     efficiency model in ``lr_scaling`` (one name or several), and that worst ratio (max over strategies of the
     min over the range and the models of goodput / best goodput).
 
-    For a decision under an uncertain noise scale (at step 0 a few gradient pairs only bound it): a
+    For a decision under an uncertain noise scale (at step 0 one batch's micro-batches only bound it): a
     point estimate from a near-zero |G|^2 can be off by orders of magnitude either way, while the
     worst-case ratio tells how much progress a choice can lose wherever in the range the truth lies.
     Several models: at step 0 nothing has shown which learning-rate regime training is in (see

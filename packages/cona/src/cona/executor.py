@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -475,6 +476,43 @@ class Executor:
             loss, sq_small_t, b_small, sq_big_t if want else 0.0, s.global_batch, compute_s, gns_s,
             {"split": len(mbs) != s.accum}, norm, coef, tensors,
         )  # fmt: skip
+
+    def micro_batch_stats(self, batches: Sequence[torch.Tensor]) -> tuple[int, list[float], list[float], float]:
+        """(micro-batch size b, |g_k|^2 of every micro-batch's gradient g_k, g_k . S, |S|^2) over every micro-batch of
+        ``batches`` on every data-parallel replica, S their mean, in the gradient statistics' metric (Adam's, as
+        ``compute_grads`` takes it), at the current weights and without a step: the input of
+        ``gns.micro_batch_pairs``. Each micro-batch runs on its own (a pipeline one micro-batch at a time) and its
+        gradient is kept until S is known: this rank's gradient shards once per micro-batch, a one-off for step 0.
+        Every rank must call it."""
+        s = self.s
+        weights = self._preconditioner()
+        kept: list[list[torch.Tensor]] = []  # per local micro-batch: this rank's gradients, in ``params`` order
+        for batch in batches:
+            for ids in self._local_micro_batches(batch):
+                self._grads_zero()
+                self._forward_backward([ids], False)
+                kept.append([p.grad for p in self.params.values()])
+        for p, gs in zip(self.params.values(), zip(*kept)):
+            p.grad = torch.stack(gs).mean(0)
+        self._dp_allreduce()  # S on every replica
+        pos = {id(p): i for i, p in enumerate(self.params.values())}
+        where = [(pos[id(p)], 1.0 if weights is None else weights[j] ** 2) for j, p in enumerate(self.owned)]
+        mean = [p.grad for p in self.params.values()]
+
+        def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
+            return sum(((a[i] * w * b[i]).sum(dtype=torch.float64) for i, w in where), zero)
+
+        n, k_all = len(kept), len(kept) * s.dp
+        vec = torch.zeros(2 * k_all + 1, dtype=torch.float64, device=self.device)
+        for k, g in enumerate(kept):  # this replica's slots; its tp and pipeline ranks add their shards into them
+            vec[self.d * n + k] = dot(g, g)
+            vec[k_all + self.d * n + k] = dot(g, mean)
+        vec[2 * k_all] = dot(mean, mean)
+        dist.all_reduce(vec)
+        vals = vec.tolist()
+        self._grads_zero()  # the kept gradients and S are not a step's
+        return s.micro_batch, vals[:k_all], vals[k_all : 2 * k_all], vals[2 * k_all] / s.dp
 
     def _clip(self, norm: float | None) -> float:
         """Scale every gradient (shards and replicas alike) so the global norm is at most ``clip_norm``.

@@ -41,6 +41,7 @@ __all__ = [
     "t_quantile_975",
     "EFFICIENCY_MODELS",
     "tensor_progress",
+    "micro_batch_pairs",
 ]
 
 LR_SCALINGS = ("sqrt", "tuned")
@@ -56,6 +57,37 @@ def unbiased_estimates(sq_small: float, b_small: float, sq_big: float, b_big: fl
     g2 = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
     s = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
     return g2, s
+
+
+def micro_batch_pairs(
+    norms: Sequence[float], dots: Sequence[float], mean_sq: float, b: float
+) -> list[tuple[float, float]]:
+    """Jackknife pseudo-values of (|G|^2, tr(Sigma)) from K gradients g_k of b samples each at the same weights:
+    ``norms`` |g_k|^2, ``dots`` g_k . S and ``mean_sq`` |S|^2, S their mean.
+
+    Every micro-batch of a global batch is a sample, not only one per data-parallel rank: the mean of g_k . g_l over
+    k != l, (K^2 |S|^2 - sum |g_k|^2) / (K (K - 1)), is unbiased for |G|^2, and b (mean |g_k|^2 - |G|^2) for
+    tr(Sigma). Leaving micro-batch k out gives both again over K - 1 (|S_-k|^2 from |S|^2, g_k . S and |g_k|^2); the
+    pseudo-values K x - (K - 1) x_-k average to the estimates (U-statistics) and spread as they would over
+    independent repeats, so ``fieller_interval`` over them bounds the noise scale from one global batch."""
+    k = len(norms)
+    if k < 3 or len(dots) != k:
+        raise ValueError(f"need norms and dots of at least 3 micro-batches, got {len(norms)} and {len(dots)}")
+    if not b > 0:
+        raise ValueError(f"b (samples per micro-batch) must be positive, got {b}")
+
+    def est(n: int, s_sq: float, total: float) -> tuple[float, float]:
+        g2 = (n * n * s_sq - total) / (n * (n - 1))
+        return g2, b * (total / n - g2)
+
+    total = sum(norms)
+    g2, tr = est(k, mean_sq, total)
+    out = []
+    for nk, dk in zip(norms, dots):
+        s_sq = (k * k * mean_sq - 2 * k * dk + nk) / (k - 1) ** 2  # |mean of the others|^2
+        g2k, trk = est(k - 1, s_sq, total - nk)
+        out.append((k * g2 - (k - 1) * g2k, k * tr - (k - 1) * trk))
+    return out
 
 
 def efficiency_models(value, field: str = "lr_scaling") -> tuple[str, ...]:

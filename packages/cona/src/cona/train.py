@@ -41,7 +41,7 @@ import torch.distributed as dist
 from . import dist as cdist
 from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
-from .gns import EFFICIENCY_MODELS, GradientNoiseScale, efficiency_models
+from .gns import EFFICIENCY_MODELS, GradientNoiseScale, efficiency_models, fieller_interval, micro_batch_pairs
 from .model import TextData, stdlib_tokens, tiny_llama_config
 from .probe import CostModel, ProbeCache, code_digest, paired_rates, probe_key, probe_plan, round_steps, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
@@ -106,7 +106,11 @@ class BenchConfig:
     # a long EMA lags it (2 ranks, step 100: 0.95 read 29 while the last updates gave 74-97); 0.64 per update
     # every 8 steps is the 0.8 per 4 steps the chain was tuned with (~0.3 s at gb64)
     step0_warm_batches: int = 1  # step 0: batches whose squared gradients stand in for Adam's v
-    step0_batches: int = 3  # step 0: gradient pairs measured for the initial noise-scale range
+    step0_batches: int = 1  # step 0: global batches whose micro-batches (8 of 8 samples at gb64) bound the initial
+    # noise scale (``gns.micro_batch_pairs``). Offline at the initial weights (8 seeds, 12 gb64 batches each, against
+    # the estimate from the batches a range did not read): one batch's range covered it 91 times in 96, median width
+    # (hi/lo) 2.1-3.7; three (first micro-batch of each of 4 ranks, whole batch) pairs, the scheme until 2026-12-02,
+    # 30 in 32 at 2.3-14.5, for three times the gradients (README, "Step 0")
     oracle_phase_s: float = 3.0
     slice_s: float = 0.5  # interleaving granularity of the side-by-side variants
     val_samples: int = 128
@@ -202,6 +206,9 @@ class BenchConfig:
             raise ValueError(f"target_window must be >= 1 (evaluations averaged), got {self.target_window}")
         if self.oracle_branches is not None and self.oracle_branches < 1:
             raise ValueError(f"oracle_branches must be >= 1, got {self.oracle_branches}")
+        if self.step0_batches < 1 or self.step0_warm_batches < 0:
+            raise ValueError(f"step0_batches must be >= 1 and step0_warm_batches >= 0, got {self.step0_batches} and "
+                             f"{self.step0_warm_batches}")  # fmt: skip
         for name in ("probe_rounds", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -649,14 +656,15 @@ class _Trainer:
                 # paired samples/s over the rounds' figure, per contender (what the cycles corrected)
                 "rate_vs_rounds": {s.name: before[s] * rates[s] / s.global_batch for s in cons}}  # fmt: skip
 
-    def gns_at_step0(self) -> tuple[GradientNoiseScale, float]:
-        """Gradient statistics from the first batches (no optimizer step): preconditioned by the squared
-        gradients of ``step0_warm_batches`` batches (what Adam's v would hold), then ``step0_batches``
-        (micro-batch, global batch) pairs from the strategy with the most micro-batches per global batch
-        (up to the reference batch x 8: a well-resolved |G|^2 needs the big batch well above the small)."""
+    def gns_at_step0(self) -> tuple[list[tuple[float, float]], float]:
+        """Gradient statistics at the initial weights, no optimizer step: preconditioned by the squared gradients of
+        ``step0_warm_batches`` batches (what Adam's v would hold), then every micro-batch gradient of
+        ``step0_batches`` batches (more if they hold fewer than 3 micro-batches) of the strategy with the most
+        micro-batches per global batch (up to the reference batch x 8: a well-resolved |G|^2 needs the global batch
+        well above the micro-batch). Returns the jackknife
+        pseudo-pairs (|G|^2, tr Sigma) of ``gns.micro_batch_pairs`` and the seconds it all took."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        gns = cfg.noise_scale_estimator()
         informative = [c for c in self.candidates if c.dp * c.accum > 1] or self.candidates
         capped = [c for c in informative if c.global_batch <= 8 * cfg.reference_batch] or informative
         s = min(capped, key=lambda c: (-c.dp * c.accum, c.global_batch, c.tp, c.pp, -self.cost.throughput(c)[0]))
@@ -666,11 +674,10 @@ class _Trainer:
             ex.compute_grads(self.data.samples(k * s.global_batch, s.global_batch), gns=False)
             ex.fold_second_moment()
             k += 1
-        for _ in range(cfg.step0_batches):
-            r = ex.compute_grads(self.data.samples(k * s.global_batch, s.global_batch))
-            gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=0)
-            k += 1
-        return gns, _bcast(time.perf_counter() - t0)
+        count = max(cfg.step0_batches, math.ceil(3 / (s.dp * s.accum)))  # the jackknife needs 3 micro-batches
+        batches = [self.data.samples((k + i) * s.global_batch, s.global_batch) for i in range(count)]
+        b, norms, dots, mean_sq = ex.micro_batch_stats(batches)
+        return micro_batch_pairs(norms, dots, mean_sq, b), _bcast(time.perf_counter() - t0)
 
     def _by_throughput(self) -> list[Strategy]:
         """Candidates, fastest first by the cost model (name breaks ties)."""
@@ -885,19 +892,20 @@ def _summary(run: Run, target_loss: float, window: int) -> dict:
     }
 
 
-def step0_range(gns: GradientNoiseScale) -> tuple[float, float]:
-    """The noise scales the step-0 pairs support at the two-sided 95% Student-t quantile for the pairs (4.30 for
-    the bench's 3; +-2 standard errors were used until 2026-11-30), whatever ``range_z`` the running decisions
-    use: the initial choice is robust over its range and both efficiency models by design."""
-    return gns.interval(z=None)
+def step0_range(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The noise scales the step-0 (|G|^2, tr Sigma) pairs support: Fieller's set at the two-sided 95% Student-t
+    quantile for them (2.36 for the bench's 8 micro-batches), whatever ``range_z`` the running decisions use: the
+    initial choice is robust over its range and both efficiency models by design."""
+    return fieller_interval(pairs, None)
 
 
 def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     """Every variant of one seed, from that seed's initial weights and sample stream."""
     cfg = tr.cfg
-    gns0, gns0_s = tr.gns_at_step0()
-    lo, hi = step0_range(gns0)
-    # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, few samples)
+    pairs0, gns0_s = tr.gns_at_step0()
+    lo, hi = step0_range(pairs0)
+    g2, tr0 = (sum(x) / len(pairs0) for x in zip(*pairs0))
+    # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, the initial weights)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = cfg.noise_scale_estimator()
     margin = cfg.margin if cfg.hysteresis == "fixed" else cfg.remaining_margin
@@ -907,8 +915,10 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     surrogate0 = first.chosen
     progress.info("seed %d: step 0 chose %s (noise scale in [%.0f, %s]); training 4 variants to perplexity %g",
                   tr.seed, surrogate0.name, lo, f"{hi:.0f}" if math.isfinite(hi) else "inf", cfg.target_ppl)  # fmt: skip
-    step0 = {"noise_scale": gns0.noise_scale, "noise_range": [lo, hi if math.isfinite(hi) else None],
-             "gns_s": gns0_s, "best_static": best_static.name, "surrogate_choice": surrogate0.name,
+    phi0 = min(max(tr0, 0.0) / g2, 1e9) if g2 > 0 else None  # None: |G|^2 not resolved above zero
+    step0 = {"noise_scale": phi0, "noise_range": [lo, hi if math.isfinite(hi) else None],
+             "gns_s": gns0_s, "pairs": [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in pairs0],
+             "best_static": best_static.name, "surrogate_choice": surrogate0.name,
              "reason": first.reason, "switch_cost_prior_s": reshard_s,
              "initial_models": list(cfg.initial_models)}  # fmt: skip
     runs = {
