@@ -269,6 +269,52 @@ def test_failed_and_dead_ranks_are_named():
         launch(_die_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
 
 
+_SLEEPER = """
+import os, sys, time
+from cona.dist import launch
+
+def sleeper(rank, world, where):
+    with open(os.path.join(where, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    launch(sleeper, 2, sys.argv[1], timeout_s=300)
+"""
+
+
+def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path):
+    """A killed launcher (SIGTERM: `kill`, a CI timeout) takes its ranks with it instead of leaving them running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(_SLEEPER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)  # both pid files complete
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        assert not alive, f"ranks {alive} outlived their launcher"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_check_strategy_messages():
     from cona.space import ModelDims, check_strategy
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -136,8 +138,16 @@ def _raise_root_cause(procs, out_dir, results) -> None:
     raise RankFailure(f"rank {gone[0]} exited without reporting a result")
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def launch(fn, world: int, *args, timeout_s: float = 600.0, pg_timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1):
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; their return values, by rank."""
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; their return values, by rank.
+
+    A SIGTERM to the launching process (from its main thread) ends it through its cleanup, which terminates the
+    ranks: with the default action it died at once and left them running as orphans (a killed ``cona bench``'s
+    ranks kept computing beside the next run)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     ctx = mp.get_context("spawn")
@@ -147,11 +157,13 @@ def launch(fn, world: int, *args, timeout_s: float = 600.0, pg_timeout_s: float 
             ctx.Process(target=_worker, args=(r, world, port, out_dir, pg_timeout_s, threads, fn, args), daemon=True)
             for r in range(world)
         ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminated) if main else None
         results: dict[int, dict] = {}
         try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout_s
             while len(results) < world:
                 failed = False
                 for r, p in enumerate(procs):
@@ -166,10 +178,17 @@ def launch(fn, world: int, *args, timeout_s: float = 600.0, pg_timeout_s: float 
                     missing = [r for r in range(world) if r not in results]
                     raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f}s")
                 time.sleep(0.05)
-        finally:
+        except BaseException:  # a failure, an interrupt or a SIGTERM: the ranks stop now
             for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            raise
+        finally:
+            for p in [q for q in procs if q.pid is not None]:  # the started ones
                 p.join(timeout=5)
                 if p.is_alive():
                     p.terminate()
                     p.join(timeout=5)
+            if main:
+                signal.signal(signal.SIGTERM, previous)
         return [results[r]["value"] for r in range(world)]
