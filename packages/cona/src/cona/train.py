@@ -161,12 +161,15 @@ class BenchConfig:
     # and the bench's training put gb256 ahead by 5-30%. Off by default since the paired cycles below time every
     # global batch's leaders again (up to 6 rounds had been the default: 10-25 s of a 2-rank probe, and the
     # contenders' ratios still moved by 10-25% from one table to the next)
-    probe_paired_cycles: int = 16  # the contenders (the fastest strategy of every global batch, which cona, the
+    probe_paired_cycles: int = 32  # the contenders (the fastest strategy of every global batch, which cona, the
     # oracle and best static choose among) are timed again in this many cycles of alternating blocks, their
     # ratios read cycle by cycle (``paired_rates``); 0: off. Their rounds alone moved gb64 / gb32 from 1.26 to 1.61
     # and put gb128 below gb64 across quick benches of one hour (2026-12-01 21:00-22:20 UTC, round spreads 0.13-0.44),
     # where training realised 1.43-1.60 and gb128 at 1.1-1.2x gb64; with gb64 / gb32 read at 1.26-1.31 the step-0
-    # choice went to gb32, 0.16-0.30 behind the oracle
+    # choice went to gb32, 0.16-0.30 behind the oracle. 32 since 2026-12-02 (was 16): three 4-rank probes in a row
+    # read gb128 / gb64 1.28, 1.16, 1.20 and gb256 / gb64 1.52, 1.38, 1.46 with 16 cycles, 1.21, 1.25, 1.21 and 1.48,
+    # 1.50, 1.42 with 32 (60 s and 80 s a probe), where training realised gb256 / gb64 1.47-1.49; at gb128 / gb64
+    # 1.17 the square-root model waits for a noise scale of ~150 before gb128 pays, at 1.29 for ~40
     probe_paired_block_s: float = 0.12  # one contender's block per cycle: as many steps as fill it (at least 2)
     probe_paired_band: float = 0.1  # besides each global batch's leader, its measured strategies within 10% of it
     probe_verify_top: int = 3  # the fastest strategies by the fitted model are probed too (measured, not modelled),
