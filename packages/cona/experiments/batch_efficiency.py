@@ -10,8 +10,11 @@ reaches, the samples each batch needs relative to gb64 (interpolated between eva
 them against the ratios the two efficiency models of ``cona.gns.batch_efficiency`` predict from the
 measured preconditioned noise scale: "tuned" (Pollux, LR tuned per batch) and "sqrt" (Adam under the
 square-root rule the bench uses), and the ratios "sqrt_tensor" predicts: the square-root model per parameter
-tensor, each from its own preconditioned statistics (``tensor_progress``). Samples, not time. The README's
-figures come from:
+tensor, each from its own preconditioned statistics (``tensor_progress``), and those "sqrt_coord" predicts: the
+same rule per coordinate, from AdamW's own moments (``coord_progress``; measured and rejected, README "Efficiency
+model": the moments average ~20 steps of a shrinking gradient, so m^2 falls below the noise share they imply and
+the model reads bigger batches as more sample-efficient than gb64). Samples, not time. The README's figures come
+from:
 
     python experiments/batch_efficiency.py --seeds 0,1,2 --checkpoints 512,4096,16384 --horizon 8192 \
         --branches 32,64,128,256 --json /tmp/cona-eff.json
@@ -122,6 +125,26 @@ def tensor_progress(groups: list[dict], batch: int) -> float:
     return total
 
 
+def coord_progress(opt, ps, batch: int, trained_batch: int) -> float:
+    """Progress per sample at ``batch`` (up to a constant) under the square-root rule per coordinate, read from
+    AdamW's own moments: E[v] ~ G_i^2 + s_i and E[m^2] ~ G_i^2 + c s_i, with s_i the variance of one
+    ``trained_batch`` gradient's coordinate and c = (1 - beta1) / (1 + beta1) the EMA's share of it, so
+    s_i = (v - m^2) / (1 - c) and G_i^2 = m^2 - c s_i; at batch M the step divides by sqrt(G_i^2 + s_i M0 / M)
+    and per sample, with lr ~ sqrt(M), coordinate i makes G_i^2 / sqrt(M G_i^2 + M0 s_i)."""
+    b1, b2 = opt.param_groups[0]["betas"]
+    c = (1 - b1) / (1 + b1)
+    total = 0.0
+    for p in ps:
+        st = opt.state[p]
+        t = float(st["step"])
+        m = st["exp_avg"].double() / (1 - b1**t)
+        v = st["exp_avg_sq"].double() / (1 - b2**t)
+        s = (v - m * m).clamp(min=0) / (1 - c)
+        g2 = m * m - c * s
+        total += float((g2 / (batch * g2.clamp(min=0) + trained_batch * s).sqrt().clamp(min=1e-30)).sum())
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0", help="init / data-order seeds, comma separated")
@@ -189,8 +212,9 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
     for j, x in enumerate(pre):
         g2, tr = per_tensor[j][0] / args.pairs, per_tensor[j][1] / args.pairs
         groups.append({"n": x.numel(), "s": float((1.0 / x).mean()), "g2": g2, "tr": tr})
+    coord = {str(gb): coord_progress(opt, ps, gb, 64) for gb in (32, 64, 128, 256)}
     l0 = loss(model)
-    r = {"seed": seed, "checkpoint_samples": used, "checkpoint_loss": l0, "noise_scale": phi, "tensors": groups,
+    r = {"coord": coord, "seed": seed, "checkpoint_samples": used, "checkpoint_loss": l0, "noise_scale": phi, "tensors": groups,
          "branches": {}}  # fmt: skip
     print(f"seed {seed} checkpoint {used} samples, perplexity {math.exp(l0):.3f}, noise scale {phi}", flush=True)
     for spec in args.branches.split(","):
@@ -220,15 +244,17 @@ def summarize(out: dict, n_levels: int) -> None:
             meas = [samples_to(c, lv) / samples_to(br["64"], lv) for lv in levels]
             pred = {m: batch_efficiency(64, phi, 8, m) / batch_efficiency(gb, phi, 8, m) for m in ("tuned", "sqrt")}
             pred["sqrt_tensor"] = tensor_progress(r["tensors"], 64) / tensor_progress(r["tensors"], gb)
+            pred["sqrt_coord"] = r["coord"]["64"] / r["coord"][k]
             r["ratios"][k] = {"measured": meas, "predicted": pred}
         print(f"seed {r['seed']} ckpt {r['checkpoint_samples']} (ppl {math.exp(l0):.2f}, preconditioned phi "
               f"{phi:.0f}): samples vs gb64 at ppl " + ", ".join(f"{math.exp(x):.2f}" for x in levels))  # fmt: skip
         for k, q in r["ratios"].items():
             print(f"  gb{k}: measured " + ", ".join(f"{x:.2f}" for x in q["measured"])
                   + f" | tuned {q['predicted']['tuned']:.2f}, sqrt {q['predicted']['sqrt']:.2f}"
-                  + f", sqrt per tensor {q['predicted']['sqrt_tensor']:.2f}")  # fmt: skip
+                  + f", sqrt per tensor {q['predicted']['sqrt_tensor']:.2f}"
+                  + f", sqrt per coordinate {q['predicted']['sqrt_coord']:.2f}")  # fmt: skip
     # log error of each model over every (run, batch, level)
-    err: dict[str, list[float]] = {"tuned": [], "sqrt": [], "sqrt_tensor": []}
+    err: dict[str, list[float]] = {"tuned": [], "sqrt": [], "sqrt_tensor": [], "sqrt_coord": []}
     for r in out["runs"]:
         for k, q in r.get("ratios", {}).items():
             if k == "64":

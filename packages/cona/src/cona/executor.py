@@ -534,6 +534,27 @@ class Executor:
         """One optimizer step on ``batch`` (the whole global batch; each rank takes its part)."""
         res = self.compute_grads(batch, gns)
         t0 = time.perf_counter()
+        self._optimizer_step(lr)
+        res.compute_s += time.perf_counter() - t0
+        return res
+
+    def grads(self) -> list[torch.Tensor]:
+        """Copies of this rank's gradients as ``compute_grads`` left them (averaged over dp, clipped), in parameter
+        order: a gradient to step with later (``step_with``) after other work at the same weights."""
+        return [p.grad.detach().clone() for p in self.params.values()]
+
+    def step_with(self, grads: Sequence[torch.Tensor], lr: float | None = None) -> None:
+        """One optimizer step with ``grads`` (from ``grads()`` of this executor, at the current weights): the step
+        ``train_step`` would have taken on the batch they came from."""
+        params = list(self.params.values())
+        if len(grads) != len(params) or any(g.shape != p.shape for g, p in zip(grads, params)):
+            raise ValueError("grads must be this executor's own, one per parameter shard in order (from grads())")
+        for p, g in zip(params, grads):
+            p.grad = g
+        self._optimizer_step(lr)
+        self._grads_zero()
+
+    def _optimizer_step(self, lr: float | None) -> None:
         if lr is not None:
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -541,8 +562,6 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # step times are read on the host right after
         self.step += 1
-        res.compute_s += time.perf_counter() - t0
-        return res
 
     @torch.no_grad()
     def evaluate(self, ids: torch.Tensor, micro_batch: int = 32) -> float:

@@ -65,6 +65,20 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Step0:
+    """What step 0 measured at the initial weights: the jackknife pairs, the seconds it took (``seconds``, of which
+    ``warm_s`` the first warm batch's forward and backward) on ``strategy``, and that batch's gradient (``warm``, on
+    the executor ``ex``) while it can still train (``_Trainer.first_step``)."""
+
+    pairs: list[tuple[float, float]]
+    seconds: float
+    strategy: Strategy
+    warm_s: float = 0.0
+    ex: Executor | None = None
+    warm: list[torch.Tensor] | None = None
+
+
 class TargetNotReached(RuntimeError):
     """A run ended (time budget spent) above the target validation loss."""
 
@@ -106,6 +120,11 @@ class BenchConfig:
     # a long EMA lags it (2 ranks, step 100: 0.95 read 29 while the last updates gave 74-97); 0.64 per update
     # every 8 steps is the 0.8 per 4 steps the chain was tuned with (~0.3 s at gb64)
     step0_warm_batches: int = 1  # step 0: batches whose squared gradients stand in for Adam's v
+    step0_trains: bool = True  # when the step-0 choice runs step 0's global batch (gb64 in every 4-rank seed of
+    # 2026-12-02), the first warm batch's gradient (stream samples 0-63 at the initial weights, clipped) is the run's
+    # first step instead of being thrown away: the statistics keep their metric and weights, and cona's and
+    # surrogate_static's clocks lose a wasted forward and backward (the warm batch was 64 ms of step 0's ~175 ms on 4
+    # ranks). Steps taken before the statistics (tried 2026-12-01) had left them a sign-like step's noise scale
     step0_batches: int = 1  # step 0: global batches whose micro-batches (8 of 8 samples at gb64) bound the initial
     # noise scale (``gns.micro_batch_pairs``). Offline at the initial weights (8 seeds, 12 gb64 batches each, against
     # the estimate from the batches a range did not read): one batch's range covered it 91 times in 96, median width
@@ -659,28 +678,47 @@ class _Trainer:
                 # paired samples/s over the rounds' figure, per contender (what the cycles corrected)
                 "rate_vs_rounds": {s.name: before[s] * rates[s] / s.global_batch for s in cons}}  # fmt: skip
 
-    def gns_at_step0(self) -> tuple[list[tuple[float, float]], float]:
+    def gns_at_step0(self) -> Step0:
         """Gradient statistics at the initial weights, no optimizer step: preconditioned by the squared gradients of
         ``step0_warm_batches`` batches (what Adam's v would hold), then every micro-batch gradient of
         ``step0_batches`` batches (more if they hold fewer than 3 micro-batches) of the strategy with the most
         micro-batches per global batch (up to the reference batch x 8: a well-resolved |G|^2 needs the global batch
-        well above the micro-batch). Returns the jackknife
-        pseudo-pairs (|G|^2, tr Sigma) of ``gns.micro_batch_pairs`` and the seconds it all took."""
+        well above the micro-batch). Returns the jackknife pseudo-pairs (|G|^2, tr Sigma) of
+        ``gns.micro_batch_pairs``, the seconds it all took and, with ``step0_trains``, the first warm batch's gradient
+        (samples 0.. of the stream at the initial weights, averaged and clipped as a step takes it), which
+        ``first_step`` can still make a training step of."""
         cfg = self.cfg
         t0 = time.perf_counter()
         informative = [c for c in self.candidates if c.dp * c.accum > 1] or self.candidates
         capped = [c for c in informative if c.global_batch <= 8 * cfg.reference_batch] or informative
         s = min(capped, key=lambda c: (-c.dp * c.accum, c.global_batch, c.tp, c.pp, -self.cost.throughput(c)[0]))
         ex = self.executor(s, self.state0)
-        k = 0
+        k, warm, warm_s = 0, None, 0.0
         for _ in range(cfg.step0_warm_batches if cfg.gns_precondition else 0):
+            tw = time.perf_counter()
             ex.compute_grads(self.data.samples(k * s.global_batch, s.global_batch), gns=False)
+            if k == 0 and cfg.step0_trains:
+                warm, warm_s = ex.grads(), time.perf_counter() - tw
             ex.fold_second_moment()
             k += 1
         count = max(cfg.step0_batches, math.ceil(3 / (s.dp * s.accum)))  # the jackknife needs 3 micro-batches
         batches = [self.data.samples((k + i) * s.global_batch, s.global_batch) for i in range(count)]
         b, norms, dots, mean_sq = ex.micro_batch_stats(batches)
-        return micro_batch_pairs(norms, dots, mean_sq, b), _bcast(time.perf_counter() - t0)
+        pairs = micro_batch_pairs(norms, dots, mean_sq, b)
+        kept = warm is not None
+        return Step0(pairs, _bcast(time.perf_counter() - t0), s, _bcast(warm_s), ex if kept else None, warm)
+
+    def first_step(self, step0: Step0) -> tuple[FullState, float]:
+        """The first training step of a run that starts on ``step0.strategy``'s global batch, from the gradient step 0
+        already computed on its first batch at the initial weights (the step ``train_step`` would take there, up to
+        floating-point order), and the seconds the step and the hand-over of the state took."""
+        if step0.ex is None or step0.warm is None:
+            raise ValueError("step 0 kept no gradient to step with (step0_trains off, or no warm batch)")
+        t0 = time.perf_counter()
+        step0.ex.step_with(step0.warm, lr=self.cfg.lr_for(step0.strategy.global_batch))
+        state = step0.ex.full_state()
+        step0.ex, step0.warm = None, None
+        return state, _bcast(time.perf_counter() - t0)
 
     def _by_throughput(self) -> list[Strategy]:
         """Candidates, fastest first by the cost model (name breaks ties)."""
@@ -905,7 +943,8 @@ def step0_range(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     """Every variant of one seed, from that seed's initial weights and sample stream."""
     cfg = tr.cfg
-    pairs0, gns0_s = tr.gns_at_step0()
+    st0 = tr.gns_at_step0()
+    pairs0, gns0_s = st0.pairs, st0.seconds
     lo, hi = step0_range(pairs0)
     g2, tr0 = (sum(x) / len(pairs0) for x in zip(*pairs0))
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, the initial weights)
@@ -916,6 +955,13 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
                       switch_cost_s=reshard_s, initial_models=cfg.initial_models)  # fmt: skip
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
     surrogate0 = first.chosen
+    # on step 0's global batch, its first warm batch's gradient is the run's first step: that forward and backward
+    # is training time, not statistics (the step and the hand-over of its state to the chosen layout are charged too)
+    start, consumed, gns_s, clock, first_s = tr.state0, 0, gns0_s, gns0_s, None
+    if st0.warm is not None and surrogate0.global_batch == st0.strategy.global_batch:
+        start, first_s = tr.first_step(st0)
+        consumed, gns_s, clock = surrogate0.global_batch, gns0_s - st0.warm_s, gns0_s + first_s
+    st0.ex = st0.warm = None
     progress.info("seed %d: step 0 chose %s (noise scale in [%.0f, %s]); training 4 variants to perplexity %g",
                   tr.seed, surrogate0.name, lo, f"{hi:.0f}" if math.isfinite(hi) else "inf", cfg.target_ppl)  # fmt: skip
     phi0 = min(max(tr0, 0.0) / g2, 1e9) if g2 > 0 else None  # None: |G|^2 not resolved above zero
@@ -923,17 +969,19 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
              "gns_s": gns0_s, "pairs": [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in pairs0],
              "best_static": best_static.name, "surrogate_choice": surrogate0.name,
              "reason": first.reason, "switch_cost_prior_s": reshard_s,
-             "initial_models": list(cfg.initial_models)}  # fmt: skip
-    runs = {
-        "best_static": Run("best_static"),
-        "surrogate_static": Run("surrogate_static", clock=gns0_s, gns_s=gns0_s),
-        "cona": Run("cona", clock=gns0_s, gns_s=gns0_s),
-    }
+             "initial_models": list(cfg.initial_models), "step0_strategy": st0.strategy.name,
+             "first_step_from_step0": first_s is not None, "warm_s": st0.warm_s, "first_step_s": first_s}  # fmt: skip
+    steps = 1 if consumed else 0
+
+    def started(name: str) -> Run:
+        return Run(name, clock=clock, gns_s=gns_s, steps=steps, samples=consumed)
+
+    runs = {"best_static": Run("best_static"), "surrogate_static": started("surrogate_static"), "cona": started("cona")}
     runs["cona"].decisions.append(first.to_dict())
     variants = [
         tr.variant(runs["best_static"], best_static, tr.state0),
-        tr.variant(runs["surrogate_static"], surrogate0, tr.state0),
-        tr.variant(runs["cona"], surrogate0, tr.state0, chainer=chainer, gns=gns_run),
+        tr.variant(runs["surrogate_static"], surrogate0, start, consumed=consumed),
+        tr.variant(runs["cona"], surrogate0, start, chainer=chainer, gns=gns_run, consumed=consumed),
     ]
     runs["cona"].chain[0]["why"] = runs["cona"].decisions[0]["reason"]
     shortlist = oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches) if cfg.oracle else []
