@@ -90,6 +90,7 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
             "--initial-models must name one or more of sqrt, tuned, got sqrt,adam",
         ),
         (["bench", "--quick", "--range-z", "-1"], "--range-z must be a number of standard errors >= 0, got -1.0"),
+        (["bench", "--quick", "--slice-s", "0"], "--slice-s must be > 0, got 0.0"),
         (
             [
                 "strategies",

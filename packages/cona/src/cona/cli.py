@@ -60,7 +60,7 @@ def _run_config(args, quick: bool):
 
     kw = dict(QUICK if quick else FULL)
     for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches", "seeds",
-                 "seed", "efficiency_model", "hysteresis", "initial_models", "range_z"):  # fmt: skip
+                 "seed", "efficiency_model", "hysteresis", "initial_models", "range_z", "slice_s"):  # fmt: skip
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -487,6 +487,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="standard errors the noise-scale range of a running switch decision spans, around the "
                              "ratio of its pairs' means and the smoothed estimate (default 1; 2.365 is the two-sided "
                              "95%% Student-t quantile for its 8 pairs, the rule until 2026-12-02)")  # fmt: skip
+        sp.add_argument("--slice-s", type=float,
+                        help="seconds of training clock each variant runs before the next one's turn (default 0.5): "
+                             "the variants share the machine's speed swings at longer time scales than this")  # fmt: skip
         sp.add_argument("--hysteresis", choices=("remaining", "fixed"),
                         help="cona's switch rule: remaining (default; the newcomer must win over the estimated time "
                              "to target, switch cost paid, at every plausible noise scale) or fixed (5%% margin over "

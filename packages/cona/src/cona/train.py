@@ -203,7 +203,7 @@ class BenchConfig:
         self.global_batches = tuple(self.global_batches)
         self.micro_batches = tuple(self.micro_batches)
         for name in ("budget_s", "eval_every_s", "decide_every_s", "switch_horizon_s", "oracle_phase_s", "target_ppl",
-                     "lr"):  # fmt: skip
+                     "lr", "slice_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.target_ppl <= 1:
@@ -1009,7 +1009,7 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
                                   f"reached the target at {ttt:.1f} s of clock" if ttt is not None else
                                   f"stopped at the {cfg.budget_s:g} s budget above the target",
                                   time.perf_counter() - w0)  # fmt: skip
-            if rnd % 10 == 0:  # every 10 slices (5 s of training clock, ~1 min of wall on 2 cores)
+            if rnd % max(round(5 / cfg.slice_s), 1) == 0:  # every 5 s of training clock (~1 min of wall on 2 cores)
                 progress.info("seed %d: %.1f s of training clock, %d of %d variants done", tr.seed, t,
                               len(finished), len(variants))  # fmt: skip
     return {"step0": step0, "runs": {k: _summary(v, cfg.target_loss, cfg.target_window) for k, v in runs.items()}}
