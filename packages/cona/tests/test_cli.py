@@ -31,7 +31,10 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     for name, r in res["results"].items():
         assert r["steps"] > 0, name
         assert set(r["per_seed"]) == {"0", "1"}, name
-        assert r["trace"][0][1] == pytest.approx(math.log(256), abs=0.3)  # an untrained byte-level LM
+        if name in ("cona", "surrogate_static") and res["step0"]["0"]["first_step_from_step0"]:
+            assert r["trace"][0][1] < math.log(256) + 0.3  # one step (step 0's warm gradient) from the untrained LM
+        else:
+            assert r["trace"][0][1] == pytest.approx(math.log(256), abs=0.3)  # an untrained byte-level LM
         assert r["trace"][-1][1] < r["trace"][0][1], f"{name} did not learn"
     cona = res["results"]["cona"]
     assert cona["decisions"][0]["reason"].startswith("initial choice")

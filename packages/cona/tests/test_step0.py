@@ -28,6 +28,8 @@ def _worker(rank, world):
         tr.first_step(st0)  # its gradient is spent
     except ValueError as e:
         out["spent"] = str(e)
+    # clipping is active on that first step (global norm 1.0), so the comparison below covers it
+    out["clip_coef"] = tr.executor(st0.strategy, tr.state0).compute_grads(tr.data.samples(0, 64), gns=False).clip_coef
     out["diff"] = {}
     for s in tr.candidates:
         if s.global_batch != st0.strategy.global_batch:
@@ -48,10 +50,63 @@ def _worker(rank, world):
     return out if rank == 0 else None
 
 
+def _digest(state) -> float:
+    return sum(float(t.double().sum()) for k in sorted(state.tensors) for t in state.tensors[k].values()) + state.step
+
+
+def _seed_worker(rank, world, trains):
+    """One short seed of the bench (no oracle) on global batch 64 alone: where each variant starts."""
+    import cona.train as T
+
+    cfg = BenchConfig(world=world, global_batches=(64,), micro_batches=(8, 32), val_samples=16, oracle=False,
+                      probe_cache=False, seeds=1, corpus_bytes=200_000, budget_s=0.4, target_ppl=1.5,
+                      step0_trains=trains)  # fmt: skip
+    tr = T._Trainer(cfg)
+    tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})
+    starts, handed = {}, []
+    plain, first = tr.variant, tr.first_step
+
+    def variant(run, s, state, chainer=None, gns=None, consumed=0, held_out=False):
+        starts[run.name] = {"consumed": consumed, "state": _digest(state), "clock": run.clock, "gns_s": run.gns_s,
+                            "steps": run.steps, "samples": run.samples}  # fmt: skip
+        return plain(run, s, state, chainer, gns, consumed, held_out)
+
+    def first_step(step0):
+        state, secs = first(step0)
+        handed.append(_digest(state))
+        return state, secs
+
+    tr.variant, tr.first_step = variant, first_step
+    res = T._run_seed(tr, tr.candidates[0], 0.01)
+    return {"starts": starts, "step0": res["step0"], "handed": handed, "state0": _digest(tr.state0)}
+
+
 @pytest.fixture(scope="module")
 def out():
     torch.manual_seed(0)
     return launch(_worker, 2)[0]
+
+
+@pytest.mark.parametrize("trains", [True, False])
+def test_cona_and_surrogate_static_start_from_the_first_step_only_when_it_trained(trains):
+    o = launch(_seed_worker, 2, trains)[0]
+    st, starts = o["step0"], o["starts"]
+    assert st["first_step_from_step0"] is trains and st["surrogate_choice"].endswith("gb64")
+    assert starts["best_static"] == {"consumed": 0, "state": o["state0"], "clock": 0.0, "gns_s": 0.0, "steps": 0,
+                                     "samples": 0}  # fmt: skip
+    for name in ("cona", "surrogate_static"):
+        v = starts[name]
+        if trains:  # one step on the first 64 samples taken: they read on from sample 64, its time is training's
+            assert o["handed"] == [v["state"]] and v["state"] != o["state0"]
+            assert (v["consumed"], v["samples"], v["steps"]) == (64, 64, 1)
+            assert v["clock"] == pytest.approx(st["gns_s"] + st["first_step_s"])
+            assert v["gns_s"] == pytest.approx(st["gns_s"] - st["warm_s"]) and st["warm_s"] > 0
+            assert st["charged_as_statistics_s"] == pytest.approx(v["gns_s"])
+        else:  # step 0 all statistics, training from the initial state and the first sample
+            assert o["handed"] == [] and v["state"] == o["state0"]
+            assert (v["consumed"], v["samples"], v["steps"]) == (0, 0, 0)
+            assert v["clock"] == v["gns_s"] == pytest.approx(st["gns_s"])
+            assert st["charged_as_statistics_s"] == pytest.approx(st["gns_s"])
 
 
 def test_step0_gradient_trains_as_the_first_step_on_every_layout_of_its_global_batch(out):
@@ -61,9 +116,9 @@ def test_step0_gradient_trains_as_the_first_step_on_every_layout_of_its_global_b
         for kind, d in diff.items():
             # parameters and Adam's moments after one step agree up to floating-point order (6e-6 at most here: Adam's
             # first step divides g by |g| + eps, so coordinates with g near eps amplify it); an LR 1% off moves the
-            # parameters by 6e-5, a wrong batch or clipping by ~lr = 0.006, the moments by their whole size
+            # parameters by 6e-5, a wrong batch by ~lr = 0.006; clipping (active, checked) scales the moments only
             assert d <= 2e-5 * max(out["scale"][kind], 1e-3), (name, kind, d)
-    assert out["state_step"] == 1
+    assert out["state_step"] == 1 and out["clip_coef"] < 1.0
     assert 0 < out["warm_s"] < out["seconds"] and out["first_s"] > 0
 
 

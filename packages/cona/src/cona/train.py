@@ -965,12 +965,15 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     progress.info("seed %d: step 0 chose %s (noise scale in [%.0f, %s]); training 4 variants to perplexity %g",
                   tr.seed, surrogate0.name, lo, f"{hi:.0f}" if math.isfinite(hi) else "inf", cfg.target_ppl)  # fmt: skip
     phi0 = min(max(tr0, 0.0) / g2, 1e9) if g2 > 0 else None  # None: |G|^2 not resolved above zero
+    # "gns_s": all that step 0 took, its warm batch included; "charged_as_statistics_s": the part cona's and
+    # surrogate_static's statistics overhead counts (less the warm batch when it trained as their first step)
     step0 = {"noise_scale": phi0, "noise_range": [lo, hi if math.isfinite(hi) else None],
              "gns_s": gns0_s, "pairs": [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in pairs0],
              "best_static": best_static.name, "surrogate_choice": surrogate0.name,
              "reason": first.reason, "switch_cost_prior_s": reshard_s,
              "initial_models": list(cfg.initial_models), "step0_strategy": st0.strategy.name,
-             "first_step_from_step0": first_s is not None, "warm_s": st0.warm_s, "first_step_s": first_s}  # fmt: skip
+             "first_step_from_step0": first_s is not None, "warm_s": st0.warm_s, "first_step_s": first_s,
+             "charged_as_statistics_s": gns_s}  # fmt: skip
     steps = 1 if consumed else 0
 
     def started(name: str) -> Run:
