@@ -269,3 +269,50 @@ def test_per_tensor_efficiency_reduces_to_the_pooled_model_and_departs_from_it_w
     assert tensor_progress(64, [-1.0], [3.0], [1.0], [4]) == 0.0  # an unresolved tensor adds nothing
     with pytest.raises(ValueError, match="per_tensor needs lr_scaling 'sqrt'"):
         GradientNoiseScale(reference_batch=8, lr_scaling="tuned", per_tensor=True)
+
+
+def test_growth_fits_the_noise_scale_trend_and_ahead_carries_the_estimates_along_it():
+    gns = GradientNoiseScale(reference_batch=8, decay=0.64)
+    rng = np.random.default_rng(0)
+    at = [512.0 * (i + 1) for i in range(40)]
+    for n in at:  # pairs whose noise scale grows as 0.05 n^0.7 with samples trained, tr(Sigma) read with 10% noise
+        phi = 0.05 * n**0.7 * (1 + 0.1 * rng.standard_normal())
+        gns.update(1.0 + phi / 4, 4, 1.0 + phi / 64, 64, at=n)
+    beta, se = gns.growth()
+    assert 0 < se < 0.3 and abs(beta - 0.7) < 3 * se
+    since = gns.position(window=8)
+    assert since == pytest.approx(sum(at[-8:]) / 8)
+    lo, hi = gns.interval(window=8)
+    to = at[-1] + 1000.0
+    f_lo, f_mid, f_hi, fit = gns.ahead(to, window=8)
+    assert fit == (beta, se) and f_mid == pytest.approx((to / since) ** beta)
+    assert f_lo == pytest.approx((to / since) ** (beta - se)) and f_hi == pytest.approx((to / since) ** (beta + se))
+    assert 1.0 < f_lo < f_mid < f_hi
+    truth = 0.05 * to**0.7  # the window's range, carried, brackets the noise scale where the decision applies
+    assert lo * f_lo < truth < hi * f_hi
+    assert (lo + hi) / 2 < 0.95 * truth  # uncarried, it lags below it
+    _, f_ema, _, _ = gns.ahead(to)  # the EMA describes a later position than the window's mean: a smaller carry
+    assert 1.0 < f_ema < f_mid
+    assert gns.noise_scale * f_ema == pytest.approx(truth, rel=0.1)
+    _, f_cap, _, _ = gns.ahead(to * 100, window=8, limit=0.5)  # exponents are clipped to +-limit
+    assert f_cap == pytest.approx((to * 100 / since) ** 0.5)
+
+
+def test_growth_is_unknown_without_positions_or_pairs_and_bad_positions_are_named():
+    gns = GradientNoiseScale(reference_batch=8)
+    for _ in range(30):
+        gns.update(2.0, 4, 1.1, 64)  # no positions
+    assert gns.growth() is None and gns.position() is None and gns.ahead(1e5) == (1.0, 1.0, 1.0, None)
+    fresh = GradientNoiseScale(reference_batch=8)
+    for n in range(1, 9):  # fewer than 3 pairs in each of 3 groups
+        fresh.update(2.0 + 0.01 * (n % 2), 4, 1.1, 64, at=100.0 * n)
+    assert fresh.growth() is None
+    fresh.update(2.0, 4, 1.1, 64, at=900.0)
+    beta, se = fresh.growth()
+    assert abs(beta) < 3 * se  # a flat noise scale: no growth to speak of
+    with pytest.raises(ValueError, match="at must be a positive number of samples"):
+        fresh.update(2.0, 4, 1.1, 64, at=-1.0)
+    state = fresh.state_dict()
+    other = GradientNoiseScale(reference_batch=8)
+    other.load_state_dict(state)
+    assert other.position() == pytest.approx(fresh.position())

@@ -238,3 +238,22 @@ def test_cona_reads_its_own_quarter_of_the_validation_windows():
     assert sub.shape == (4, val.shape[1])
     rows = [next(i for i in range(len(val)) if bool((val[i] == r).all())) for r in sub]
     assert rows == [0, 5, 10, 15]  # evenly spaced over the measuring windows, first and last included
+
+
+@pytest.mark.slow
+def test_cona_decides_on_the_noise_scale_carried_to_the_next_interval(out):
+    """Every running decision logs what the statistics read, the growth fitted and the factors it carried the
+    range and the point estimate by; the range and the point it decided on are the read ones times those."""
+    decisions = out["res"]["runs"]["cona"]["decisions"][1:]
+    assert decisions and all("carry" in d for d in decisions)
+    for d in decisions:
+        f_lo, f_point, f_hi = d["carry"]
+        (lo, hi), (lo_read, hi_read) = d["noise_range"], d["noise_range_read"]
+        assert lo == pytest.approx(lo_read * f_lo) and hi == pytest.approx(min(hi_read * f_hi, 1e9))
+        assert d["noise_scale"] == pytest.approx(d["noise_scale_read"] * f_point)
+        if d["noise_growth"] is None:
+            assert f_lo == f_point == f_hi == 1.0
+        else:
+            beta, se = d["noise_growth"]
+            assert se > 0 and f_lo <= f_hi and (f_point > 1) == (beta > 0)
+        assert d["carried_to_samples"] > 0

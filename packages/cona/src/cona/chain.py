@@ -14,10 +14,17 @@ trend) and ``noise_range`` (the noise scales the recent gradient statistics supp
 uses the hysteresis from first principles instead (``switch_gain``): the horizon a switch pays off over
 is the remaining time, and the newcomer must win wherever in the noise-scale range the truth lies,
 
-    switch  iff  min over phi in range of  goodput_new(phi) (T_rem - switch_cost) / (goodput_cur(phi) T_rem)  > 1 + margin
+    switch  iff  min over phi in range of
+                 goodput_new(phi) (T_rem - switch_cost - adapt(phi)) / (goodput_cur(phi) T_rem)  > 1 + margin
 
 i.e. the predicted rate gain times the remaining time exceeds the measured switch cost, with an allowance
 for the ranking's uncertainty (the same worst case over the range that the robust initial choice uses).
+``adapt(phi)`` (with ``Chainer.adam_beta2``) is the time a move to a bigger batch loses while Adam's second
+moment still holds the old batch's noise (``adaptation_steps``): the resharding is paid in seconds of
+wall time, this in the new strategy's shortened steps.
+The statistics behind the range (and the point estimate) describe where training was when their pairs were
+taken, a second or more ago, while the noise scale keeps growing; the bench carries both to the middle of the
+coming decision interval along their fitted growth (``GradientNoiseScale.ahead``) before deciding.
 The initial choice also takes the worst case over ``Chainer.initial_models`` (by default the estimator's
 model alone; the bench asks for both ``sqrt`` and ``tuned``: before any step nothing shows which learning-rate
 regime training is in); running decisions use the estimator's model.
@@ -35,7 +42,8 @@ from dataclasses import dataclass, field, replace
 from .gns import GradientNoiseScale, batch_efficiency, efficiency_models
 from .space import Strategy
 
-__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time"]
+__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time",
+           "adaptation_steps"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +108,41 @@ def noise_grid(lo: float, hi: float, points: int = 25) -> list[float]:
     return [0.0, *grid] if lo == 0.0 else grid
 
 
+def adaptation_steps(noise_scale: float, old_batch: float, new_batch: float, beta2: float,
+                     tol: float = 1e-4) -> float:  # fmt: skip
+    """Steps of progress at ``new_batch`` that a switch from ``old_batch`` loses while Adam's second moment
+    forgets the old batch's gradient noise (0 for a switch to a smaller batch: no credit is taken for it).
+
+    In the model behind the ``sqrt`` efficiency, Adam's v tracks |G|^2 + tr(Sigma)/M, i.e. 1 + phi/M in units
+    of |G|^2. Right after a switch to a bigger batch, v still holds the old batch's larger noise and decays to
+    the new level as v_k = b^k v_old + (1 - b^k) v_new (``beta2`` = b), so step k moves sqrt(v_new / v_k) of a
+    settled step; the sum of the shortfalls is the progress lost, in steps. With b = 0.95 (the bench's) and
+    phi = 150, gb64 -> gb256 loses ~6 steps (~0.4 s on 4 ranks), gb64 -> gb128 ~4 and gb128 -> gb256 ~3 of
+    their shorter steps: a jump straight to the biggest batch pays more than the two moves it skips."""
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
+    v_old, v_new = 1.0 + noise_scale / old_batch, 1.0 + noise_scale / new_batch
+    if v_old <= v_new or beta2 == 0.0:
+        return 0.0
+    lost, w = 0.0, 1.0
+    while True:
+        w *= beta2
+        term = 1.0 - math.sqrt(v_new / (w * v_old + (1.0 - w) * v_new))
+        lost += term
+        if term < tol:
+            return lost
+
+
 def switch_gain(new_tput: float, new_batch: int, cur_tput: float, cur_batch: int, noise_scales: Sequence[float],
                 horizon_s: float, switch_cost_s: float, reference_batch: int, lr_scaling: str = "sqrt",
-                efficiency: Callable[[float, float], float] | None = None) -> float:  # fmt: skip
+                efficiency: Callable[[float, float], float] | None = None,
+                adam_beta2: float | None = None) -> float:  # fmt: skip
     """Worst case over ``noise_scales`` of the progress a switch makes over ``horizon_s`` (paying
     ``switch_cost_s`` first) relative to staying, minus 1: > 0 means switching wins wherever the noise scale
     lies in the range; -1 when the switch cost eats the whole horizon. ``efficiency(batch, noise_scale)``, if
-    given, replaces the ``lr_scaling`` model (the estimator's own, e.g. per tensor)."""
+    given, replaces the ``lr_scaling`` model (the estimator's own, e.g. per tensor). ``adam_beta2``: the
+    optimizer is Adam with this beta2, and the steps a switch to a bigger batch loses while its second moment
+    adapts (``adaptation_steps``, at the new strategy's step time) are paid out of the horizon too."""
     keep = horizon_s - switch_cost_s
     if keep <= 0:  # the switch would not finish paying for itself before the target
         return -1.0
@@ -117,7 +153,10 @@ def switch_gain(new_tput: float, new_batch: int, cur_tput: float, cur_batch: int
 
     worst = math.inf
     for phi in noise_scales:
-        new = new_tput * efficiency(new_batch, phi) * keep
+        lost = 0.0
+        if adam_beta2 is not None and new_tput > 0:
+            lost = adaptation_steps(phi, cur_batch, new_batch, adam_beta2) * new_batch / new_tput
+        new = new_tput * efficiency(new_batch, phi) * max(keep - lost, 0.0)
         cur = cur_tput * efficiency(cur_batch, phi) * horizon_s
         worst = min(worst, new / cur if cur > 0 else math.inf)
     return worst - 1.0
@@ -200,6 +239,8 @@ class Chainer:
     margin: float = 0.05
     switch_cost_s: float = 0.5
     initial_models: tuple[str, ...] | None = None
+    adam_beta2: float | None = None  # the optimizer's beta2: a switch to a bigger batch also pays the steps its
+    # second moment takes to adapt (``adaptation_steps``); None: not counted (the rule until 2026-12-02)
     decisions: list[Decision] = field(default_factory=list)
     _switch_costs: list[float] = field(default_factory=list)
     observed: dict[Strategy, float] = field(default_factory=dict)  # samples/s measured in this run's training
@@ -213,6 +254,8 @@ class Chainer:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
         if self.initial_models is not None:
             self.initial_models = efficiency_models(self.initial_models, "initial_models")
+        if self.adam_beta2 is not None and not 0.0 <= self.adam_beta2 < 1.0:
+            raise ValueError(f"adam_beta2 must be in [0, 1) (or None), got {self.adam_beta2}")
 
     def _table(self, s: Strategy) -> tuple[float, str]:
         if isinstance(self.throughput, Mapping):
@@ -270,7 +313,8 @@ class Chainer:
         return sorted(out, key=lambda e: (-e.goodput, -e.throughput, e.strategy.name))
 
     def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0,
-               noise_range: tuple[float, float] | None = None, remaining_s: float | None = None) -> Decision:  # fmt: skip
+               noise_range: tuple[float, float] | None = None, remaining_s: float | None = None,
+               noise_scale: float | None = None) -> Decision:  # fmt: skip
         """Choose the strategy for the next horizon; logged and appended to ``decisions``.
 
         ``noise_range``: the noise scale is only known to lie in this range (few gradient samples). For the
@@ -278,8 +322,10 @@ class Chainer:
         decision with ``remaining_s`` (estimated training time left to the target), switch only to a
         strategy that beats the current one over the remaining time, switch cost paid, at every noise
         scale in the range (``switch_gain``). Without ``remaining_s`` the fixed horizon and margin apply.
+        ``noise_scale``: the point estimate to rank by, in place of the estimator's (e.g. carried to where the
+        decision applies, ``GradientNoiseScale.ahead``).
         """
-        phi = self.gns.noise_scale
+        phi = self.gns.noise_scale if noise_scale is None else noise_scale
         ranking = tuple(self.rank(phi))
         best = ranking[0]
         cost = self.expected_switch_cost_s()
@@ -344,12 +390,16 @@ class Chainer:
         h = max(remaining_s, 0.0)
         gains = sorted(
             ((switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid, h, cost,
-                          self.gns.reference_batch, self.gns.lr_scaling, self.gns.efficiency), e)
+                          self.gns.reference_batch, self.gns.lr_scaling, self.gns.efficiency, self.adam_beta2), e)
              for e in ranking if e.strategy != current),
             key=lambda ge: (-ge[0], -ge[1].goodput, ge[1].strategy.name),
         )  # fmt: skip
         where = (f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {h:.2f}s to target "
                  f"estimated, switch {cost:.2f}s")  # fmt: skip
+        if self.adam_beta2 is not None and gains:
+            e = gains[0][1]
+            adapt = adaptation_steps(max(hi, phi), current.global_batch, e.strategy.global_batch, self.adam_beta2)
+            where += f", up to {adapt * e.strategy.global_batch / e.throughput:.2f}s while Adam's v adapts"
         if gains and gains[0][0] > self.margin:
             gain, e = gains[0]
             reason = (f"switch: {e.strategy.name} (goodput {e.goodput:.1f} vs {cur.goodput:.1f}) gains >= {gain:+.4f} "

@@ -72,6 +72,10 @@ def _run_config(args, quick: bool):
         kw["clip_norm"] = None
     if getattr(args, "online_throughput", False):
         kw["online_throughput"] = True
+    if getattr(args, "no_noise_ahead", False):
+        kw["noise_ahead"] = False
+    if getattr(args, "adapt_cost", False):
+        kw["adapt_cost"] = True
     try:
         cfg = BenchConfig(**kw)
     except ValueError as e:
@@ -487,6 +491,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="standard errors the noise-scale range of a running switch decision spans, around the "
                              "ratio of its pairs' means and the smoothed estimate (default 1; 2.365 is the two-sided "
                              "95%% Student-t quantile for its 8 pairs, the rule until 2026-12-02)")  # fmt: skip
+        sp.add_argument("--no-noise-ahead", action="store_true",
+                        help="decide on the noise scale the recent statistics read, not carried along its fitted "
+                             "growth to the middle of the next decision interval (the rule until 2026-12-02)")  # fmt: skip
+        sp.add_argument("--adapt-cost", action="store_true",
+                        help="a switch to a bigger batch also pays the steps Adam's second moment takes to forget the "
+                             "old batch's noise (default: resharding only; measured in the README)")  # fmt: skip
         sp.add_argument("--slice-s", type=float,
                         help="seconds of training clock each variant runs before the next one's turn (default 0.5): "
                              "the variants share the machine's speed swings at longer time scales than this")  # fmt: skip

@@ -209,6 +209,9 @@ class GradientNoiseScale:
     _last_phi: float = 0.0
     history: list[GnsSnapshot] = field(default_factory=list)
     raw: list[tuple[float, float]] = field(default_factory=list)  # unsmoothed (|G|^2, tr Sigma) per update
+    at: list[float | None] = field(default_factory=list)  # where each raw pair was taken (samples trained so far)
+    _at: float = 0.0  # EMA of the positions (the position the smoothed estimate describes); None-free runs only
+    _at_known: bool = True
     per_tensor: bool = False
     _tg2: list[float] = field(default_factory=list)  # per tensor: EMAs of |G_j|^2, tr(Sigma_j), mean sqrt(v_j)
     _ttr: list[float] = field(default_factory=list)
@@ -232,16 +235,23 @@ class GradientNoiseScale:
         return "sqrt-tensor" if self.per_tensor else self.lr_scaling
 
     def update(self, sq_small: float, b_small: float, sq_big: float, b_big: float, step: int = -1,
-               tensors: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[int]] | None = None) -> bool:  # fmt: skip
+               tensors: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[int]] | None = None,
+               at: float | None = None) -> bool:  # fmt: skip
         """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small.
         ``tensors``: the same pair per parameter tensor (|g_b|^2, |g_B|^2, mean sqrt(v), size), folded into the
-        per-tensor statistics when ``per_tensor``."""
+        per-tensor statistics when ``per_tensor``. ``at``: where in training the pair was taken, in samples
+        trained so far (``growth`` and ``ahead`` read it)."""
         if b_big <= b_small or not (math.isfinite(sq_small) and math.isfinite(sq_big)):
             return False
+        if at is not None and not (math.isfinite(at) and at > 0):
+            raise ValueError(f"at must be a positive number of samples trained, got {at}")
         g2, s = unbiased_estimates(sq_small, b_small, sq_big, b_big)
         self.raw.append((g2, s))
-        del self.raw[:-256]
+        self.at.append(at)
+        del self.raw[:-256], self.at[:-256]
         d = self.decay
+        self._at_known = self._at_known and at is not None
+        self._at = d * self._at + (1 - d) * (at or 0.0)
         self._g2 = d * self._g2 + (1 - d) * g2
         self._s = d * self._s + (1 - d) * s
         if self.per_tensor and tensors is not None:
@@ -302,6 +312,65 @@ class GradientNoiseScale:
         pairs = self.raw if window is None else self.raw[-window:]
         return fieller_interval(pairs, z)
 
+    def growth(self, pairs: int = 24, groups: int = 3) -> tuple[float, float] | None:
+        """How fast the noise scale grows with training, and how well that is known: the slope of log phi against
+        log samples trained, and its standard error, fitted by weighted least squares to the pooled noise scale
+        (mean tr(Sigma) / mean |G|^2) of ``groups`` consecutive groups of the last ``pairs`` pairs, each weighted
+        by the inverse of its log's variance (delta method over its pairs' spread and covariance, as Fieller's
+        set counts them). None while there are fewer than three pairs per group, a pair's position is unknown,
+        fewer than two groups resolve both means above zero, or the groups' positions do not differ."""
+        at = self.at[-pairs:]
+        raw = self.raw[-pairs:]
+        if len(raw) < 3 * groups or any(a is None for a in at):
+            return None
+        pts = []  # (log position, log phi, weight)
+        for i in range(groups):
+            lo, hi = i * len(raw) // groups, (i + 1) * len(raw) // groups
+            part, n = raw[lo:hi], hi - lo
+            g, s = sum(p[0] for p in part) / n, sum(p[1] for p in part) / n
+            if g > 0 and s > 0:
+                vgg = sum((p[0] - g) ** 2 for p in part) / (n - 1) / n
+                vss = sum((p[1] - s) ** 2 for p in part) / (n - 1) / n
+                vsg = sum((p[0] - g) * (p[1] - s) for p in part) / (n - 1) / n
+                var = max(vss / (s * s) + vgg / (g * g) - 2 * vsg / (s * g), 1e-6)
+                pts.append((math.log(sum(at[lo:hi]) / n), math.log(s / g), 1.0 / var))
+        if len(pts) < 2:
+            return None
+        w = sum(p[2] for p in pts)
+        mx, my = sum(x * wi for x, _, wi in pts) / w, sum(y * wi for _, y, wi in pts) / w
+        sxx = sum(wi * (x - mx) ** 2 for x, _, wi in pts)
+        if sxx < 1e-6 * w:
+            return None
+        return sum(wi * (x - mx) * (y - my) for x, y, wi in pts) / sxx, 1.0 / math.sqrt(sxx)
+
+    def position(self, window: int | None = None) -> float | None:
+        """The position (samples trained) the smoothed estimate describes (``window`` None: the EMA's weighted
+        mean position), or that the last ``window`` pairs describe (their mean); None where unknown."""
+        if window is None:
+            return self._at / self._w if self._w > 0 and self._at_known else None
+        at = self.at[-window:]
+        return sum(at) / len(at) if at and all(a is not None for a in at) else None
+
+    def ahead(self, to: float, window: int | None = None, pairs: int = 24, groups: int = 3, z: float = 1.0,
+              limit: float = 1.0) -> tuple[float, float, float, tuple[float, float] | None]:  # fmt: skip
+        """Factors that carry a noise scale read from the recent statistics (the EMA's, or with ``window`` the
+        last ``window`` pairs') from the position it describes to position ``to`` (samples trained) along the
+        fitted growth (``growth``): (low, point, high), at the growth's estimate minus, at and plus ``z`` standard
+        errors, each exponent clipped to +-``limit``; and the growth fitted. A range carried by (low, high) counts
+        the growth's uncertainty as well as its own. Both estimates lag: on 4 ranks the 8 pairs of a range span
+        ~1.5 s of training, while phi grew ~t^0.4-0.9 in the first seconds, so the range read at 3 s described
+        2.2 s, 15-25% low. Factors 1 where the growth or the position is not known."""
+        fit = self.growth(pairs, groups)
+        since = self.position(window)
+        if fit is None or since is None or not to > 0:
+            return 1.0, 1.0, 1.0, fit
+        beta, se = fit
+        r = math.log(to / since)
+        low, point, high = (math.exp(r * min(max(b, -limit), limit)) for b in (beta - z * se, beta, beta + z * se))
+        if r < 0:
+            low, high = high, low
+        return low, point, high, fit
+
     def efficiency(self, batch: float, noise_scale: float | None = None) -> float:
         """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)
         under this run's learning-rate rule (``lr_scaling``)."""
@@ -325,13 +394,15 @@ class GradientNoiseScale:
     def state_dict(self) -> dict:
         return {"reference_batch": self.reference_batch, "decay": self.decay, "g2": self._g2, "s": self._s,
                 "w": self._w, "updates": self.updates, "lr_scaling": self.lr_scaling, "per_tensor": self.per_tensor,
-                "tensors": [list(self._tg2), list(self._ttr), list(self._tscale), list(self._tsize)]}  # fmt: skip
+                "tensors": [list(self._tg2), list(self._ttr), list(self._tscale), list(self._tsize)],
+                "at": self._at, "at_known": self._at_known}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.reference_batch = int(state["reference_batch"])
         self.decay = float(state["decay"])
         self._g2, self._s, self._w = float(state["g2"]), float(state["s"]), float(state["w"])
         self.updates = int(state["updates"])
+        self._at, self._at_known = float(state.get("at", 0.0)), bool(state.get("at_known", False))
         self.lr_scaling = str(state.get("lr_scaling", self.lr_scaling))
         self.per_tensor = bool(state.get("per_tensor", self.per_tensor))
         t = state.get("tensors") or [[], [], [], []]

@@ -145,6 +145,23 @@ class BenchConfig:
     # time-left trend is their only reader, and reading all 128 cost 2.1% (2 ranks) and 3.2% (4 ranks) of its
     # clock at 04:08-04:39 UTC 2026-12-01, against gaps to the oracle of 5-8%
     range_window: int = 8  # ~the pairs the EMA (0.64 per update) weighs: 0.64^8 = 0.03
+    noise_ahead: bool = True  # carry the range and the point estimate from where their pairs were taken (the last
+    # range_window pairs span ~1.5 s of training on 4 ranks, the EMA's mean lag is ~2 pairs) to the middle of the
+    # coming decision interval, along the noise scale's growth with samples trained (``GradientNoiseScale.ahead``).
+    # Without it (until 2026-12-02) cona left gb64 at 4.2-5.2 s where the oracle had left it at 3 s, and took
+    # gb256 at 8-9 s or never, where the oracle took it at 6 s (4 ranks, 14:39-14:49 UTC, gap 0.076)
+    adapt_cost: bool = False  # True: a switch to a bigger batch also pays the progress its steps lose while Adam's
+    # second moment forgets the old batch's noise (``chain.adaptation_steps``, ~20 steps at beta2 0.95). Measured on 4
+    # ranks (2026-12-02 15:03-15:14 UTC, one probe table, with noise_ahead): it stopped the early jumps from gb64
+    # straight to gb256 that noise_ahead alone made in two seeds of 5, but it also held back every later move (gap
+    # 0.075, switches 0, against 0.041 and 1 without it): paid on top of the square-root model, which already rates
+    # gb256 too low near the target, no move paid off. Off by default until the late efficiency is calibrated
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW's, for every variant
+    growth_pairs: int = 24  # the growth exponent is fitted over the last 24 pairs in 3 groups (~4.5 s at gb64); the
+    # range's ends are carried at the exponent -+ range_z of its standard errors, clipped to +-1. With the point
+    # exponent alone, clipped to +-1.5 (15:14-15:26 UTC), one seed fitted 1.42 at 4.2 s through a dip of the noise scale
+    # at 2 s (19, read from [8, 29]), carried [96, 144] to [152, 226] and jumped from gb64 to gb256, 0.14 behind the
+    # oracle (gb128 at 3 s, gb256 at 6 s); two seeds of 5 did so in each of two runs (gaps 0.041 and 0.023)
     range_z: float | None = 1.0  # standard errors the running range spans (None: the two-sided 95% Student-t
     # quantile for the pairs in the window, 2.36 for 8, the default until 2026-12-02). A switch is reversible a
     # second later for its switch cost (0.01-0.05 s here), while holding back costs the goodput difference until
@@ -245,6 +262,11 @@ class BenchConfig:
         if self.probe_max_rounds < self.probe_rounds:
             raise ValueError(f"probe_max_rounds must be >= probe_rounds ({self.probe_rounds}), got "
                              f"{self.probe_max_rounds}")  # fmt: skip
+        self.adam_betas = tuple(self.adam_betas)
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
+        if self.growth_pairs < 9:
+            raise ValueError(f"growth_pairs must be >= 9 (3 groups of 3 statistics pairs), got {self.growth_pairs}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
         if self.range_z is not None and not (math.isfinite(self.range_z) and self.range_z >= 0):
@@ -390,7 +412,8 @@ class _Variant:
             run.steps += 1
             run.samples += s.global_batch
             if want_gns:
-                gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps, tensors=r.tensors)
+                gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps, tensors=r.tensors,
+                           at=run.samples)  # fmt: skip
             if run.clock >= self.next_eval:
                 self._evaluate()
                 self.next_eval = run.clock + cfg.eval_every_s
@@ -442,9 +465,21 @@ class _Variant:
             rem = _bcast(remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0)))
             lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
             lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
-            d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem)
+            phi, extra = self.gns.noise_scale, {}
+            if cfg.noise_ahead:  # carried from where the pairs were taken to the middle of the next interval
+                rate = online if online is not None else tr.cost.throughput(s)[0]
+                to = run.samples + rate * cfg.decide_every_s / 2
+                z = cfg.range_z if cfg.range_z is not None else 1.0
+                f_lo, _, f_hi, fit = self.gns.ahead(to, window=cfg.range_window, pairs=cfg.growth_pairs, z=z)
+                _, f_point, _, _ = self.gns.ahead(to, pairs=cfg.growth_pairs)
+                f_lo, f_hi, f_point = _bcast(f_lo), _bcast(f_hi), _bcast(f_point)
+                extra = {"noise_range_read": [lo, hi], "noise_scale_read": phi, "noise_growth": fit and list(fit),
+                         "carried_to_samples": to, "carry": [f_lo, f_point, f_hi]}  # fmt: skip
+                lo, hi, phi = lo * f_lo, min(hi * f_hi, 1e9), phi * f_point
+            d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem,
+                                    noise_scale=phi)  # fmt: skip
             pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in self.gns.raw[-cfg.range_window :]]
-            extra = {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
+            extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
         else:
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
@@ -492,6 +527,7 @@ class _Trainer:
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
         return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm,
+                        betas=self.cfg.adam_betas,
                         precondition=self.cfg.gns_precondition,
                         tensor_stats=self.cfg.efficiency_model == "sqrt-tensor")  # fmt: skip
 
@@ -952,7 +988,8 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     gns_run = cfg.noise_scale_estimator()
     margin = cfg.margin if cfg.hysteresis == "fixed" else cfg.remaining_margin
     chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=margin,
-                      switch_cost_s=reshard_s, initial_models=cfg.initial_models)  # fmt: skip
+                      switch_cost_s=reshard_s, initial_models=cfg.initial_models,
+                      adam_beta2=cfg.adam_betas[1] if cfg.adapt_cost else None)  # fmt: skip
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
     surrogate0 = first.chosen
     # on step 0's global batch, its first warm batch's gradient is the run's first step: that forward and backward
