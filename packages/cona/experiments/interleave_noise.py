@@ -69,7 +69,8 @@ def main() -> None:
     res = launch(_worker, a.world, a.strategy, a.copies, slices, a.clock, a.repeats, timeout_s=3600.0)[0]
     for sl, reps in res.items():
         for r in reps:
-            print(f"slice {sl:>4}: {r['steps']} steps, clocks {['%.3f' % c for c in r['clocks']]}, "
+            clocks = ", ".join(f"{c:.3f}" for c in r["clocks"])
+            print(f"slice {sl:>4}: {r['steps']} steps, clocks [{clocks}], "
                   f"spread {r['spread']:.4f}, sd(log) {r['sd_log']:.4f}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
