@@ -41,10 +41,11 @@ def _worker(rank: int, world: int, name: str, copies: int, slices: list[float], 
             while any(r.clock < clock for r in runs):
                 k = rnd % copies
                 for i in list(range(k, copies)) + list(range(k)):  # rotated, as the bench's turns are
-                    v = vs[i]
-                    until = runs[i].clock + 1e-9 if sl == 0 else t  # lockstep: one step
-                    v.advance(min(until, clock), stop_at_target=False)
-                    steps_at[i] += [runs[i].clock] * (runs[i].steps - len(steps_at[i]))
+                    v, r = vs[i], runs[i]
+                    until = min(r.clock + 1e-9 if sl == 0 else t, clock)  # lockstep: one step
+                    while not v.done and r.clock < until:  # one step at a time, so every step has its own clock
+                        v.advance(r.clock + 1e-9, stop_at_target=False)
+                        steps_at[i].append(r.clock)
                 t += sl
                 rnd += 1
             n = min(len(x) for x in steps_at)

@@ -316,3 +316,29 @@ def test_growth_is_unknown_without_positions_or_pairs_and_bad_positions_are_name
     other = GradientNoiseScale(reference_batch=8)
     other.load_state_dict(state)
     assert other.position() == pytest.approx(fresh.position())
+
+
+def test_carry_inputs_are_checked_and_states_without_positions_load():
+    from cona.train import BenchConfig
+
+    gns = GradientNoiseScale(reference_batch=8)
+    for n in range(1, 13):
+        gns.update(2.0, 4, 1.1, 64, at=100.0 * n)
+    for call, needle in ((lambda: gns.position(window=0), "window must be >= 1"),
+                         (lambda: gns.interval(window=0), "window must be >= 1"),
+                         (lambda: gns.growth(groups=1), "groups >= 2"),
+                         (lambda: gns.ahead(1e4, limit=-1.0), "z and limit must be >= 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            call()
+    gns.raw.append((1.0, 2.0))  # a pair without a position: the positions no longer line up with the pairs
+    assert gns.growth() is None
+    for kw, needle in (({"growth_pairs": 24.5}, "growth_pairs must be a whole number"),
+                       ({"range_window": 0}, "range_window must be a whole number"),
+                       ({"adam_betas": 0.9}, "adam_betas must be two numbers")):  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            BenchConfig(**kw)
+    old = {k: v for k, v in GradientNoiseScale(reference_batch=8).state_dict().items() if k not in ("at", "at_known")}
+    fresh = GradientNoiseScale(reference_batch=8)
+    fresh.load_state_dict(old)  # saved before any update, without positions: later positions count
+    fresh.update(2.0, 4, 1.1, 64, at=100.0)
+    assert fresh.position() == pytest.approx(100.0)

@@ -116,11 +116,14 @@ def adaptation_steps(noise_scale: float, old_batch: float, new_batch: float, bet
     In the model behind the ``sqrt`` efficiency, Adam's v tracks |G|^2 + tr(Sigma)/M, i.e. 1 + phi/M in units
     of |G|^2. Right after a switch to a bigger batch, v still holds the old batch's larger noise and decays to
     the new level as v_k = b^k v_old + (1 - b^k) v_new (``beta2`` = b), so step k moves sqrt(v_new / v_k) of a
-    settled step; the sum of the shortfalls is the progress lost, in steps. With b = 0.95 (the bench's) and
-    phi = 150, gb64 -> gb256 loses ~6 steps (~0.4 s on 4 ranks), gb64 -> gb128 ~4 and gb128 -> gb256 ~3 of
-    their shorter steps: a jump straight to the biggest batch pays more than the two moves it skips."""
+    settled step; the sum of the shortfalls is the progress lost, in steps. With b = 0.95 (the bench's; v settles
+    over ~20 steps) and phi = 150, gb64 -> gb256 loses ~8 steps (~0.5 s on 4 ranks), gb64 -> gb128 ~4 and
+    gb128 -> gb256 ~3 of their shorter steps."""
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
+    if not (old_batch > 0 and new_batch > 0 and noise_scale >= 0):
+        raise ValueError(f"batches must be > 0 and noise_scale >= 0, got old_batch={old_batch}, "
+                         f"new_batch={new_batch}, noise_scale={noise_scale}")  # fmt: skip
     v_old, v_new = 1.0 + noise_scale / old_batch, 1.0 + noise_scale / new_batch
     if v_old <= v_new or beta2 == 0.0:
         return 0.0
@@ -396,7 +399,7 @@ class Chainer:
         )  # fmt: skip
         where = (f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {h:.2f}s to target "
                  f"estimated, switch {cost:.2f}s")  # fmt: skip
-        if self.adam_beta2 is not None and gains:
+        if self.adam_beta2 is not None and gains and gains[0][1].throughput > 0:
             e = gains[0][1]
             adapt = adaptation_steps(max(hi, phi), current.global_batch, e.strategy.global_batch, self.adam_beta2)
             where += f", up to {adapt * e.strategy.global_batch / e.throughput:.2f}s while Adam's v adapts"

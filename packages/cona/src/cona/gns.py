@@ -309,6 +309,8 @@ class GradientNoiseScale:
         |G|^2 unresolved and tr(Sigma) noisy that put the lower end far above the truth: on 4 ranks at 1.2 s,
         four pairs gave [101, inf] where the noise scale read 15-40 in the other seeds, and cona left gb64
         for gb128 there, 1.9 s behind the oracle at the target."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 pair (or None for all), got {window}")
         pairs = self.raw if window is None else self.raw[-window:]
         return fieller_interval(pairs, z)
 
@@ -319,6 +321,10 @@ class GradientNoiseScale:
         by the inverse of its log's variance (delta method over its pairs' spread and covariance, as Fieller's
         set counts them). None while there are fewer than three pairs per group, a pair's position is unknown,
         fewer than two groups resolve both means above zero, or the groups' positions do not differ."""
+        if pairs < 1 or groups < 2:
+            raise ValueError(f"growth needs pairs >= 1 and groups >= 2, got pairs={pairs}, groups={groups}")
+        if len(self.at) != len(self.raw):  # pairs added without positions (``raw`` edited directly)
+            return None
         at = self.at[-pairs:]
         raw = self.raw[-pairs:]
         if len(raw) < 3 * groups or any(a is None for a in at):
@@ -348,6 +354,8 @@ class GradientNoiseScale:
         mean position), or that the last ``window`` pairs describe (their mean); None where unknown."""
         if window is None:
             return self._at / self._w if self._w > 0 and self._at_known else None
+        if window < 1:
+            raise ValueError(f"window must be >= 1 pair (or None for the smoothed estimate), got {window}")
         at = self.at[-window:]
         return sum(at) / len(at) if at and all(a is not None for a in at) else None
 
@@ -360,6 +368,8 @@ class GradientNoiseScale:
         the growth's uncertainty as well as its own. Both estimates lag: on 4 ranks the 8 pairs of a range span
         ~1.5 s of training, while phi grew ~t^0.4-0.9 in the first seconds, so the range read at 3 s described
         2.2 s, 15-25% low. Factors 1 where the growth or the position is not known."""
+        if not (z >= 0 and limit >= 0):
+            raise ValueError(f"z and limit must be >= 0, got z={z}, limit={limit}")
         fit = self.growth(pairs, groups)
         since = self.position(window)
         if fit is None or since is None or not to > 0:
@@ -402,7 +412,8 @@ class GradientNoiseScale:
         self.decay = float(state["decay"])
         self._g2, self._s, self._w = float(state["g2"]), float(state["s"]), float(state["w"])
         self.updates = int(state["updates"])
-        self._at, self._at_known = float(state.get("at", 0.0)), bool(state.get("at_known", False))
+        # a state saved before positions were kept: unknown if it had updates, else every later one sets them
+        self._at, self._at_known = float(state.get("at", 0.0)), bool(state.get("at_known", self._w == 0))
         self.lr_scaling = str(state.get("lr_scaling", self.lr_scaling))
         self.per_tensor = bool(state.get("per_tensor", self.per_tensor))
         t = state.get("tensors") or [[], [], [], []]

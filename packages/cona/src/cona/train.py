@@ -151,14 +151,14 @@ class BenchConfig:
     # Without it (until 2026-12-02) cona left gb64 at 4.2-5.2 s where the oracle had left it at 3 s, and took
     # gb256 at 8-9 s or never, where the oracle took it at 6 s (4 ranks, 14:39-14:49 UTC, gap 0.076)
     adapt_cost: bool = False  # True: a switch to a bigger batch also pays the progress its steps lose while Adam's
-    # second moment forgets the old batch's noise (``chain.adaptation_steps``, ~20 steps at beta2 0.95). Measured on 4
+    # second moment forgets the old batch's noise (``chain.adaptation_steps``; v settles over ~20 steps at beta2 0.95). Measured on 4
     # ranks (2026-12-02 15:03-15:14 UTC, one probe table, with noise_ahead): it stopped the early jumps from gb64
     # straight to gb256 that noise_ahead alone made in two seeds of 5, but it also held back every later move (gap
     # 0.075, switches 0, against 0.041 and 1 without it): paid on top of the square-root model, which already rates
     # gb256 too low near the target, no move paid off. Off by default until the late efficiency is calibrated
     adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW's, for every variant
     growth_pairs: int = 24  # the growth exponent is fitted over the last 24 pairs in 3 groups (~4.5 s at gb64); the
-    # range's ends are carried at the exponent -+ range_z of its standard errors, clipped to +-1. With the point
+    # range's ends are carried at the exponent -+ range_z (1 when None) of its standard errors, clipped to +-1. With the point
     # exponent alone, clipped to +-1.5 (15:14-15:26 UTC), one seed fitted 1.42 at 4.2 s through a dip of the noise scale
     # at 2 s (19, read from [8, 29]), carried [96, 144] to [152, 226] and jumped from gb64 to gb256, 0.14 behind the
     # oracle (gb128 at 3 s, gb256 at 6 s); two seeds of 5 did so in each of two runs (gaps 0.041 and 0.023)
@@ -262,11 +262,16 @@ class BenchConfig:
         if self.probe_max_rounds < self.probe_rounds:
             raise ValueError(f"probe_max_rounds must be >= probe_rounds ({self.probe_rounds}), got "
                              f"{self.probe_max_rounds}")  # fmt: skip
-        self.adam_betas = tuple(self.adam_betas)
-        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
-            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
-        if self.growth_pairs < 9:
-            raise ValueError(f"growth_pairs must be >= 9 (3 groups of 3 statistics pairs), got {self.growth_pairs}")
+        betas = self.adam_betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+                isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):  # fmt: skip
+            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {betas!r}")
+        self.adam_betas = tuple(float(b) for b in betas)
+        if not (isinstance(self.growth_pairs, int) and 9 <= self.growth_pairs <= 256):
+            raise ValueError(f"growth_pairs must be a whole number of statistics pairs in 9..256 (3 groups of 3 "
+                             f"at least; 256 are kept), got {self.growth_pairs!r}")  # fmt: skip
+        if not (isinstance(self.range_window, int) and self.range_window >= 2):
+            raise ValueError(f"range_window must be a whole number of statistics pairs >= 2, got {self.range_window!r}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
         if self.range_z is not None and not (math.isfinite(self.range_z) and self.range_z >= 0):
@@ -475,7 +480,7 @@ class _Variant:
                 f_lo, f_hi, f_point = _bcast(f_lo), _bcast(f_hi), _bcast(f_point)
                 extra = {"noise_range_read": [lo, hi], "noise_scale_read": phi, "noise_growth": fit and list(fit),
                          "carried_to_samples": to, "carry": [f_lo, f_point, f_hi]}  # fmt: skip
-                lo, hi, phi = lo * f_lo, min(hi * f_hi, 1e9), phi * f_point
+                lo, hi, phi = lo * f_lo, min(hi * f_hi, 1e9), min(phi * f_point, 1e9)
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem,
                                     noise_scale=phi)  # fmt: skip
             pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in self.gns.raw[-cfg.range_window :]]
