@@ -8,6 +8,13 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def state_digest(state) -> float:
+    """A checksum of a FullState (in a fixed order, so a checkpoint round trip reads the same); the tests' spawned
+    workers import it from here."""
+    tensors = state.tensors
+    return sum(float(tensors[k][n].double().sum()) for k in sorted(tensors) for n in sorted(tensors[k])) + state.step
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process tests (still run in nox -s tests)")
 

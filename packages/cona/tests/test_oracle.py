@@ -4,17 +4,12 @@ decisions read only the evaluations it is charged for."""
 import math
 
 import pytest
+from conftest import state_digest
 
 from cona.dist import launch
 from cona.model import tiny_llama_config
 from cona.space import ModelDims, enumerate_strategies
 from cona.train import BenchConfig, oracle_shortlist, pick_branch, smoothed, time_to_target
-
-
-def _digest(state) -> float:
-    """A checksum of the full state (in a fixed order, so a checkpoint round trip reads the same)."""
-    tensors = state.tensors
-    return sum(float(tensors[k][n].double().sum()) for k in sorted(tensors) for n in sorted(tensors[k])) + state.step
 
 
 def _worker(rank, world):
@@ -31,14 +26,14 @@ def _worker(rank, world):
     def variant(run, s, state, chainer=None, gns=None, consumed=0, held_out=False):
         if run.name not in ("best_static", "surrogate_static", "cona"):  # an oracle branch
             assert held_out  # its evaluations read the held-out windows too
-            starts.append({"clock": run.clock, "strategy": s.name, "consumed": consumed, "state": _digest(state)})
+            starts.append({"clock": run.clock, "strategy": s.name, "consumed": consumed, "state": state_digest(state)})
         return plain(run, s, state, chainer, gns, consumed, held_out)
 
     tr.variant = variant
     end_phase = T._Oracle._end_phase
 
     def end(self):
-        ends.append([{"strategy": s.name, "consumed": v.consumed, "state": _digest(v.ex.full_state()),
+        ends.append([{"strategy": s.name, "consumed": v.consumed, "state": state_digest(v.ex.full_state()),
                       "trace": list(b.trace), "held": list(b.held_out_trace)}
                      for s, b, v, _ in self.branches])  # fmt: skip
         end_phase(self)

@@ -3,6 +3,7 @@ same batch takes, on every layout of that global batch."""
 
 import pytest
 import torch
+from conftest import state_digest
 
 from cona.dist import launch
 from cona.probe import CostModel
@@ -50,10 +51,6 @@ def _worker(rank, world):
     return out if rank == 0 else None
 
 
-def _digest(state) -> float:
-    return sum(float(t.double().sum()) for k in sorted(state.tensors) for t in state.tensors[k].values()) + state.step
-
-
 def _seed_worker(rank, world, trains):
     """One short seed of the bench (no oracle) on global batch 64 alone: where each variant starts."""
     import cona.train as T
@@ -67,18 +64,18 @@ def _seed_worker(rank, world, trains):
     plain, first = tr.variant, tr.first_step
 
     def variant(run, s, state, chainer=None, gns=None, consumed=0, held_out=False):
-        starts[run.name] = {"consumed": consumed, "state": _digest(state), "clock": run.clock, "gns_s": run.gns_s,
+        starts[run.name] = {"consumed": consumed, "state": state_digest(state), "clock": run.clock, "gns_s": run.gns_s,
                             "steps": run.steps, "samples": run.samples}  # fmt: skip
         return plain(run, s, state, chainer, gns, consumed, held_out)
 
     def first_step(step0):
         state, secs = first(step0)
-        handed.append(_digest(state))
+        handed.append(state_digest(state))
         return state, secs
 
     tr.variant, tr.first_step = variant, first_step
     res = T._run_seed(tr, tr.candidates[0], 0.01)
-    return {"starts": starts, "step0": res["step0"], "handed": handed, "state0": _digest(tr.state0)}
+    return {"starts": starts, "step0": res["step0"], "handed": handed, "state0": state_digest(tr.state0)}
 
 
 @pytest.fixture(scope="module")

@@ -156,11 +156,7 @@ def fieller_interval(pairs: Sequence[tuple[float, float]], z: float | None = Non
         return 0.0, math.inf
     if z is None:
         z = t_quantile_975(n - 1)
-    g = sum(p[0] for p in pairs) / n
-    s = sum(p[1] for p in pairs) / n
-    vgg = sum((p[0] - g) ** 2 for p in pairs) / (n - 1) / n  # variances and covariance of the two means
-    vss = sum((p[1] - s) ** 2 for p in pairs) / (n - 1) / n
-    vsg = sum((p[0] - g) * (p[1] - s) for p in pairs) / (n - 1) / n
+    g, s, vgg, vss, vsg = _means_and_covariance(pairs)
     q = z * z
     a = g * g - q * vgg  # (s - R g)^2 - q (vss - 2 R vsg + R^2 vgg) <= 0, i.e. a R^2 + b R + c <= 0
     b = -2.0 * (s * g - q * vsg)
@@ -178,6 +174,17 @@ def fieller_interval(pairs: Sequence[tuple[float, float]], z: float | None = Non
         if r1 < 0.0 < r2:
             return r2, math.inf
     return 0.0, math.inf
+
+
+def _means_and_covariance(pairs: Sequence[tuple[float, float]]) -> tuple[float, float, float, float, float]:
+    """Means of the (|G|^2, tr Sigma) pairs and the variances and covariance of those means (>= 2 pairs)."""
+    n = len(pairs)
+    g = sum(p[0] for p in pairs) / n
+    s = sum(p[1] for p in pairs) / n
+    vgg = sum((p[0] - g) ** 2 for p in pairs) / (n - 1) / n
+    vss = sum((p[1] - s) ** 2 for p in pairs) / (n - 1) / n
+    vsg = sum((p[0] - g) * (p[1] - s) for p in pairs) / (n - 1) / n
+    return g, s, vgg, vss, vsg
 
 
 def t_quantile_975(df: int) -> float:
@@ -332,14 +339,10 @@ class GradientNoiseScale:
         pts = []  # (log position, log phi, weight)
         for i in range(groups):
             lo, hi = i * len(raw) // groups, (i + 1) * len(raw) // groups
-            part, n = raw[lo:hi], hi - lo
-            g, s = sum(p[0] for p in part) / n, sum(p[1] for p in part) / n
+            g, s, vgg, vss, vsg = _means_and_covariance(raw[lo:hi])
             if g > 0 and s > 0:
-                vgg = sum((p[0] - g) ** 2 for p in part) / (n - 1) / n
-                vss = sum((p[1] - s) ** 2 for p in part) / (n - 1) / n
-                vsg = sum((p[0] - g) * (p[1] - s) for p in part) / (n - 1) / n
                 var = max(vss / (s * s) + vgg / (g * g) - 2 * vsg / (s * g), 1e-6)
-                pts.append((math.log(sum(at[lo:hi]) / n), math.log(s / g), 1.0 / var))
+                pts.append((math.log(sum(at[lo:hi]) / (hi - lo)), math.log(s / g), 1.0 / var))
         if len(pts) < 2:
             return None
         w = sum(p[2] for p in pts)
@@ -360,17 +363,19 @@ class GradientNoiseScale:
         return sum(at) / len(at) if at and all(a is not None for a in at) else None
 
     def ahead(self, to: float, window: int | None = None, pairs: int = 24, groups: int = 3, z: float = 1.0,
-              limit: float = 1.0) -> tuple[float, float, float, tuple[float, float] | None]:  # fmt: skip
+              limit: float = 1.0, fit: tuple[float, float] | None = None) -> tuple[float, float, float, tuple[float, float] | None]:  # fmt: skip
         """Factors that carry a noise scale read from the recent statistics (the EMA's, or with ``window`` the
         last ``window`` pairs') from the position it describes to position ``to`` (samples trained) along the
         fitted growth (``growth``): (low, point, high), at the growth's estimate minus, at and plus ``z`` standard
         errors, each exponent clipped to +-``limit``; and the growth fitted. A range carried by (low, high) counts
         the growth's uncertainty as well as its own. Both estimates lag: on 4 ranks the 8 pairs of a range span
         ~1.5 s of training, while phi grew ~t^0.4-0.9 in the first seconds, so the range read at 3 s described
-        2.2 s, 15-25% low. Factors 1 where the growth or the position is not known."""
+        2.2 s, 15-25% low. Factors 1 where the growth or the position is not known. ``fit``: a growth already
+        fitted (``growth``'s result), so that carrying several estimates fits it once."""
         if not (z >= 0 and limit >= 0):
             raise ValueError(f"z and limit must be >= 0, got z={z}, limit={limit}")
-        fit = self.growth(pairs, groups)
+        if fit is None:
+            fit = self.growth(pairs, groups)
         since = self.position(window)
         if fit is None or since is None or not to > 0:
             return 1.0, 1.0, 1.0, fit

@@ -476,7 +476,7 @@ class _Variant:
                 to = run.samples + rate * cfg.decide_every_s / 2
                 z = cfg.range_z if cfg.range_z is not None else 1.0
                 f_lo, _, f_hi, fit = self.gns.ahead(to, window=cfg.range_window, pairs=cfg.growth_pairs, z=z)
-                _, f_point, _, _ = self.gns.ahead(to, pairs=cfg.growth_pairs)
+                _, f_point, _, _ = self.gns.ahead(to, fit=fit)  # the same fit, from the EMA's position
                 f_lo, f_hi, f_point = _bcast(f_lo), _bcast(f_hi), _bcast(f_point)
                 extra = {"noise_range_read": [lo, hi], "noise_scale_read": phi, "noise_growth": fit and list(fit),
                          "carried_to_samples": to, "carry": [f_lo, f_point, f_hi]}  # fmt: skip
