@@ -40,10 +40,16 @@ def test_initial_choice_follows_the_lr_rule_training_uses():
     assert d.chosen == gb[64] and d.to_dict()["efficiency_model"] == "sqrt"
     # the late move to a bigger batch: gb128 beats gb64 by the 5% margin only at a noise scale ~285 and up
     _set_phi(gns, 400.0)
-    d = Chainer(list(tput), tput, gns, horizon_s=3.0, switch_cost_s=0.015).decide(gb[64], step=1)
+    d = Chainer(list(tput), tput, gns, horizon_s=3.0, switch_cost_s=0.015, same_layout_cost_s=0.015).decide(
+        gb[64], step=1
+    )
     assert d.switched and d.chosen.global_batch > 64
     _set_phi(gns, 200.0)
-    assert not Chainer(list(tput), tput, gns, horizon_s=3.0, switch_cost_s=0.015).decide(gb[64], step=2).switched
+    assert (
+        not Chainer(list(tput), tput, gns, horizon_s=3.0, switch_cost_s=0.015, same_layout_cost_s=0.015)
+        .decide(gb[64], step=2)
+        .switched
+    )
 
 
 def test_initial_choice_holds_under_every_efficiency_model():
@@ -106,13 +112,32 @@ def test_hysteresis_and_switch_cost_prevent_thrashing():
     assert not ch.decide(SMALL).switched
     # clearly better, but the switch costs more than the horizon gains -> stay
     _set_phi(gns, 1000.0)
-    ch2 = Chainer([SMALL, BIG], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=6.0)
+    ch2 = Chainer([SMALL, BIG], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=6.0, same_layout_cost_s=6.0)
     d = ch2.decide(SMALL)
     assert not d.switched and "switch" in d.reason
-    # measured switch costs replace the prior
-    ch2.observe_switch(0.1)
-    assert ch2.expected_switch_cost_s() == pytest.approx(0.1)
+    # measured switch costs replace the prior of their kind (SMALL and BIG share the dp2 layout)
+    ch2.observe_switch(0.1, same_layout=True)
+    assert ch2.expected_switch_cost_s(SMALL, BIG) == pytest.approx(0.1)
+    assert ch2.expected_switch_cost_s(SMALL, TP) == ch2.expected_switch_cost_s() == 6.0
     assert ch2.decide(SMALL).switched
+
+
+def test_a_switch_within_one_layout_is_costed_apart_from_a_resharding():
+    """SMALL -> BIG keeps the dp2 layout (no state moves, ``Executor.retarget``), SMALL -> TP reshards: with a
+    6 s resharding prior over a 10 s horizon only the first pays; a measured resharding replaces only its kind."""
+    gns = GradientNoiseScale(reference_batch=8, decay=0.0)
+    _set_phi(gns, 1000.0)
+    ch = Chainer([SMALL, TP], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=6.0)
+    assert not ch.decide(SMALL).switched  # TP: 1.5x over the 4 s a resharding leaves of 10 s
+    assert ch.expected_switch_cost_s(SMALL, BIG) == 0.0
+    both = Chainer([SMALL, BIG, TP], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=6.0)
+    d = both.decide(SMALL)
+    assert d.switched and d.chosen == BIG and d.switch_cost_s == 0.0
+    both.observe_switch(0.02)
+    assert both.expected_switch_cost_s(SMALL, TP) == pytest.approx(0.02)
+    assert both.expected_switch_cost_s(SMALL, BIG) == 0.0
+    with pytest.raises(ValueError, match="same_layout_cost_s"):
+        Chainer([SMALL], TPUT, gns, same_layout_cost_s=-1.0)
 
 
 def test_chainer_rejects_bad_input():
@@ -152,7 +177,7 @@ LATE = {GB64: 3909.0, GB128: 4466.0, GB256: 4929.0}
 def _late_chainer(phi: float, margin: float = 0.05) -> Chainer:
     gns = GradientNoiseScale(reference_batch=8, decay=0.0)
     _set_phi(gns, phi)
-    return Chainer(list(LATE), LATE, gns, horizon_s=3.0, margin=margin, switch_cost_s=0.015)
+    return Chainer(list(LATE), LATE, gns, horizon_s=3.0, margin=margin, switch_cost_s=0.015, same_layout_cost_s=0.015)
 
 
 def test_remaining_time_hysteresis_switches_where_the_fixed_margin_stays():

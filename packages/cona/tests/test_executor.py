@@ -90,6 +90,24 @@ def _worker(rank, world, ckpt_dir):
                 "ckpt_exact": via_ckpt.equal(sa),
                 "continued": ex_b.full_state(),
             }
+    # a switch within one dp x tp x pp layout (micro-batch and global batch only) retargets the executor in place:
+    # the same state, and the next step the same as after resharding to it
+    a = STRATEGIES[0]
+    out["retarget"] = {}
+    for b in (STRATEGIES[1], Strategy(2, 1, 1, 4, 16)):
+        ex_r = Executor(a, cfg, st0, lr=LR, eps=EPS)
+        ex_r.train_step(b0)
+        ex_s = Executor(b, cfg, ex_r.full_state(), lr=LR, eps=EPS)  # the resharding path
+        same = ex_r.same_layout(b) and ex_r.retarget(b) is ex_r
+        batch = data.samples(8, b.global_batch)
+        ex_r.train_step(batch)
+        ex_s.train_step(batch)
+        out["retarget"][b.name] = {"same": same, "exact": ex_r.full_state().equal(ex_s.full_state())}
+    try:
+        Executor(a, cfg, st0).retarget(STRATEGIES[2])
+        out["retarget"]["error"] = None
+    except ValueError as e:
+        out["retarget"]["error"] = str(e)
     return out if rank == 0 else None
 
 
@@ -248,6 +266,14 @@ def test_resharding_round_trips_exactly_and_training_continues(results, referenc
         for n, p in reference["params"].items():
             torch.testing.assert_close(r["continued"].tensors["param"][n], p, rtol=1e-4, atol=1e-5,
                                        msg=f"{a} -> {b} then a step: {n}")  # fmt: skip
+
+
+def test_a_switch_within_one_layout_retargets_in_place_exactly(results):
+    r = results["retarget"]
+    for name in (STRATEGIES[1].name, "dp2-tp1-pp1-mb4-gb16"):
+        assert r[name]["same"], name
+        assert r[name]["exact"], f"retarget to {name} then a step differs from resharding to it"
+    assert "same dp x tp x pp layout" in r["error"] and "dp1-tp2-pp1-mb4-gb8" in r["error"]
 
 
 def _fail_on_rank1(rank, world):

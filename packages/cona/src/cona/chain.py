@@ -99,6 +99,10 @@ class Decision:
 ThroughputFn = Callable[[Strategy], tuple[float, str]]
 
 
+def _layout(s: Strategy) -> tuple[int, int, int]:
+    return s.dp, s.tp, s.pp
+
+
 def noise_grid(lo: float, hi: float, points: int = 25) -> list[float]:
     """Noise scales spread geometrically over [lo, hi] (0 included when lo is 0; inf capped at 1e9)."""
     lo = max(lo, 0.0)
@@ -228,8 +232,10 @@ class Chainer:
     """Online strategy chaining over a fixed candidate set.
 
     ``throughput(strategy) -> (samples/s, source)`` comes from probes or a fitted cost model.
-    ``switch_cost_s(current, new)`` is the expected resharding time (measured ones are fed back via
-    ``observe_switch``). ``horizon_s`` is how long a choice is expected to last (the time until the
+    ``switch_cost_s`` is the prior for a switch that reshards (another dp x tp x pp layout) and
+    ``same_layout_cost_s`` for one that keeps the layout (only micro-batch and global batch change: no state
+    moves, ``Executor.retarget``); measured ones are fed back via ``observe_switch`` and replace the prior of
+    their kind (``expected_switch_cost_s``). ``horizon_s`` is how long a choice is expected to last (the time until the
     next decision); ``margin`` is the hysteresis (0.05: the newcomer must be 5% better).
     ``initial_models``: the efficiency models the initial choice under a noise-scale range must hold
     under (None: only the estimator's ``lr_scaling``). Running decisions always use ``lr_scaling``.
@@ -241,11 +247,12 @@ class Chainer:
     horizon_s: float = 10.0  # how long a new choice is expected to pay off (not the re-ranking interval)
     margin: float = 0.05
     switch_cost_s: float = 0.5
+    same_layout_cost_s: float = 0.0
     initial_models: tuple[str, ...] | None = None
     adam_beta2: float | None = None  # the optimizer's beta2: a switch to a bigger batch also pays the steps its
     # second moment takes to adapt (``adaptation_steps``); None: not counted (the rule until 2026-12-02)
     decisions: list[Decision] = field(default_factory=list)
-    _switch_costs: list[float] = field(default_factory=list)
+    _switch_costs: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})  # by same layout
     observed: dict[Strategy, float] = field(default_factory=dict)  # samples/s measured in this run's training
 
     def __post_init__(self) -> None:
@@ -255,6 +262,9 @@ class Chainer:
             raise ValueError(f"horizon_s must be > 0, got {self.horizon_s}")
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
+        for name in ("switch_cost_s", "same_layout_cost_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)}")
         if self.initial_models is not None:
             self.initial_models = efficiency_models(self.initial_models, "initial_models")
         if self.adam_beta2 is not None and not 0.0 <= self.adam_beta2 < 1.0:
@@ -298,12 +308,16 @@ class Chainer:
             raise ValueError(f"samples_per_s must be a positive number, got {samples_per_s}")
         self.observed[s] = float(samples_per_s)
 
-    def expected_switch_cost_s(self) -> float:
-        """Mean of measured switch costs so far, else the prior."""
-        return sum(self._switch_costs) / len(self._switch_costs) if self._switch_costs else self.switch_cost_s
+    def expected_switch_cost_s(self, current: Strategy | None = None, new: Strategy | None = None) -> float:
+        """Expected seconds of a switch from ``current`` to ``new``: the mean of the measured switches of its kind
+        (same dp x tp x pp layout or not) so far, else that kind's prior. Without both strategies: a resharding."""
+        same = current is not None and new is not None and _layout(current) == _layout(new)
+        seen = self._switch_costs[same]
+        return sum(seen) / len(seen) if seen else (self.same_layout_cost_s if same else self.switch_cost_s)
 
-    def observe_switch(self, seconds: float) -> None:
-        self._switch_costs.append(float(seconds))
+    def observe_switch(self, seconds: float, same_layout: bool = False) -> None:
+        """A measured switch: ``same_layout`` when it kept the dp x tp x pp layout (no state moved)."""
+        self._switch_costs[bool(same_layout)].append(float(seconds))
 
     def rank(self, noise_scale: float | None = None) -> list[Estimate]:
         """Candidates by goodput, best first (ties: higher throughput, then name)."""
@@ -331,7 +345,7 @@ class Chainer:
         phi = self.gns.noise_scale if noise_scale is None else noise_scale
         ranking = tuple(self.rank(phi))
         best = ranking[0]
-        cost = self.expected_switch_cost_s()
+        cost = self.expected_switch_cost_s(current, best.strategy)  # to the best; per rival in _decide_remaining
         if current is not None and all(e.strategy != current for e in ranking):
             raise ValueError(f"current strategy {current.name} is not among the candidates")
         if current is None and noise_range is not None:
@@ -351,7 +365,7 @@ class Chainer:
                          f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
                          f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})", phi, 0.0, ranking)  # fmt: skip
         elif remaining_s is not None:
-            d = self._decide_remaining(current, ranking, step, elapsed_s, phi, cost, remaining_s, noise_range)
+            d = self._decide_remaining(current, ranking, step, elapsed_s, phi, remaining_s, noise_range)
         else:
             cur = next((e for e in ranking if e.strategy == current), None)
             if cur is None:
@@ -384,7 +398,7 @@ class Chainer:
         return d
 
     def _decide_remaining(self, current: Strategy, ranking: tuple[Estimate, ...], step: int, elapsed_s: float,
-                          phi: float, cost: float, remaining_s: float,
+                          phi: float, remaining_s: float,
                           noise_range: tuple[float, float] | None) -> Decision:  # fmt: skip
         """Hysteresis from the remaining time, the switch cost and the noise-scale range (see the module)."""
         lo, hi = noise_range if noise_range is not None else (phi, phi)
@@ -392,11 +406,14 @@ class Chainer:
         cur = next(e for e in ranking if e.strategy == current)
         h = max(remaining_s, 0.0)
         gains = sorted(
-            ((switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid, h, cost,
-                          self.gns.reference_batch, self.gns.lr_scaling, self.gns.efficiency, self.adam_beta2), e)
+            ((switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid, h,
+                          self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch,
+                          self.gns.lr_scaling, self.gns.efficiency, self.adam_beta2), e)
              for e in ranking if e.strategy != current),
             key=lambda ge: (-ge[0], -ge[1].goodput, ge[1].strategy.name),
         )  # fmt: skip
+        # the cost logged is that of a switch to the most robust rival (same layout: no state moves)
+        cost = self.expected_switch_cost_s(current, gains[0][1].strategy) if gains else 0.0
         where = (f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {h:.2f}s to target "
                  f"estimated, switch {cost:.2f}s")  # fmt: skip
         if self.adam_beta2 is not None and gains and gains[0][1].throughput > 0:

@@ -243,7 +243,15 @@ def _results(seeds: dict, budget_s: float) -> dict:
                         "chain": [
                             {
                                 kk: c[kk]
-                                for kk in ("clock", "strategy", "branches", "pick_on_measuring_windows", "compared_at")
+                                for kk in (
+                                    "clock",
+                                    "strategy",
+                                    "switch",
+                                    "switch_s",
+                                    "branches",
+                                    "pick_on_measuring_windows",
+                                    "compared_at",
+                                )
                                 if kk in c
                             }  # fmt: skip
                             for c in s["runs"][k]["chain"]

@@ -490,15 +490,17 @@ class _Variant:
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
         if d.switched:
             t0 = time.perf_counter()
-            new = tr.executor(d.chosen, self.ex.full_state())  # in-memory resharding
+            same = self.ex.same_layout(d.chosen)  # only micro-batch and global batch change: no state moves
+            new = self.ex.retarget(d.chosen) if same else tr.executor(d.chosen, self.ex.full_state())  # or reshard
             sw = _bcast(time.perf_counter() - t0)
-            self.chainer.observe_switch(sw)
+            self.chainer.observe_switch(sw, same_layout=same)
             self.ex, self.s = new, d.chosen
             self.plain_times = []
             self.k = 0
             run.clock += sw
             run.switch_s += sw
-            run.chain.append({"clock": run.clock, "strategy": d.chosen.name, "why": d.reason})
+            run.chain.append({"clock": run.clock, "strategy": d.chosen.name, "why": d.reason,
+                              "switch": "same layout" if same else "resharded", "switch_s": sw})  # fmt: skip
 
 
 class _Trainer:
