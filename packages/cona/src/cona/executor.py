@@ -338,30 +338,37 @@ class Executor:
         sums = torch.stack([v.sum() for v, _ in vs]).double() / (div * self._pre_per)  # per-element means / tp
         if self.tp_group is not None:
             dist.all_reduce(sums, group=self.tp_group)
-        floors = (sums * V_FLOOR).float()
+        floors = (sums * V_FLOOR).float().unbind()
+        # one fused pass per operation over every owned tensor (the per-tensor loop was ~100 small operations a
+        # statistics step: most of their cost on a small model); the same elementwise results
+        bufs, own = self._pre_bufs, self._pre_owned
+        torch._foreach_copy_(bufs, [vs[i][0] for i in own])
+        torch._foreach_div_(bufs, [vs[i][1] for i in own])
+        torch._foreach_maximum_(bufs, [floors[i] for i in own])  # the floor: clamp(min=...)
+        torch._foreach_sqrt_(bufs)
         # with tensor_stats, each tensor's sum of sqrt(v) (as floored), the scale its metric divides out
-        roots = torch.zeros(len(self._sizes), dtype=torch.float64, device=self.device) if self.tensor_stats else None
-        for buf, i, j in zip(self._pre_bufs, self._pre_owned, self._owned_idx):
-            v, d = vs[i]
-            torch.div(v, d, out=buf)
-            torch.clamp(buf, min=floors[i], out=buf)
-            buf.sqrt_()
-            if roots is not None:
-                roots[j] = buf.sum(dtype=torch.float64)
-            buf.add_(self._eps).reciprocal_()
+        roots = None
+        if self.tensor_stats:
+            roots = torch.zeros(len(self._sizes), dtype=torch.float64, device=self.device)
+            roots[self._owned_idx] = torch.stack([b.sum(dtype=torch.float64) for b in bufs])
+        torch._foreach_add_(bufs, self._eps)
+        torch._foreach_reciprocal_(bufs)
         self._sqrt_v_sums = roots
-        return self._pre_bufs
+        return bufs
 
     def _sq_norm(self, scale: float = 1.0, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Squared norm of the owned gradients (times ``scale``), in the metric ``weights`` if given, per tensor
         of the whole model (a float64 vector on the device, 0 where this rank owns nothing; its sum is the
         whole norm), read by the caller with the step's other reductions: no host sync here, which mid-backward
         would stall the pipeline on a GPU. The weighted gradients go into a scratch buffer allocated once."""
-        idx, grads = [], []
-        for k, (p, j) in enumerate(zip(self.owned, self._owned_idx)):
-            if p.grad is not None:
-                idx.append(j)
-                grads.append(p.grad if weights is None else torch.mul(p.grad, weights[k], out=self._gns_scratch[k]))
+        have = [k for k, p in enumerate(self.owned) if p.grad is not None]
+        idx = [self._owned_idx[k] for k in have]
+        grads = [self.owned[k].grad for k in have]
+        if weights is not None and grads:  # fused over the tensors, like the preconditioner
+            scratch = [self._gns_scratch[k] for k in have]
+            torch._foreach_copy_(scratch, grads)
+            torch._foreach_mul_(scratch, [weights[k] for k in have])
+            grads = scratch
         out = torch.zeros(len(self._sizes), dtype=torch.float64, device=self.device)
         if grads:
             out[idx] = torch.stack(torch._foreach_norm(grads)).double().pow(2) * (scale * scale)
