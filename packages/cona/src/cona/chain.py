@@ -331,7 +331,7 @@ class Chainer:
 
     def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0,
                noise_range: tuple[float, float] | None = None, remaining_s: float | None = None,
-               noise_scale: float | None = None) -> Decision:  # fmt: skip
+               noise_scale: float | None = None, models: Sequence[str] | None = None) -> Decision:  # fmt: skip
         """Choose the strategy for the next horizon; logged and appended to ``decisions``.
 
         ``noise_range``: the noise scale is only known to lie in this range (few gradient samples). For the
@@ -340,8 +340,12 @@ class Chainer:
         strategy that beats the current one over the remaining time, switch cost paid, at every noise
         scale in the range (``switch_gain``). Without ``remaining_s`` the fixed horizon and margin apply.
         ``noise_scale``: the point estimate to rank by, in place of the estimator's (e.g. carried to where the
-        decision applies, ``GradientNoiseScale.ahead``).
+        decision applies, ``GradientNoiseScale.ahead``). ``models``: with ``remaining_s``, the efficiency models a
+        switch must win under, each at every noise scale in the range (None: the estimator's own), as the initial
+        choice holds under ``initial_models``.
         """
+        if models is not None:
+            models = efficiency_models(tuple(models), "models")
         phi = self.gns.noise_scale if noise_scale is None else noise_scale
         ranking = tuple(self.rank(phi))
         best = ranking[0]
@@ -365,7 +369,7 @@ class Chainer:
                          f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
                          f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})", phi, 0.0, ranking)  # fmt: skip
         elif remaining_s is not None:
-            d = self._decide_remaining(current, ranking, step, elapsed_s, phi, remaining_s, noise_range)
+            d = self._decide_remaining(current, ranking, step, elapsed_s, phi, remaining_s, noise_range, models)
         else:
             cur = next((e for e in ranking if e.strategy == current), None)
             if cur is None:
@@ -391,7 +395,10 @@ class Chainer:
                     )
                 d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
         initial = current is None and noise_range is not None
-        models = (self.initial_models or (self.gns.lr_scaling,)) if initial else (self.gns.model,)
+        if initial:
+            models = self.initial_models or (self.gns.lr_scaling,)
+        elif models is None or remaining_s is None:
+            models = (self.gns.model,)
         d = replace(d, efficiency_model="+".join(models))  # the model(s) this decision's choice holds under
         self.decisions.append(d)
         log.info("step %d: %s", step, d.reason)
@@ -399,23 +406,32 @@ class Chainer:
 
     def _decide_remaining(self, current: Strategy, ranking: tuple[Estimate, ...], step: int, elapsed_s: float,
                           phi: float, remaining_s: float,
-                          noise_range: tuple[float, float] | None) -> Decision:  # fmt: skip
-        """Hysteresis from the remaining time, the switch cost and the noise-scale range (see the module)."""
+                          noise_range: tuple[float, float] | None,
+                          models: tuple[str, ...] | None = None) -> Decision:  # fmt: skip
+        """Hysteresis from the remaining time, the switch cost and the noise-scale range (see the module); with
+        ``models``, the worst case over those efficiency models too (the estimator's own as it computes it)."""
         lo, hi = noise_range if noise_range is not None else (phi, phi)
         grid = noise_grid(min(lo, phi), max(hi, phi), points=9)
         cur = next(e for e in ranking if e.strategy == current)
         h = max(remaining_s, 0.0)
+        own = self.gns.lr_scaling
+
+        def gain(e: Estimate) -> float:
+            return min(switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid,
+                                   h, self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch, m,
+                                   self.gns.efficiency if m == own else None, self.adam_beta2)
+                       for m in (models or (own,)))  # fmt: skip
+
         gains = sorted(
-            ((switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid, h,
-                          self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch,
-                          self.gns.lr_scaling, self.gns.efficiency, self.adam_beta2), e)
-             for e in ranking if e.strategy != current),
+            ((gain(e), e) for e in ranking if e.strategy != current),
             key=lambda ge: (-ge[0], -ge[1].goodput, ge[1].strategy.name),
         )  # fmt: skip
         # the cost logged is that of a switch to the most robust rival (same layout: no state moves)
         cost = self.expected_switch_cost_s(current, gains[0][1].strategy) if gains else 0.0
         where = (f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {h:.2f}s to target "
                  f"estimated, switch {cost:.2f}s")  # fmt: skip
+        if models and tuple(models) != (own,):
+            where += f", under the {' and '.join(models)} efficiency models"
         if self.adam_beta2 is not None and gains and gains[0][1].throughput > 0:
             e = gains[0][1]
             adapt = adaptation_steps(max(hi, phi), current.global_batch, e.strategy.global_batch, self.adam_beta2)

@@ -76,6 +76,8 @@ def _run_config(args, quick: bool):
         kw["noise_ahead"] = False
     if getattr(args, "adapt_cost", False):
         kw["adapt_cost"] = True
+    if getattr(args, "no_early_models", False):
+        kw["early_models"] = False
     try:
         cfg = BenchConfig(**kw)
     except ValueError as e:
@@ -502,6 +504,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-noise-ahead", action="store_true",
                         help="decide on the noise scale the recent statistics read, not carried along its fitted "
                              "growth to the middle of the next decision interval (the rule until 2026-12-02)")  # fmt: skip
+        sp.add_argument("--no-early-models", action="store_true",
+                        help="running decisions use the sqrt efficiency model alone from the first one (default: until "
+                             "the noise scale's growth can be fitted, a switch must pay under every initial model, "
+                             "like step 0's choice; the rule until 2026-12-02 was the former)")  # fmt: skip
         sp.add_argument("--adapt-cost", action="store_true",
                         help="a switch to a bigger batch also pays the steps Adam's second moment takes to forget the "
                              "old batch's noise (default: resharding only; measured in the README)")  # fmt: skip
