@@ -138,6 +138,14 @@ def test_a_switch_within_one_layout_is_costed_apart_from_a_resharding():
     assert both.expected_switch_cost_s(SMALL, BIG) == 0.0
     with pytest.raises(ValueError, match="same_layout_cost_s"):
         Chainer([SMALL], TPUT, gns, same_layout_cost_s=-1.0)
+    with pytest.raises(ValueError, match="seconds must be"):
+        both.observe_switch(float("nan"))
+    # the remaining-time rule charges each rival its own kind: TP (2x BIG's samples/s) would win at either single
+    # cost, 0 for all (1.9x) or 6 s for all (BIG loses 6 s of 10 too); with each its own, BIG (+46%) beats TP (+17%)
+    fast_tp = {SMALL: 100.0, BIG: 150.0, TP: 300.0}
+    mixed = Chainer([SMALL, BIG, TP], fast_tp, gns, margin=0.01, switch_cost_s=6.0)
+    d = mixed.decide(SMALL, step=1, noise_range=(900.0, 1100.0), remaining_s=10.0)
+    assert d.switched and d.chosen == BIG and d.switch_cost_s == 0.0
 
 
 def test_chainer_rejects_bad_input():
@@ -378,7 +386,7 @@ def test_the_adaptation_cost_holds_back_a_jump_the_resharding_cost_alone_allows(
 
 def test_a_running_decision_can_be_held_to_every_efficiency_model():
     """gb64 -> gb128 (1.32x the samples/s, this VM's 4-rank table) at a noise scale of 40-55: +3-6% under the
-    square-root model, -13% under the tuned one. With ``models`` naming both, the switch waits; the decision
+    square-root model, -14..-18% under the tuned one. With ``models`` naming both, the switch waits; the decision
     says under which models it was taken."""
     a, b = Strategy(2, 1, 2, 32, 64), Strategy(4, 1, 1, 32, 128)
     tput = {a: 2087.0, b: 2750.0}
@@ -394,5 +402,7 @@ def test_a_running_decision_can_be_held_to_every_efficiency_model():
     _set_phi(gns, 600.0)
     late = ch.decide(a, step=3, noise_range=(500.0, 700.0), remaining_s=8.0, models=("sqrt", "tuned"))
     assert late.switched and late.chosen == b
-    with pytest.raises(ValueError, match="models must name"):
+    with pytest.raises(ValueError, match="models must name one or more of sqrt, tuned"):
         ch.decide(a, step=4, noise_range=(40.0, 55.0), remaining_s=8.0, models=("cubic",))
+    one = ch.decide(a, step=5, noise_range=(500.0, 700.0), remaining_s=8.0, models="tuned")  # a name, not letters
+    assert one.switched and one.to_dict()["efficiency_model"] == "tuned"

@@ -27,7 +27,8 @@ taken, a second or more ago, while the noise scale keeps growing; the bench carr
 coming decision interval along their fitted growth (``GradientNoiseScale.ahead``) before deciding.
 The initial choice also takes the worst case over ``Chainer.initial_models`` (by default the estimator's
 model alone; the bench asks for both ``sqrt`` and ``tuned``: before any step nothing shows which learning-rate
-regime training is in); running decisions use the estimator's model.
+regime training is in); running decisions use the estimator's model, or with ``decide(models=...)`` the worst
+case over the models named (the bench names both until the noise scale's growth has first been fitted).
 
 Every decision (switch or stay) is logged with the ranking and the reason.
 """
@@ -39,7 +40,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .gns import GradientNoiseScale, batch_efficiency, efficiency_models
+from .gns import LR_SCALINGS, GradientNoiseScale, batch_efficiency, efficiency_models
 from .space import Strategy
 
 __all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time",
@@ -238,7 +239,8 @@ class Chainer:
     their kind (``expected_switch_cost_s``). ``horizon_s`` is how long a choice is expected to last (the time until the
     next decision); ``margin`` is the hysteresis (0.05: the newcomer must be 5% better).
     ``initial_models``: the efficiency models the initial choice under a noise-scale range must hold
-    under (None: only the estimator's ``lr_scaling``). Running decisions always use ``lr_scaling``.
+    under (None: only the estimator's ``lr_scaling``). Running decisions use the estimator's model unless
+    ``decide(models=...)`` names others.
     """
 
     candidates: Sequence[Strategy]
@@ -263,7 +265,8 @@ class Chainer:
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
         for name in ("switch_cost_s", "same_layout_cost_s"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)}")
         if self.initial_models is not None:
             self.initial_models = efficiency_models(self.initial_models, "initial_models")
@@ -317,6 +320,8 @@ class Chainer:
 
     def observe_switch(self, seconds: float, same_layout: bool = False) -> None:
         """A measured switch: ``same_layout`` when it kept the dp x tp x pp layout (no state moved)."""
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds must be a measured switch time >= 0, got {seconds!r}")
         self._switch_costs[bool(same_layout)].append(float(seconds))
 
     def rank(self, noise_scale: float | None = None) -> list[Estimate]:
@@ -344,8 +349,12 @@ class Chainer:
         switch must win under, each at every noise scale in the range (None: the estimator's own), as the initial
         choice holds under ``initial_models``.
         """
-        if models is not None:
-            models = efficiency_models(tuple(models), "models")
+        if models is not None:  # the estimator's own model (e.g. per tensor) and the pooled ones it can compute
+            models = (models,) if isinstance(models, str) else tuple(models)
+            valid = tuple(dict.fromkeys((self.gns.model, *LR_SCALINGS)))
+            if not models or any(m not in valid for m in models):
+                raise ValueError(f"models must name one or more of {', '.join(valid)}, got "
+                                 f"{','.join(map(str, models)) or 'none'}")  # fmt: skip
         phi = self.gns.noise_scale if noise_scale is None else noise_scale
         ranking = tuple(self.rank(phi))
         best = ranking[0]
@@ -414,12 +423,13 @@ class Chainer:
         grid = noise_grid(min(lo, phi), max(hi, phi), points=9)
         cur = next(e for e in ranking if e.strategy == current)
         h = max(remaining_s, 0.0)
-        own = self.gns.lr_scaling
+        own = self.gns.model  # computed by the estimator itself (per tensor where it is); the others pooled
 
         def gain(e: Estimate) -> float:
             return min(switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid,
-                                   h, self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch, m,
-                                   self.gns.efficiency if m == own else None, self.adam_beta2)
+                                   h, self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch,
+                                   self.gns.lr_scaling if m == own else m, self.gns.efficiency if m == own else None,
+                                   self.adam_beta2)
                        for m in (models or (own,)))  # fmt: skip
 
         gains = sorted(

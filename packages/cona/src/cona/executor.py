@@ -231,15 +231,19 @@ class Executor:
         at most in micro-batch and global batch, i.e. in how a step's samples are split, not in the state."""
         return (strategy.dp, strategy.tp, strategy.pp) == (self.s.dp, self.s.tp, self.s.pp)
 
-    def retarget(self, strategy: Strategy) -> Executor:
+    def retarget(self, strategy: Strategy, lr: float | None = None) -> Executor:
         """Switch to ``strategy`` in place when it has this executor's layout (``same_layout``): no state moves,
-        so the switch is exact and costs no resharding; later steps split their batches as ``strategy`` says.
-        A different layout needs ``Executor(strategy, config, self.full_state())`` (resharding)."""
+        so the switch is exact and costs no resharding; later steps split their batches as ``strategy`` says, at
+        learning rate ``lr`` if given (else each step's ``lr`` argument, or the one set before). A different layout
+        needs ``Executor(strategy, config, self.full_state())`` (resharding)."""
         if not self.same_layout(strategy):
             raise ValueError(f"retarget needs the same dp x tp x pp layout: {strategy.name} is not that of "
                              f"{self.s.name}; reshard through full_state() instead")  # fmt: skip
         check_strategy(strategy, ModelDims.from_config(self.config, 1), dist.get_world_size())
         self.s = strategy
+        if lr is not None:
+            for g in self.opt.param_groups:
+                g["lr"] = lr
         return self
 
     def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:

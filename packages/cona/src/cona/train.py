@@ -156,9 +156,9 @@ class BenchConfig:
     # straight to gb256 that noise_ahead alone made in two seeds of 5, but it also held back every later move (gap
     # 0.075, switches 0, against 0.041 and 1 without it): paid on top of the square-root model, which already rates
     # gb256 too low near the target, no move paid off. Off by default until the late efficiency is calibrated
-    early_models: bool = True  # running decisions taken before the noise scale's growth can be fitted (fewer than
-    # 9 statistics pairs since the start, ~2-3 s on 4 ranks) must hold under every one of initial_models, like step
-    # 0's choice. Without it (until 2026-12-02) cona left gb64 for gb128 at 1.1-1.2 s in 3 seeds of 10 on 4 ranks
+    early_models: bool = True  # running decisions taken before the noise scale's growth has first been fitted (at
+    # least 9 statistics pairs, ~2-3 s on 4 ranks) must hold under every one of initial_models, like step 0's
+    # choice. Without it (until 2026-12-02) cona left gb64 for gb128 at 1.1-1.2 s in 3 seeds of 10 on 4 ranks
     # (gaps +0.092, +0.106, +0.055), where the sqrt model read gb128 +3% ahead at a noise scale of ~40-55, while the
     # oracle kept gb64 (or gb32) over gb128 from 0 to 3 s in all 10 seeds: early on a bigger batch gains less than
     # the sqrt model says (trained from scratch gb128 needed 1.4-1.6x gb64's samples, experiments/step_curvature.py)
@@ -395,6 +395,7 @@ class _Variant:
         self.next_eval = run.clock + cfg.eval_every_s
         self.plain_times: list[float] = []  # recent step times of s without gradient statistics
         self.k = 0  # steps since this strategy started
+        self.grown = False  # the noise scale's growth has been fitted at a decision (early_models ends there)
         self.done = False
 
     def advance(self, until_s: float, stop_at_target: bool = True) -> None:
@@ -478,15 +479,18 @@ class _Variant:
             lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
             phi, extra = self.gns.noise_scale, {}
             fit = self.gns.growth(cfg.growth_pairs) if cfg.noise_ahead or cfg.early_models else None
-            # before the growth can be fitted (3 groups of 3 pairs, ~2-3 s here) a switch must pay under every
-            # initial model, as step 0's choice does: nothing yet shows which regime training is in
-            models = cfg.initial_models if cfg.early_models and fit is None else None
+            self.grown = self.grown or fit is not None
+            # until the growth has first been fitted (3 groups of 3 pairs at least, ~2-3 s here) a switch must pay
+            # under every initial model as well as the estimator's own, as step 0's choice does: nothing yet shows
+            # which regime training is in (a later fit that fails, e.g. on a group's noisy |G|^2, does not reopen it)
+            early = cfg.early_models and not self.grown
+            models = tuple(dict.fromkeys((self.gns.model, *cfg.initial_models))) if early else None
             if cfg.noise_ahead:  # carried from where the pairs were taken to the middle of the next interval
                 rate = online if online is not None else tr.cost.throughput(s)[0]
                 to = run.samples + rate * cfg.decide_every_s / 2
                 z = cfg.range_z if cfg.range_z is not None else 1.0
-                f_lo, _, f_hi, _ = self.gns.ahead(to, window=cfg.range_window, z=z, fit=fit)
-                _, f_point, _, _ = self.gns.ahead(to, fit=fit)  # the same fit, from the EMA's position
+                f_lo, _, f_hi, _ = self.gns.ahead(to, window=cfg.range_window, pairs=cfg.growth_pairs, z=z, fit=fit)
+                _, f_point, _, _ = self.gns.ahead(to, pairs=cfg.growth_pairs, fit=fit)  # same fit, EMA's position
                 f_lo, f_hi, f_point = _bcast(f_lo), _bcast(f_hi), _bcast(f_point)
                 extra = {"noise_range_read": [lo, hi], "noise_scale_read": phi, "noise_growth": fit and list(fit),
                          "carried_to_samples": to, "carry": [f_lo, f_point, f_hi]}  # fmt: skip
