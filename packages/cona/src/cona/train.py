@@ -654,10 +654,16 @@ class _Trainer:
             for _ in range(3):  # the paired figures refit the cost model and can change which strategy leads a
                 # global batch: verify again and time the new leaders too, until every leader has paired figures
                 p = self._paired(done, cache)
-                paired = p if p["measured"] or paired is None else paired
                 if not p["measured"]:
+                    paired = paired or p
                     break
                 cost_now += p["cost_s"]
+                if paired is not None:  # a later pass: the report covers every strategy timed in cycles, latest wins
+                    p = p | {"contenders": list(dict.fromkeys(paired["contenders"] + p["contenders"])),
+                             "cost_s": paired["cost_s"] + p["cost_s"], "passes": paired["passes"] + 1,
+                             "block_steps": paired["block_steps"] | p["block_steps"],
+                             "rate_vs_rounds": paired["rate_vs_rounds"] | p["rate_vs_rounds"]}  # fmt: skip
+                paired = p
                 done |= set(p["contenders"])
                 verify()
         if cache is not None and (measured_now or (paired and paired["measured"])):
@@ -730,7 +736,7 @@ class _Trainer:
                                   "rounds_step_s": before[s]})  # fmt: skip
         progress.info("paired timing of %d contenders, %d cycles (%.0f s): %s", len(cons), len(cycles), cost,
                       ", ".join(f"{s.name} x{before[s] * rates[s] / s.global_batch:.2f}" for s in cons))  # fmt: skip
-        return {"contenders": [s.name for s in cons], "measured": True, "cycles": len(cycles), "cost_s": cost,
+        return {"contenders": [s.name for s in cons], "measured": True, "cycles": len(cycles), "cost_s": cost, "passes": 1,
                 "block_steps": {s.name: steps[s] for s in cons},
                 # paired samples/s over the rounds' figure, per contender (what the cycles corrected)
                 "rate_vs_rounds": {s.name: before[s] * rates[s] / s.global_batch for s in cons}}  # fmt: skip
