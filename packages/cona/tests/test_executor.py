@@ -21,6 +21,16 @@ STRATEGIES = [
     Strategy(1, 1, 2, 2, 8),  # pp, 4 micro-batches GPipe
 ]
 
+# same-layout switches: dp (accumulation dropped; global batch doubled), pp (GPipe's micro-batch count 4 -> 4 of a
+# bigger size, then 4 -> 2), tp (global batch doubled by accumulation)
+RETARGETS = [
+    (STRATEGIES[0], STRATEGIES[1]),
+    (STRATEGIES[0], Strategy(2, 1, 1, 4, 16)),
+    (STRATEGIES[3], Strategy(1, 1, 2, 4, 16)),
+    (STRATEGIES[3], Strategy(1, 1, 2, 4, 8)),
+    (STRATEGIES[2], Strategy(1, 2, 1, 4, 16)),
+]
+
 
 def _data():
     return TextData(stdlib_tokens(200_000), SEQ)
@@ -92,9 +102,8 @@ def _worker(rank, world, ckpt_dir):
             }
     # a switch within one dp x tp x pp layout (micro-batch and global batch only) retargets the executor in place:
     # the same state, and the next step the same as after resharding to it
-    a = STRATEGIES[0]
     out["retarget"] = {}
-    for b in (STRATEGIES[1], Strategy(2, 1, 1, 4, 16)):
+    for a, b in RETARGETS:
         ex_r = Executor(a, cfg, st0, lr=LR, eps=EPS)
         ex_r.train_step(b0)
         ex_s = Executor(b, cfg, ex_r.full_state(), lr=LR, eps=EPS)  # the resharding path
@@ -102,9 +111,9 @@ def _worker(rank, world, ckpt_dir):
         batch = data.samples(8, b.global_batch)
         ex_r.train_step(batch)
         ex_s.train_step(batch)
-        out["retarget"][b.name] = {"same": same, "exact": ex_r.full_state().equal(ex_s.full_state())}
+        out["retarget"][f"{a.name}->{b.name}"] = {"same": same, "exact": ex_r.full_state().equal(ex_s.full_state())}
     try:
-        Executor(a, cfg, st0).retarget(STRATEGIES[2])
+        Executor(STRATEGIES[0], cfg, st0).retarget(STRATEGIES[2])
         out["retarget"]["error"] = None
     except ValueError as e:
         out["retarget"]["error"] = str(e)
@@ -270,9 +279,10 @@ def test_resharding_round_trips_exactly_and_training_continues(results, referenc
 
 def test_a_switch_within_one_layout_retargets_in_place_exactly(results):
     r = results["retarget"]
-    for name in (STRATEGIES[1].name, "dp2-tp1-pp1-mb4-gb16"):
+    for a, b in RETARGETS:
+        name = f"{a.name}->{b.name}"
         assert r[name]["same"], name
-        assert r[name]["exact"], f"retarget to {name} then a step differs from resharding to it"
+        assert r[name]["exact"], f"retarget {name} then a step differs from resharding to it"
     assert "same dp x tp x pp layout" in r["error"] and "dp1-tp2-pp1-mb4-gb8" in r["error"]
 
 
