@@ -15,6 +15,16 @@ def state_digest(state) -> float:
     return sum(float(tensors[k][n].double().sum()) for k in sorted(tensors) for n in sorted(tensors[k])) + state.step
 
 
+def expected_models(decisions) -> list[str]:
+    """The efficiency models each running decision must have held under: both (``sqrt+tuned``) until the noise
+    scale's growth has first been fitted, ``sqrt`` from that decision on (a latch: a later failed fit keeps it)."""
+    fitted, out = False, []
+    for d in decisions:
+        fitted = fitted or d.get("noise_growth") is not None
+        out.append("sqrt" if fitted else "sqrt+tuned")
+    return out
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process tests (still run in nox -s tests)")
 

@@ -4,7 +4,7 @@ decisions read only the evaluations it is charged for."""
 import math
 
 import pytest
-from conftest import state_digest
+from conftest import expected_models, state_digest
 
 from cona.dist import launch
 from cona.model import tiny_llama_config
@@ -241,19 +241,17 @@ def test_cona_decides_on_the_noise_scale_carried_to_the_next_interval(out):
     range and the point estimate by; the range and the point it decided on are the read ones times those."""
     decisions = out["res"]["runs"]["cona"]["decisions"][1:]
     assert decisions and all("carry" in d for d in decisions)
-    fitted = False
-    for d in decisions:
-        fitted = fitted or d["noise_growth"] is not None  # early models end at the first fit (a latch)
+    for d, models in zip(decisions, expected_models(decisions), strict=True):
         f_lo, f_point, f_hi = d["carry"]
         (lo, hi), (lo_read, hi_read) = d["noise_range"], d["noise_range_read"]
         assert lo == pytest.approx(lo_read * f_lo) and hi == pytest.approx(min(hi_read * f_hi, 1e9))
         assert d["noise_scale"] == pytest.approx(d["noise_scale_read"] * f_point)
         if d["noise_growth"] is None:  # no growth fitted here: carried by nothing; held to both models until the
             assert f_lo == f_point == f_hi == 1.0  # first fit, to sqrt after it (a later fit may fail on noise)
-            assert d["efficiency_model"] == ("sqrt" if fitted else "sqrt+tuned")
+            assert d["efficiency_model"] == models
         else:
             beta, se = d["noise_growth"]
             assert se > 0 and f_lo <= f_hi and (f_point > 1) == (beta > 0)
-            assert d["efficiency_model"] == "sqrt"
+            assert d["efficiency_model"] == models == "sqrt"
         assert d["carried_to_samples"] > 0
     assert decisions[0]["noise_growth"] is None  # the first decision comes before any growth can be fitted

@@ -8,7 +8,7 @@ import pytest
 from cona.dist import launch
 from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest, paired_rates, round_steps, time_steps
 from cona.space import Strategy
-from cona.train import middle_spread
+from cona.train import merge_paired, middle_spread
 
 
 def test_probe_cache_round_trip_and_old_format(tmp_path):
@@ -218,3 +218,17 @@ def test_paired_settings_are_checked():
         BenchConfig(probe_paired_cycles=-1)
     with pytest.raises(ValueError, match="probe_paired_block_s must be > 0 seconds"):
         BenchConfig(probe_paired_block_s=0)
+
+
+def test_a_later_paired_pass_adds_to_the_report_and_its_figures_win():
+    """A leader timed in the first pass stays in the report after a second pass that did not time it."""
+    first = {"contenders": ["a", "b"], "measured": True, "cycles": 3, "cost_s": 1.0, "passes": 1,
+             "block_steps": {"a": 2, "b": 3}, "rate_vs_rounds": {"a": 1.1, "b": 0.9}}  # fmt: skip
+    second = {"contenders": ["c", "b"], "measured": True, "cycles": 3, "cost_s": 0.5, "passes": 1,
+              "block_steps": {"c": 4, "b": 5}, "rate_vs_rounds": {"c": 1.0, "b": 0.95}}  # fmt: skip
+    assert merge_paired(None, first) is first
+    both = merge_paired(first, second)
+    assert both["contenders"] == ["a", "b", "c"] and both["passes"] == 2 and both["cost_s"] == 1.5
+    assert both["block_steps"] == {"a": 2, "b": 5, "c": 4}
+    assert both["rate_vs_rounds"] == {"a": 1.1, "b": 0.95, "c": 1.0}
+    assert first["contenders"] == ["a", "b"]  # the earlier report is not changed

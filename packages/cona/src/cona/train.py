@@ -60,6 +60,7 @@ __all__ = [
     "step0_range",
     "middle_spread",
     "pair_contenders",
+    "merge_paired",
 ]
 
 log = logging.getLogger(__name__)
@@ -331,6 +332,18 @@ def pair_contenders(candidates: Sequence[Strategy], step_s: Mapping[Strategy, fl
             best[s.global_batch] = max(best.get(s.global_batch, 0.0), rate(s))
     lead = set(leaders)
     return [s for s in candidates if s in lead or (s in step_s and rate(s) >= (1 - band) * best[s.global_batch])]
+
+
+def merge_paired(before: dict | None, later: dict) -> dict:
+    """The report of every paired pass so far: ``later`` (one measured pass of ``_Trainer._paired``) folded into
+    ``before`` (the passes before it, or None). Contenders are the union in the order first timed, costs and passes
+    add up, and a strategy timed again keeps its latest figures (what the cost model and the cache hold)."""
+    if before is None:
+        return later
+    return later | {"contenders": list(dict.fromkeys(before["contenders"] + later["contenders"])),
+                    "cost_s": before["cost_s"] + later["cost_s"], "passes": before["passes"] + later["passes"],
+                    "block_steps": before["block_steps"] | later["block_steps"],
+                    "rate_vs_rounds": before["rate_vs_rounds"] | later["rate_vs_rounds"]}  # fmt: skip
 
 
 def smoothed(trace: list[tuple[float, float]], window: int = 1) -> list[tuple[float, float]]:
@@ -658,12 +671,7 @@ class _Trainer:
                     paired = paired or p
                     break
                 cost_now += p["cost_s"]
-                if paired is not None:  # a later pass: the report covers every strategy timed in cycles, latest wins
-                    p = p | {"contenders": list(dict.fromkeys(paired["contenders"] + p["contenders"])),
-                             "cost_s": paired["cost_s"] + p["cost_s"], "passes": paired["passes"] + 1,
-                             "block_steps": paired["block_steps"] | p["block_steps"],
-                             "rate_vs_rounds": paired["rate_vs_rounds"] | p["rate_vs_rounds"]}  # fmt: skip
-                paired = p
+                paired = merge_paired(paired, p)
                 done |= set(p["contenders"])
                 verify()
         if cache is not None and (measured_now or (paired and paired["measured"])):
