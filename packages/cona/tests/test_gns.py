@@ -310,8 +310,19 @@ def test_growth_is_unknown_without_positions_or_pairs_and_bad_positions_are_name
     fresh.update(2.0, 4, 1.1, 64, at=900.0)
     beta, se = fresh.growth()
     assert abs(beta) < 3 * se  # a flat noise scale: no growth to speak of
-    with pytest.raises(ValueError, match="at must be a positive number of samples"):
+    with pytest.raises(ValueError, match="at must be a number of samples trained >= 0"):
         fresh.update(2.0, 4, 1.1, 64, at=-1.0)
+    start = GradientNoiseScale(reference_batch=8)  # pairs taken at the initial weights sit at position 0: a group of
+    for n in (0, 0, 0, 1, 2, 3, 4, 5, 6):  # them has no log position and is left out of the fit, not an error
+        start.update(2.0 + 0.5 * n, 4, 1.1, 64, at=100.0 * n)
+    beta, _ = start.growth()
+    mid = GradientNoiseScale(reference_batch=8)
+    for n in (1, 2, 3, 4, 5, 6):
+        mid.update(2.0 + 0.5 * n, 4, 1.1, 64, at=100.0 * n)
+    assert beta == pytest.approx(mid.growth(groups=2)[0])  # the two positive groups alone
+    only0 = GradientNoiseScale(reference_batch=8)
+    only0.update(2.0, 4, 1.1, 64, at=0.0)
+    assert only0.position() == 0.0 and only0.ahead(1e4, fit=(0.5, 0.1))[:3] == (1.0, 1.0, 1.0)
     state = fresh.state_dict()
     other = GradientNoiseScale(reference_batch=8)
     other.load_state_dict(state)

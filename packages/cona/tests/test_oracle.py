@@ -256,3 +256,60 @@ def test_cona_decides_on_the_noise_scale_carried_to_the_next_interval(out):
         assert d["carried_to_samples"] > 0
     # on one rank even the first decision may have a growth fit (CI, 2026-12-03), so which branches run is the run's;
     # test_chain holds decide(models=...) to both models deterministically
+
+
+def _stamp_worker(rank, world):
+    """A cona-like run on a stand-in executor (no model): which samples each statistics pair was stamped with."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    import cona.train as T
+    from cona.executor import StepResult
+    from cona.gns import GradientNoiseScale
+    from cona.space import Strategy
+
+    starts = []  # the first sample of every batch a statistics step trained on
+
+    class Ex:
+        def train_step(self, batch, lr, gns):
+            time.sleep(0.002)
+            if gns:
+                starts.append(int(batch[0, 0]))
+            return StepResult(loss=3.0, sq_small=2.0, b_small=8, sq_big=1.1, b_big=32, compute_s=0.0, gns_s=0.0)
+
+        def evaluate(self, windows):
+            return 3.0
+
+    cfg = BenchConfig(world=1, gns_every=2, eval_every_s=1.0, budget_s=5.0)
+    data = SimpleNamespace(samples=lambda start, count: torch.full((count, 1), start))
+    tr = SimpleNamespace(cfg=cfg, data=data, val=None, executor=lambda s, state: Ex())
+    run, gns = T.Run("cona"), GradientNoiseScale(reference_batch=8)
+    v = T._Variant(tr, run, Strategy(1, 1, 1, 8, 32), None, None, gns, consumed=96)
+    run.samples = 96  # the samples step 0 trained on
+    v.advance(0.08)
+    return {"at": list(gns.at), "starts": starts}
+
+
+def test_statistics_pairs_are_stamped_with_the_samples_trained_before_their_step():
+    """A pair's gradients are taken at the weights before its step: its position (``at``, what the growth fit and the
+    carry read) is the samples trained before that step, not after it (one batch late until 2026-12-03)."""
+    r = launch(_stamp_worker, 1, timeout_s=120)[0]
+    assert len(r["starts"]) >= 3 and r["at"] == r["starts"]
+    assert r["starts"][0] == 96 + 32  # every 2nd step: the second batch after step 0's 96 samples
+
+
+def test_early_models_latch_at_the_first_growth_fit():
+    """Running decisions hold under every initial model until the growth has first been fitted, then under the
+    estimator's own model, and a later failed fit does not reopen it."""
+    from types import SimpleNamespace
+
+    import cona.train as T
+    from cona.gns import GradientNoiseScale
+
+    v = SimpleNamespace(grown=False, tr=SimpleNamespace(cfg=BenchConfig()), gns=GradientNoiseScale(reference_batch=8))
+    seq = [T._Variant._running_models(v, fit) for fit in (None, None, (0.6, 0.1), None, (0.5, 0.2))]
+    assert seq == [("sqrt", "tuned"), ("sqrt", "tuned"), None, None, None]
+    off = SimpleNamespace(grown=False, tr=SimpleNamespace(cfg=BenchConfig(early_models=False)), gns=v.gns)
+    assert T._Variant._running_models(off, None) is None

@@ -88,6 +88,7 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
     for gb in (8, 16, 32):  # every global batch's leader in the final table was among them
         leader = max((n for n in table if n.endswith(f"-gb{gb}")), key=lambda n: table[n][0])
         assert leader in paired["contenders"], leader
+    assert paired["unpaired_leaders"] == []  # and the report says so
     assert all("paired" in entries[n] for n in paired["contenders"])
     for n in paired["contenders"]:
         assert entries[n]["step_s"] == pytest.approx(

@@ -507,7 +507,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-early-models", action="store_true",
                         help="running decisions use the sqrt efficiency model alone from the first one (default: until "
                              "the noise scale's growth can be fitted, a switch must pay under every initial model, "
-                             "like step 0's choice; the rule until 2026-12-02 was the former)")  # fmt: skip
+                             "like step 0's choice; the rule until 2026-12-02 was the former). Applies to --hysteresis "
+                             "remaining only: the fixed rule always ranks by the one model")  # fmt: skip
         sp.add_argument("--adapt-cost", action="store_true",
                         help="a switch to a bigger batch also pays the steps Adam's second moment takes to forget the "
                              "old batch's noise (default: resharding only; measured in the README)")  # fmt: skip

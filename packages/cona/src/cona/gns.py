@@ -247,11 +247,12 @@ class GradientNoiseScale:
         """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small.
         ``tensors``: the same pair per parameter tensor (|g_b|^2, |g_B|^2, mean sqrt(v), size), folded into the
         per-tensor statistics when ``per_tensor``. ``at``: where in training the pair was taken, in samples
-        trained so far (``growth`` and ``ahead`` read it)."""
+        trained before the step whose weights the gradients were taken at (0: the initial weights; ``growth`` and
+        ``ahead`` read it)."""
         if b_big <= b_small or not (math.isfinite(sq_small) and math.isfinite(sq_big)):
             return False
-        if at is not None and not (math.isfinite(at) and at > 0):
-            raise ValueError(f"at must be a positive number of samples trained, got {at}")
+        if at is not None and not (math.isfinite(at) and at >= 0):
+            raise ValueError(f"at must be a number of samples trained >= 0, got {at}")
         g2, s = unbiased_estimates(sq_small, b_small, sq_big, b_big)
         self.raw.append((g2, s))
         self.at.append(at)
@@ -340,7 +341,7 @@ class GradientNoiseScale:
         for i in range(groups):
             lo, hi = i * len(raw) // groups, (i + 1) * len(raw) // groups
             g, s, vgg, vss, vsg = _means_and_covariance(raw[lo:hi])
-            if g > 0 and s > 0:
+            if g > 0 and s > 0 and sum(at[lo:hi]) > 0:  # a group at the initial weights alone has no log position
                 var = max(vss / (s * s) + vgg / (g * g) - 2 * vsg / (s * g), 1e-6)
                 pts.append((math.log(sum(at[lo:hi]) / (hi - lo)), math.log(s / g), 1.0 / var))
         if len(pts) < 2:
@@ -377,7 +378,7 @@ class GradientNoiseScale:
         if fit is None:
             fit = self.growth(pairs, groups)
         since = self.position(window)
-        if fit is None or since is None or not to > 0:
+        if fit is None or not since or not to > 0:  # unknown, or only the initial weights (no log position)
             return 1.0, 1.0, 1.0, fit
         beta, se = fit
         r = math.log(to / since)

@@ -157,7 +157,7 @@ class BenchConfig:
     # straight to gb256 that noise_ahead alone made in two seeds of 5, but it also held back every later move (gap
     # 0.075, switches 0, against 0.041 and 1 without it): paid on top of the square-root model, which already rates
     # gb256 too low near the target, no move paid off. Off by default until the late efficiency is calibrated
-    early_models: bool = True  # running decisions taken before the noise scale's growth has first been fitted (at
+    early_models: bool = True  # (hysteresis "remaining" only) running decisions taken before the noise scale's growth has first been fitted (at
     # least 9 statistics pairs, ~2-3 s on 4 ranks) must hold under every one of initial_models, like step 0's
     # choice. Without it (until 2026-12-02) cona left gb64 for gb128 at 1.1-1.2 s in 3 seeds of 10 on 4 ranks
     # (gaps +0.092, +0.106, +0.055), where the sqrt model read gb128 +3% ahead at a noise scale of ~40-55, while the
@@ -436,9 +436,10 @@ class _Variant:
             run.gns_s += gns_dt
             run.steps += 1
             run.samples += s.global_batch
-            if want_gns:
+            if want_gns:  # taken at the weights before this step: stamped with the samples trained before it (until
+                # 2026-12-03 with those after it, one batch late: ~1% of the position at 6 s on 4 ranks)
                 gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps, tensors=r.tensors,
-                           at=run.samples)  # fmt: skip
+                           at=run.samples - s.global_batch)  # fmt: skip
             if run.clock >= self.next_eval:
                 self._evaluate()
                 self.next_eval = run.clock + cfg.eval_every_s
@@ -471,6 +472,18 @@ class _Variant:
             self.next_charged = t + self.tr.cfg.decision_eval_every_s
         return v
 
+    def _running_models(self, fit: tuple[float, float] | None) -> tuple[str, ...] | None:
+        """The efficiency models a running decision must hold under, given this decision's growth fit (None: none).
+
+        Until the noise scale's growth has first been fitted (3 groups of 3 pairs at least, ~2-3 s on 4 ranks) a
+        switch must pay under every initial model as well as the estimator's own, as step 0's choice does: nothing
+        yet shows which regime training is in (``early_models``). A latch: a later fit that fails, e.g. on a group's
+        noisy |G|^2, does not reopen it. None: the estimator's own model alone."""
+        self.grown = self.grown or fit is not None
+        if self.tr.cfg.early_models and not self.grown:
+            return tuple(dict.fromkeys((self.gns.model, *self.tr.cfg.initial_models)))
+        return None
+
     def _decide(self) -> None:
         tr, run, s = self.tr, self.run, self.s
         self.next_decide = run.clock + tr.cfg.decide_every_s
@@ -492,12 +505,7 @@ class _Variant:
             lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
             phi, extra = self.gns.noise_scale, {}
             fit = self.gns.growth(cfg.growth_pairs) if cfg.noise_ahead or cfg.early_models else None
-            self.grown = self.grown or fit is not None
-            # until the growth has first been fitted (3 groups of 3 pairs at least, ~2-3 s here) a switch must pay
-            # under every initial model as well as the estimator's own, as step 0's choice does: nothing yet shows
-            # which regime training is in (a later fit that fails, e.g. on a group's noisy |G|^2, does not reopen it)
-            early = cfg.early_models and not self.grown
-            models = tuple(dict.fromkeys((self.gns.model, *cfg.initial_models))) if early else None
+            models = self._running_models(fit)
             if cfg.noise_ahead:  # carried from where the pairs were taken to the middle of the next interval
                 rate = online if online is not None else tr.cost.throughput(s)[0]
                 to = run.samples + rate * cfg.decide_every_s / 2
@@ -674,6 +682,12 @@ class _Trainer:
                 paired = merge_paired(paired, p)
                 done |= set(p["contenders"])
                 verify()
+            # the passes stop at 3: a leader that the last pass's figures made (rare) is named, not hidden
+            left = [s.name for s in oracle_shortlist(self.candidates, self.cost.throughput) if s.name not in done]
+            paired["unpaired_leaders"] = left
+            if left:
+                progress.warning("after 3 paired passes these global-batch leaders have no paired timing (their "
+                                 "figures are their rounds'): %s", ", ".join(left))  # fmt: skip
         if cache is not None and (measured_now or (paired and paired["measured"])):
             cache.save()
         old_cost = sum((cached[n].get("cost_s") or 0.0) for n in reused)
