@@ -1,0 +1,158 @@
+"""Replay the chains of a ``cona bench --json`` run on other sample streams: how much of cona's gap to the oracle
+is its chain, and how much the oracle's keeping the best of its branches on its own stream.
+
+The oracle branches every candidate from the same checkpoint each phase and keeps the branch with the lowest
+held-out loss. Its branches share the weights and the sample stream up to the phase start, but each trains on its
+own grouping of the samples, so it also keeps the branch whose optimizer noise happened to help; that luck is part
+of its time and no online rule can have it. Replayed on a stream neither run saw, a chain keeps only what it is: a
+sequence of global batches over time.
+
+For every seed of the bench, the oracle's chain and cona's chain (the strategy held over each stretch of training
+clock) are replayed on one process from the seed's initial weights, with the bench's model, learning-rate rule,
+AdamW and clipping (``cona.executor.Executor``, one rank: only the global batches matter, layouts change the
+floating-point order alone), on the seed's own stream (``stream 0``) and on ``--streams`` others (the seed's sample
+permutation from a distant offset: the same corpus and validation windows, other samples). The clock is virtual and
+the same for both chains: a step advances it by global batch / the samples/s the bench's probe table gives that
+strategy; evaluations every ``eval_every_s`` of it and time to target are read as the bench reads them. cona's own
+costs (statistics, its decisions' evaluations, resharding; ~2% of its clock on 4 ranks) are not replayed: chains
+only, so cona's replayed gap is below its bench gap by about that much. Results are measured, on this machine's
+CPU, and say nothing about step times (the clock is the table's).
+
+    python experiments/chain_replay.py /work/runs/r7.json --streams 2 --json /tmp/cona-replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+OFFSET = 60_000  # samples between streams: a bench run trains on fewer than 40k, the permutation holds 262144
+
+
+def _schedule(chain: list[dict]) -> list[tuple[float, int, str]]:
+    """(clock from which it holds, global batch, strategy name) per chain entry; the first holds from 0."""
+    out = []
+    for i, e in enumerate(chain):
+        out.append((0.0 if i == 0 else float(e["clock"]), int(e["strategy"].rsplit("gb", 1)[1]), e["strategy"]))
+    return out
+
+
+def _replay(cfg, seed: int, sched, tput: dict[str, float], offset: int) -> dict:
+    from cona.executor import Executor, initial_state
+    from cona.model import TextData, stdlib_tokens, tiny_llama_config
+    from cona.space import Strategy
+    from cona.train import time_to_target
+
+    mcfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
+    data = TextData(stdlib_tokens(cfg.corpus_bytes), cfg.seq_len, seed)
+    val = data.validation(cfg.val_samples)
+    ex, i, clock, consumed, steps = None, 0, 0.0, offset, 0
+    state = initial_state(mcfg, seed)
+    trace: list[tuple[float, float]] = []
+    next_eval = 0.0
+    while clock < cfg.budget_s:
+        while i + 1 < len(sched) and clock >= sched[i + 1][0]:
+            i += 1
+        gb, name = sched[i][1], sched[i][2]
+        s = Strategy(1, 1, 1, min(32, gb), gb)
+        if ex is None:
+            ex = Executor(s, mcfg, state, lr=cfg.lr_for(gb), clip_norm=cfg.clip_norm, betas=cfg.adam_betas)
+        elif ex.s != s:
+            ex = ex.retarget(s)  # one rank: every strategy has the same layout, nothing moves
+        if clock >= next_eval:
+            trace.append((clock, ex.evaluate(val)))
+            next_eval = clock + cfg.eval_every_s
+            ttt = time_to_target(trace[-cfg.target_window :], cfg.target_loss, cfg.target_window)
+            if ttt is not None:
+                return {"time_to_target_s": ttt, "samples": consumed - offset, "steps": steps}
+        ex.train_step(data.samples(consumed, gb), lr=cfg.lr_for(gb), gns=False)
+        consumed += gb
+        steps += 1
+        clock += gb / tput[name]
+    return {"time_to_target_s": None, "samples": consumed - offset, "steps": steps}
+
+
+def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, progress: bool) -> dict:
+    from cona.train import BenchConfig
+
+    known = set(BenchConfig.__dataclass_fields__)
+    cfg = BenchConfig(**{k: v for k, v in bench["config"].items() if k in known})
+    tput = {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
+    res = bench["results"]
+    out = {}
+    for seed in seeds:
+        row = {"bench": {k: res[k]["per_seed"][seed]["time_to_target_s"] for k in ("cona", "oracle")}}
+        for who in ("oracle", "cona"):
+            sched = _schedule(res[who]["per_seed"][seed]["chain"])
+            row[who] = [_replay(cfg, int(seed), sched, tput, k * OFFSET) for k in range(streams + 1)]
+            if progress:
+                print(f"seed {seed} {who}: " + ", ".join(str(r["time_to_target_s"] and round(r["time_to_target_s"], 2))
+                                                         for r in row[who]), file=sys.stderr, flush=True)  # fmt: skip
+        out[seed] = row
+    return out
+
+
+def _summary(rows: dict, budget_s: float) -> dict:
+    def t(r):
+        return r["time_to_target_s"] if r["time_to_target_s"] is not None else budget_s
+
+    own, fresh, sel, ctl = [], [], [], []
+    for row in rows.values():
+        o, c = [t(r) for r in row["oracle"]], [t(r) for r in row["cona"]]
+        own.append(c[0] / o[0] - 1)
+        fresh.append(statistics.mean(c[1:]) / statistics.mean(o[1:]) - 1)
+        sel.append(o[0] / statistics.mean(o[1:]) - 1)
+        ctl.append(c[0] / statistics.mean(c[1:]) - 1)
+    med = statistics.median
+    return {
+        "gap_replayed_own_stream": med(own),  # cona's chain vs the oracle's, on the stream both ran on
+        "gap_replayed_other_streams": med(fresh),  # on streams neither saw (mean over them per seed)
+        "oracle_own_vs_other_streams": med(sel),  # < 0: its chain did better on the stream it was picked on
+        "cona_own_vs_other_streams": med(ctl),  # the control: cona did not pick on outcomes
+        "per_seed": {
+            s: {"own": a, "other": b, "oracle_own_vs_other": x, "cona_own_vs_other": y}
+            for s, a, b, x, y in zip(rows, own, fresh, sel, ctl)
+        },  # fmt: skip
+        "clock": "virtual: global batch / the bench's probed samples/s per step; cona's own costs not replayed",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cona.dist import launch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("bench_json", help="a `cona bench --json` result (its config, probe table and chains)")
+    p.add_argument("--streams", type=int, default=2, help="other sample streams per chain (default 2)")
+    p.add_argument("--seeds", help="comma-separated seeds of the bench (default: all)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="write the results here (atomically)")
+    a = p.parse_args(argv)
+    if a.streams < 1:
+        p.error(f"--streams must be >= 1, got {a.streams}")
+    with open(a.bench_json) as f:
+        bench = json.load(f)
+    seeds = list(bench["results"]["cona"]["per_seed"])
+    if a.seeds:
+        want = a.seeds.split(",")
+        bad = [s for s in want if s not in seeds]
+        if bad:
+            p.error(f"--seeds {','.join(bad)} not in the bench (it has {','.join(seeds)})")
+        seeds = want
+    rows = launch(_worker, 1, bench, seeds, a.streams, True, timeout_s=7200, threads=a.threads)[0]
+    out = {"bench": os.path.abspath(a.bench_json), "streams": a.streams, "offset": OFFSET,
+           "summary": _summary(rows, bench["config"]["budget_s"]), "seeds": rows}  # fmt: skip
+    print(json.dumps({k: v for k, v in out["summary"].items() if k != "per_seed"}, indent=1))
+    if a.json:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(a.json)) or ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
