@@ -41,15 +41,11 @@ def _schedule(chain: list[dict]) -> list[tuple[float, int, str]]:
     return out
 
 
-def _replay(cfg, seed: int, sched, tput: dict[str, float], offset: int) -> dict:
+def _replay(cfg, mcfg, data, val, seed: int, sched, tput: dict[str, float], offset: int) -> dict:
     from cona.executor import Executor, initial_state
-    from cona.model import TextData, stdlib_tokens, tiny_llama_config
     from cona.space import Strategy
     from cona.train import time_to_target
 
-    mcfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
-    data = TextData(stdlib_tokens(cfg.corpus_bytes), cfg.seq_len, seed)
-    val = data.validation(cfg.val_samples)
     ex, i, clock, consumed, steps = None, 0, 0.0, offset, 0
     state = initial_state(mcfg, seed)
     trace: list[tuple[float, float]] = []
@@ -77,18 +73,23 @@ def _replay(cfg, seed: int, sched, tput: dict[str, float], offset: int) -> dict:
 
 
 def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, progress: bool) -> dict:
+    from cona.model import TextData, stdlib_tokens, tiny_llama_config
     from cona.train import BenchConfig
 
     known = set(BenchConfig.__dataclass_fields__)
     cfg = BenchConfig(**{k: v for k, v in bench["config"].items() if k in known})
+    mcfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
+    tokens = stdlib_tokens(cfg.corpus_bytes)  # read once, not per replay
     tput = {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
     res = bench["results"]
     out = {}
     for seed in seeds:
+        data = TextData(tokens, cfg.seq_len, int(seed))
+        val = data.validation(cfg.val_samples)
         row = {"bench": {k: res[k]["per_seed"][seed]["time_to_target_s"] for k in ("cona", "oracle")}}
         for who in ("oracle", "cona"):
             sched = _schedule(res[who]["per_seed"][seed]["chain"])
-            row[who] = [_replay(cfg, int(seed), sched, tput, k * OFFSET) for k in range(streams + 1)]
+            row[who] = [_replay(cfg, mcfg, data, val, int(seed), sched, tput, k * OFFSET) for k in range(streams + 1)]
             if progress:
                 print(f"seed {seed} {who}: " + ", ".join(str(r["time_to_target_s"] and round(r["time_to_target_s"], 2))
                                                          for r in row[who]), file=sys.stderr, flush=True)  # fmt: skip

@@ -667,11 +667,11 @@ class _Trainer:
 
         verify()
         paired = None
+        done = {n for n, e in cached.items() if e.get("paired")}  # timed in paired cycles already (by a cached run)
         if cfg.probe_paired_cycles and not measured_now:  # all from the cache: its table is reused as it stands
             paired = {"contenders": [s.name for s in oracle_shortlist(self.candidates, self.cost.throughput)],
                       "measured": False}  # fmt: skip
         elif cfg.probe_paired_cycles:
-            done = {n for n, e in cached.items() if e.get("paired")}
             for _ in range(3):  # the paired figures refit the cost model and can change which strategy leads a
                 # global batch: verify again and time the new leaders too, until every leader has paired figures
                 p = self._paired(done, cache)
@@ -682,7 +682,8 @@ class _Trainer:
                 paired = merge_paired(paired, p)
                 done |= set(p["contenders"])
                 verify()
-            # the passes stop at 3: a leader that the last pass's figures made (rare) is named, not hidden
+        if paired is not None:  # the passes stop at 3: a leader that the last pass's figures made (rare), or a cached
+            # table's leader without paired figures, is named, not hidden
             left = [s.name for s in oracle_shortlist(self.candidates, self.cost.throughput) if s.name not in done]
             paired["unpaired_leaders"] = left
             if left:
