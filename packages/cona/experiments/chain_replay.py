@@ -8,9 +8,9 @@ of its time and no online rule can have it. Replayed on a stream neither run saw
 sequence of global batches over time.
 
 For every seed of the bench, the oracle's chain and cona's chain (the strategy held over each stretch of training
-clock) are replayed on one process from the seed's initial weights, with the bench's model, learning-rate rule,
-AdamW and clipping (``cona.executor.Executor``, one rank: only the global batches matter, layouts change the
-floating-point order alone), on the seed's own stream (``stream 0``) and on ``--streams`` others (the seed's sample
+samples where the chain records them, else of clock) are replayed on one process from the seed's initial weights,
+with the bench's model, learning-rate rule, AdamW and clipping (``cona.executor.Executor``, one rank: only the
+global batches matter, layouts change the floating-point order alone), on the seed's own stream (``stream 0``) and on ``--streams`` others (the seed's sample
 permutation from a distant offset: the same corpus and validation windows, other samples). The clock is virtual and
 the same for both chains: a step advances it by global batch / the samples/s the bench's probe table gives that
 strategy; evaluations every ``eval_every_s`` of it and time to target are read as the bench reads them. cona's own
@@ -33,25 +33,31 @@ import tempfile
 OFFSET = 60_000  # samples between streams: a bench run trains on fewer than 40k, the permutation holds 262144
 
 
-def _schedule(chain: list[dict]) -> list[tuple[float, int, str]]:
-    """(clock from which it holds, global batch, strategy name) per chain entry; the first holds from 0."""
+def _schedule(chain: list[dict]) -> tuple[str, list[tuple[float, int, str]]]:
+    """What the chain switches by, and (position from which it holds, global batch, strategy name) per entry.
+
+    Chains written since 2026-12-03 record the samples trained at each switch: the replay switches there, so on
+    the seed's own stream it trains on the run's batches in the run's order (its weights differ by floating-point
+    order only). Older chains have only the clock, read on the virtual clock (not the run's: the shape in time)."""
+    by = "samples" if all("samples" in e for e in chain) else "clock"
     out = []
     for i, e in enumerate(chain):
-        out.append((0.0 if i == 0 else float(e["clock"]), int(e["strategy"].rsplit("gb", 1)[1]), e["strategy"]))
-    return out
+        out.append((0.0 if i == 0 else float(e[by]), int(e["strategy"].rsplit("gb", 1)[1]), e["strategy"]))
+    return by, out
 
 
-def _replay(cfg, mcfg, data, val, seed: int, sched, tput: dict[str, float], offset: int) -> dict:
+def _replay(cfg, mcfg, data, val, seed: int, schedule, tput: dict[str, float], offset: int) -> dict:
     from cona.executor import Executor, initial_state
     from cona.space import Strategy
     from cona.train import time_to_target
 
+    by, sched = schedule
     ex, i, clock, consumed, steps = None, 0, 0.0, offset, 0
     state = initial_state(mcfg, seed)
     trace: list[tuple[float, float]] = []
     next_eval = 0.0
     while clock < cfg.budget_s:
-        while i + 1 < len(sched) and clock >= sched[i + 1][0]:
+        while i + 1 < len(sched) and (clock if by == "clock" else consumed - offset) >= sched[i + 1][0]:
             i += 1
         gb, name = sched[i][1], sched[i][2]
         s = Strategy(1, 1, 1, min(32, gb), gb)
@@ -122,6 +128,11 @@ def _summary(rows: dict, budget_s: float) -> dict:
     }
 
 
+def _switches_by(bench: dict) -> str:
+    chains = [r["chain"] for k in ("oracle", "cona") for r in bench["results"][k]["per_seed"].values()]
+    return "samples" if all(_schedule(c)[0] == "samples" for c in chains) else "clock"
+
+
 def main(argv: list[str] | None = None) -> int:
     from cona.dist import launch
 
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = want
     rows = launch(_worker, 1, bench, seeds, a.streams, True, timeout_s=7200, threads=a.threads)[0]
     out = {"bench": os.path.abspath(a.bench_json), "streams": a.streams, "offset": OFFSET,
+           "switches_by": _switches_by(bench),
            "summary": _summary(rows, bench["config"]["budget_s"]), "seeds": rows}  # fmt: skip
     print(json.dumps({k: v for k, v in out["summary"].items() if k != "per_seed"}, indent=1))
     if a.json:

@@ -77,6 +77,8 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     assert all(v is not None for v in res["headline_spread"]["ttp_ratio_vs_best_static"]["per_seed"])
     assert 0 <= res["headline"]["gns_overhead_frac"] < 1
     assert res["headline"]["switches"] == len(cona["chain"]) - 1
+    pos = [c["samples"] for c in cona["chain"]]  # the samples trained at each switch: a replay follows them
+    assert pos == sorted(pos) and pos[-1] <= cona["samples"]
     # every candidate has a throughput, probed or from the fitted cost model
     assert set(res["probe"]["throughput"]) == set(json.loads(json.dumps(res["probe"]["throughput"])))
     assert {v["source"] for v in res["probe"]["throughput"].values()} <= {"probe", "model"}

@@ -193,6 +193,7 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
         on_measured = min(ended, key=lambda b: sum(v for _, v in b["trace"][-w:]))
         kept_new += [(round(t, 4), round(v, 5)) for t, v in lowest["trace"][len(context) :]]
         assert link["strategy"] == lowest["strategy"] and link["clock"] == clock
+        assert link["samples"] == branches[0]["consumed"]  # where a replay switches (the samples before the phase)
         assert link["pick_on_measuring_windows"] == on_measured["strategy"]
         assert [o["strategy"] for o in link["branches"]] == [b["strategy"] for b in ended]
         assert all(o["time_to_target_s"] is None for o in link["branches"])

@@ -394,7 +394,7 @@ class _Variant:
         self.held_out = held_out  # an oracle branch: each evaluation also reads the held-out windows (its pick's)
         cfg = tr.cfg
         self.ex = tr.executor(s, state)
-        run.chain.append({"clock": run.clock, "strategy": s.name, "why": "start"})
+        run.chain.append({"clock": run.clock, "samples": run.samples, "strategy": s.name, "why": "start"})
         self.next_decide = run.clock + cfg.decide_every_s
         # cona's remaining-time rule reads validation loss: only evaluations >= decision_eval_every_s apart,
         # each charged to its clock (the harness's frequent ones, which define time to target, stay uncharged)
@@ -534,7 +534,7 @@ class _Variant:
             self.k = 0
             run.clock += sw
             run.switch_s += sw
-            run.chain.append({"clock": run.clock, "strategy": d.chosen.name, "why": d.reason,
+            run.chain.append({"clock": run.clock, "samples": run.samples, "strategy": d.chosen.name, "why": d.reason,
                               "switch": "same layout" if same else "resharded", "switch_s": sw})  # fmt: skip
 
 
@@ -895,6 +895,7 @@ class _Oracle:
         run.held_out_trace += branch.held_out_trace[ctx:]
         run.clock = branch.clock
         run.steps += branch.steps
+        start_samples = run.samples
         run.samples += branch.samples
         run.switch_s += build_s
         keys = ("time_to_target_s", "last_mean_val_loss")
@@ -904,7 +905,7 @@ class _Oracle:
                     for (_, b, _, _), t, h in zip(self.branches, traces, held)]  # fmt: skip
         # for reference: the branch a pick on the measuring windows would have kept
         on_measured = self.branches[pick_branch(traces, cfg.target_loss, cfg.target_window, after=start)][0]
-        run.chain.append({"clock": start, "strategy": s.name, "branches": outcomes,
+        run.chain.append({"clock": start, "samples": start_samples, "strategy": s.name, "branches": outcomes,
                           "pick_on_measuring_windows": on_measured.name,
                           "compared_at": compared_at if math.isfinite(compared_at) else None,
                           "why": f"lowest held-out validation loss (mean of the last {cfg.target_window} "
