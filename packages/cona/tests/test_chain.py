@@ -77,6 +77,29 @@ def test_initial_choice_holds_under_every_efficiency_model():
         robust_choice(tput, 19.0, 31.0, 8, lr_scaling=())
 
 
+def test_initial_choice_takes_the_larger_batch_of_two_level_within_the_margin():
+    """The 2-rank table and seed 0's step-0 range of 2026-12-03 (14..29): over both models gb32 keeps 0.854 of
+    the best goodput and gb64, 1.45x its samples/s, 0.853. Level within the switch margin, the larger batch is
+    taken (the noise scale grows from step 0); without a tie tolerance the 0.001 decides."""
+    gb = {b: Strategy(2, 1, 1, min(b // 2, 32), b) for b in (16, 32, 64, 128, 256)}
+    tput = {gb[16]: 1321.0, gb[32]: 2145.0, gb[64]: 3102.0, gb[128]: 3692.0, gb[256]: 4046.0}
+    models = ("sqrt", "tuned")
+    pick, worst = robust_choice(tput, 14.0, 28.9, 8, lr_scaling=models)
+    assert pick == gb[32] and worst == pytest.approx(0.854, abs=5e-4)
+    pick, worst = robust_choice(tput, 14.0, 28.9, 8, lr_scaling=models, tie=0.01)
+    assert pick == gb[64] and worst == pytest.approx(0.853, abs=5e-4)
+    # a clear winner stays the winner whatever the tolerance: seed 4's range 38..55 (gb64 0.99, the next 0.86)
+    assert robust_choice(tput, 37.9, 55.3, 8, lr_scaling=models, tie=0.05)[0] == gb[64]
+    gns = GradientNoiseScale(reference_batch=8)
+    d = Chainer(list(tput), tput, gns, margin=0.01, initial_models=models).decide(None, noise_range=(14.0, 28.9))
+    assert d.chosen == gb[64] and f"level with {gb[32].name}'s 0.854 within the 0.01 margin" in d.reason
+    d = Chainer(list(tput), tput, gns, margin=0.0, initial_models=models).decide(None, noise_range=(14.0, 28.9))
+    assert d.chosen == gb[32] and "level with" not in d.reason
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="tie must be a fraction in"):
+            robust_choice(tput, 14.0, 28.9, 8, tie=bad)
+
+
 def test_chainer_switches_on_schedule_and_logs_reasons(caplog):
     gns = GradientNoiseScale(reference_batch=8, decay=0.0)
     ch = Chainer([SMALL, BIG, TP], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=1.0)

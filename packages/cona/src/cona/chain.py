@@ -203,7 +203,8 @@ def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, win
 
 
 def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int,
-                  points: int = 25, lr_scaling: str | Sequence[str] = "sqrt") -> tuple[Strategy, float]:  # fmt: skip
+                  points: int = 25, lr_scaling: str | Sequence[str] = "sqrt", tie: float = 0.0,
+                  ) -> tuple[Strategy, float]:  # fmt: skip
     """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi] and every
     efficiency model in ``lr_scaling`` (one name or several), and that worst ratio (max over strategies of the
     min over the range and the models of goodput / best goodput).
@@ -213,19 +214,27 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     worst-case ratio tells how much progress a choice can lose wherever in the range the truth lies.
     Several models: at step 0 nothing has shown which learning-rate regime training is in (see
     ``Chainer.initial_models``), so the choice must hold under each.
+
+    ``tie``: strategies whose worst ratio is within this fraction of the best one's are level (the throughput
+    table is no more exact than that); of those, the largest global batch is taken, then the fastest. The noise
+    scale grows from the initial weights on (on the bench's model from ~20 samples to ~40-110 within one or two
+    seconds of training, its first decision intervals), so over the time the choice holds a larger batch only gains on a smaller one it tied
+    with at the start. (2 ranks, 2026-12-03: seed 0's range 14..29 put gb32 at 0.854 and gb64, 1.45x its
+    samples/s, at 0.853; started on gb32, cona's chain needed 4-12% more time to the target than the oracle's
+    gb64 start on streams neither was chosen on, ``experiments/chain_replay.py``.)
     """
+    if not (isinstance(tie, (int, float)) and 0.0 <= tie < 1.0):
+        raise ValueError(f"tie must be a fraction in [0, 1), got {tie}")
     models = efficiency_models(lr_scaling)
     grid = noise_grid(lo, hi, points)
-    best: tuple[float, str, Strategy] | None = None
     table = {(m, phi): {s: goodput(t, s.global_batch, phi, reference_batch, m) for s, t in tputs.items()}
              for m in models for phi in grid}  # fmt: skip
     peak = {k: max(row.values()) for k, row in table.items()}
-    for s in tputs:
-        worst = min(table[k][s] / peak[k] for k in table)
-        key = (worst, s.name)
-        if best is None or key > best[:2]:
-            best = (worst, s.name, s)
-    return best[2], best[0]
+    worst = {s: min(table[k][s] / peak[k] for k in table) for s in tputs}
+    top = max(worst.values())
+    level = [s for s in tputs if worst[s] >= top * (1.0 - tie)]
+    pick = max(level, key=lambda s: (s.global_batch, tputs[s], worst[s], s.name))
+    return pick, worst[pick]
 
 
 @dataclass
@@ -365,11 +374,15 @@ class Chainer:
             lo, hi = noise_range
             tputs = {e.strategy: e.throughput for e in ranking}
             models = self.initial_models or (self.gns.lr_scaling,)
-            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)
+            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models, tie=self.margin)
+            alone, alone_worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)
             under = f" under the {' and '.join(models)} efficiency models" if len(models) > 1 else ""
+            level = (f" (level with {alone.name}'s {alone_worst:.3f} within the {self.margin:g} margin: the larger "
+                     f"global batch, as the noise scale grows from here)" if alone != pick else "")  # fmt: skip
             d = Decision(step, elapsed_s, None, pick, True,
                          f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
-                         f">= {worst:.2f} of the best goodput anywhere in that range{under}", phi, 0.0, ranking)  # fmt: skip
+                         f">= {worst:.3f} of the best goodput anywhere in that range{under}{level}", phi, 0.0,
+                         ranking)  # fmt: skip
         elif current is not None and not self.gns.ready:
             d = Decision(step, elapsed_s, current, current, False,
                          f"stay: no gradient statistics yet for {current.name}", phi, cost, ranking)  # fmt: skip
