@@ -218,10 +218,10 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     ``tie``: strategies whose worst ratio is within this fraction of the best one's are level (the throughput
     table is no more exact than that); of those, the largest global batch is taken, then the fastest. The noise
     scale grows from the initial weights on (on the bench's model from ~20 samples to ~40-110 within one or two
-    seconds of training, its first decision intervals), so over the time the choice holds a larger batch only gains on a smaller one it tied
-    with at the start. (2 ranks, 2026-12-03: seed 0's range 14..29 put gb32 at 0.854 and gb64, 1.45x its
-    samples/s, at 0.853; started on gb32, cona's chain needed 4-12% more time to the target than the oracle's
-    gb64 start on streams neither was chosen on, ``experiments/chain_replay.py``.)
+    seconds of training, its first decision intervals), so over the time the choice holds a larger batch only
+    gains on a smaller one it tied with at the start. (2 ranks, 2026-12-03: seed 0's range 14..29 put gb32 at
+    0.854 and gb64, 1.45x its samples/s, at 0.853; started on gb32, cona's chain needed 4-12% more time to the
+    target than the oracle's gb64 start on streams neither was chosen on, ``experiments/chain_replay.py``.)
     """
     if not (isinstance(tie, (int, float)) and 0.0 <= tie < 1.0):
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie}")
