@@ -10,8 +10,9 @@ sequence of global batches over time.
 For every seed of the bench, the oracle's chain and cona's chain (the strategy held over each stretch of training
 samples where the chain records them, else of clock) are replayed on one process from the seed's initial weights,
 with the bench's model, learning-rate rule, AdamW and clipping (``cona.executor.Executor``, one rank: only the
-global batches matter, layouts change the floating-point order alone), on the seed's own stream (``stream 0``) and on ``--streams`` others (the seed's sample
-permutation from a distant offset: the same corpus and validation windows, other samples). The clock is virtual and
+global batches matter, layouts change the floating-point order alone), on the seed's own stream (``stream 0``) and
+on ``--streams`` others (the seed's sample permutation from a distant offset: the same corpus and validation
+windows, other samples). The clock is virtual and
 the same for both chains: a step advances it by global batch / the samples/s the bench's probe table gives that
 strategy; evaluations every ``eval_every_s`` of it and time to target are read as the bench reads them. cona's own
 costs (statistics, its decisions' evaluations, resharding; ~2% of its clock on 4 ranks) are not replayed: chains
@@ -39,7 +40,7 @@ def _schedule(chain: list[dict]) -> tuple[str, list[tuple[float, int, str]]]:
     Chains written since 2026-12-03 record the samples trained at each switch: the replay switches there, so on
     the seed's own stream it trains on the run's batches in the run's order (its weights differ by floating-point
     order only). Older chains have only the clock, read on the virtual clock (not the run's: the shape in time)."""
-    by = "samples" if all("samples" in e for e in chain) else "clock"
+    by = _switches_by([chain])
     out = []
     for i, e in enumerate(chain):
         out.append((0.0 if i == 0 else float(e[by]), int(e["strategy"].rsplit("gb", 1)[1]), e["strategy"]))
@@ -128,9 +129,9 @@ def _summary(rows: dict, budget_s: float) -> dict:
     }
 
 
-def _switches_by(bench: dict) -> str:
-    chains = [r["chain"] for k in ("oracle", "cona") for r in bench["results"][k]["per_seed"].values()]
-    return "samples" if all(_schedule(c)[0] == "samples" for c in chains) else "clock"
+def _switches_by(chains: list[list[dict]]) -> str:
+    """ "samples" when every entry of every chain records them (chains written since 2026-12-03), else "clock"."""
+    return "samples" if all("samples" in e for c in chains for e in c) else "clock"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = want
     rows = launch(_worker, 1, bench, seeds, a.streams, True, timeout_s=7200, threads=a.threads)[0]
     out = {"bench": os.path.abspath(a.bench_json), "streams": a.streams, "offset": OFFSET,
-           "switches_by": _switches_by(bench),
+           "switches_by": _switches_by([r["chain"] for k in ("oracle", "cona")
+                                        for r in bench["results"][k]["per_seed"].values()]),
            "summary": _summary(rows, bench["config"]["budget_s"]), "seeds": rows}  # fmt: skip
     print(json.dumps({k: v for k, v in out["summary"].items() if k != "per_seed"}, indent=1))
     if a.json:

@@ -79,6 +79,9 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     assert res["headline"]["switches"] == len(cona["chain"]) - 1
     pos = [c["samples"] for c in cona["chain"]]  # the samples trained at each switch: a replay follows them
     assert pos == sorted(pos) and pos[-1] <= cona["samples"]
+    for p in cona["per_seed"].values():  # the per-seed chains a replay reads keep them too
+        pos = [c["samples"] for c in p["chain"]]
+        assert pos == sorted(pos) and pos[-1] <= p["samples"]
     # every candidate has a throughput, probed or from the fitted cost model
     assert set(res["probe"]["throughput"]) == set(json.loads(json.dumps(res["probe"]["throughput"])))
     assert {v["source"] for v in res["probe"]["throughput"].values()} <= {"probe", "model"}

@@ -225,16 +225,28 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     """
     if not (isinstance(tie, (int, float)) and 0.0 <= tie < 1.0):
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie}")
+    worst = worst_ratios(tputs, lo, hi, reference_batch, points, lr_scaling)
+    pick = take_level(worst, tputs, tie)
+    return pick, worst[pick]
+
+
+def worst_ratios(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int, points: int = 25,
+                 lr_scaling: str | Sequence[str] = "sqrt") -> dict[Strategy, float]:  # fmt: skip
+    """Each strategy's lowest goodput / best goodput over the noise scales in [lo, hi] and the models named."""
     models = efficiency_models(lr_scaling)
     grid = noise_grid(lo, hi, points)
     table = {(m, phi): {s: goodput(t, s.global_batch, phi, reference_batch, m) for s, t in tputs.items()}
              for m in models for phi in grid}  # fmt: skip
     peak = {k: max(row.values()) for k, row in table.items()}
-    worst = {s: min(table[k][s] / peak[k] for k in table) for s in tputs}
+    return {s: min(table[k][s] / peak[k] for k in table) for s in tputs}
+
+
+def take_level(worst: Mapping[Strategy, float], tputs: Mapping[Strategy, float], tie: float) -> Strategy:
+    """Of the strategies whose worst ratio is within ``tie`` of the best one's, the largest global batch, then
+    the fastest (``robust_choice``)."""
     top = max(worst.values())
-    level = [s for s in tputs if worst[s] >= top * (1.0 - tie)]
-    pick = max(level, key=lambda s: (s.global_batch, tputs[s], worst[s], s.name))
-    return pick, worst[pick]
+    level = [s for s in worst if worst[s] >= top * (1.0 - tie)]
+    return max(level, key=lambda s: (s.global_batch, tputs[s], worst[s], s.name))
 
 
 @dataclass
@@ -374,8 +386,9 @@ class Chainer:
             lo, hi = noise_range
             tputs = {e.strategy: e.throughput for e in ranking}
             models = self.initial_models or (self.gns.lr_scaling,)
-            pick, worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models, tie=self.margin)
-            alone, alone_worst = robust_choice(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)
+            ratios = worst_ratios(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)  # once, read twice
+            pick, alone = take_level(ratios, tputs, self.margin), take_level(ratios, tputs, 0.0)
+            worst, alone_worst = ratios[pick], ratios[alone]
             under = f" under the {' and '.join(models)} efficiency models" if len(models) > 1 else ""
             level = (f" (level with {alone.name}'s {alone_worst:.3f} within the {self.margin:g} margin: the larger "
                      f"global batch, as the noise scale grows from here)" if alone != pick else "")  # fmt: skip

@@ -247,6 +247,7 @@ def _results(seeds: dict, budget_s: float) -> dict:
                                 kk: c[kk]
                                 for kk in (
                                     "clock",
+                                    "samples",
                                     "strategy",
                                     "switch",
                                     "switch_s",
