@@ -20,6 +20,10 @@ only, so cona's replayed gap is below its bench gap by about that much. Results 
 CPU, and say nothing about step times (the clock is the table's).
 
     python experiments/chain_replay.py /work/runs/r7.json --streams 2 --json /tmp/cona-replay.json
+
+``--fixed 64:0,128:3,256:7.5`` (repeatable) also replays a chain written by hand, global batch:clock of its start (each
+global batch on its fastest strategy of the probe table), on the same streams, and reports it against cona's chain:
+e.g. when the move to gb256 pays, free of the bench's timing noise and of any one stream's luck.
 """
 
 from __future__ import annotations
@@ -45,6 +49,24 @@ def _schedule(chain: list[dict]) -> tuple[str, list[tuple[float, int, str]]]:
     for i, e in enumerate(chain):
         out.append((0.0 if i == 0 else float(e[by]), int(e["strategy"].rsplit("gb", 1)[1]), e["strategy"]))
     return by, out
+
+
+def _fixed(spec: str, tput: dict[str, float]) -> tuple[str, list[tuple[float, int, str]]]:
+    """The schedule of a ``--fixed`` chain: ``gb:clock`` entries, the first at clock 0, clocks increasing; each
+    global batch on the fastest strategy of the probe table ``tput`` that has it."""
+    out = []
+    for part in spec.split(","):
+        gb, _, at = part.partition(":")
+        if not (gb.strip().isdigit() and at):
+            raise ValueError(f"--fixed entries must be global_batch:clock_s, got {part!r} in {spec!r}")
+        names = [n for n in tput if n.endswith(f"-gb{int(gb)}")]
+        if not names:
+            raise ValueError(f"--fixed {spec!r}: no strategy of global batch {gb} in the probe table")
+        out.append((float(at), int(gb), max(names, key=lambda n: tput[n])))
+    clocks = [t for t, _, _ in out]
+    if clocks[0] != 0.0 or clocks != sorted(clocks):
+        raise ValueError(f"--fixed {spec!r}: the first entry must start at clock 0 and the clocks must increase")
+    return "clock", out
 
 
 def _replay(cfg, mcfg, data, val, seed: int, schedule, tput: dict[str, float], offset: int) -> dict:
@@ -79,7 +101,8 @@ def _replay(cfg, mcfg, data, val, seed: int, schedule, tput: dict[str, float], o
     return {"time_to_target_s": None, "samples": consumed - offset, "steps": steps}
 
 
-def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, progress: bool) -> dict:
+def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, progress: bool,
+            fixed: tuple[str, ...] = ()) -> dict:  # fmt: skip
     from cona.model import TextData, stdlib_tokens, tiny_llama_config
     from cona.train import BenchConfig
 
@@ -94,8 +117,8 @@ def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, 
         data = TextData(tokens, cfg.seq_len, int(seed))
         val = data.validation(cfg.val_samples)
         row = {"bench": {k: res[k]["per_seed"][seed]["time_to_target_s"] for k in ("cona", "oracle")}}
-        for who in ("oracle", "cona"):
-            sched = _schedule(res[who]["per_seed"][seed]["chain"])
+        for who in ("oracle", "cona", *fixed):
+            sched = _fixed(who, tput) if who in fixed else _schedule(res[who]["per_seed"][seed]["chain"])
             row[who] = [_replay(cfg, mcfg, data, val, int(seed), sched, tput, k * OFFSET) for k in range(streams + 1)]
             if progress:
                 print(f"seed {seed} {who}: " + ", ".join(str(r["time_to_target_s"] and round(r["time_to_target_s"], 2))
@@ -104,9 +127,12 @@ def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, 
     return out
 
 
-def _summary(rows: dict, budget_s: float) -> dict:
+def _summary(rows: dict, budget_s: float, fixed: tuple[str, ...] = ()) -> dict:
     def t(r):
         return r["time_to_target_s"] if r["time_to_target_s"] is not None else budget_s
+
+    def vs_cona(row, who):  # every stream's time against cona's chain's on that stream, mean over streams
+        return statistics.mean(t(a) / t(b) for a, b in zip(row[who], row["cona"])) - 1
 
     own, fresh, sel, ctl = [], [], [], []
     for row in rows.values():
@@ -126,7 +152,8 @@ def _summary(rows: dict, budget_s: float) -> dict:
             for s, a, b, x, y in zip(rows, own, fresh, sel, ctl)
         },  # fmt: skip
         "clock": "virtual: global batch / the bench's probed samples/s per step; cona's own costs not replayed",
-    }
+    } | ({"fixed_vs_cona": {f: {"median": med(v := [vs_cona(row, f) for row in rows.values()]), "per_seed": v}
+                            for f in fixed}} if fixed else {})  # fmt: skip
 
 
 def _switches_by(chains: list[list[dict]]) -> str:
@@ -143,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", help="comma-separated seeds of the bench (default: all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the results here (atomically)")
+    p.add_argument(
+        "--fixed",
+        action="append",
+        default=[],
+        metavar="GB:CLOCK,...",
+        help="also replay this hand-written chain (e.g. 64:0,128:3,256:7.5) against cona's; repeatable",
+    )
     a = p.parse_args(argv)
     if a.streams < 1:
         p.error(f"--streams must be >= 1, got {a.streams}")
@@ -155,11 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             p.error(f"--seeds {','.join(bad)} not in the bench (it has {','.join(seeds)})")
         seeds = want
-    rows = launch(_worker, 1, bench, seeds, a.streams, True, timeout_s=7200, threads=a.threads)[0]
+    tput = {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
+    fixed = tuple(dict.fromkeys(a.fixed))
+    for f in fixed:
+        try:
+            _fixed(f, tput)
+        except ValueError as e:
+            p.error(str(e))
+    rows = launch(_worker, 1, bench, seeds, a.streams, True, fixed, timeout_s=7200, threads=a.threads)[0]
     out = {"bench": os.path.abspath(a.bench_json), "streams": a.streams, "offset": OFFSET,
            "switches_by": _switches_by([r["chain"] for k in ("oracle", "cona")
                                         for r in bench["results"][k]["per_seed"].values()]),
-           "summary": _summary(rows, bench["config"]["budget_s"]), "seeds": rows}  # fmt: skip
+           "summary": _summary(rows, bench["config"]["budget_s"], fixed), "seeds": rows}  # fmt: skip
     print(json.dumps({k: v for k, v in out["summary"].items() if k != "per_seed"}, indent=1))
     if a.json:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(a.json)) or ".", suffix=".tmp")
