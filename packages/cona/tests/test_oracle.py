@@ -216,6 +216,9 @@ def test_cona_decisions_read_only_charged_evaluations_one_second_apart(out):
     assert cona["decision_eval_s"] > 0 and cona["decision_eval_frac"] == pytest.approx(
         cona["decision_eval_s"] / cona["clock_s"]
     )
+    # the decisions' own computation is charged too, to cona alone (every running decision took some time)
+    assert cona["decision_s"] > 0 and out["res"]["runs"]["oracle"]["decision_s"] == 0
+    assert out["res"]["runs"]["surrogate_static"]["decision_s"] == 0
     for d in cona["decisions"][1:]:
         assert "remaining_s" in d and math.isfinite(d["remaining_s"])
 

@@ -238,6 +238,7 @@ def _results(seeds: dict, budget_s: float) -> dict:
                             "gns_s",
                             "decision_eval_s",
                             "decision_eval_frac",
+                            "decision_s",
                         )
                     }
                     | {

@@ -18,7 +18,8 @@ validation. Variants:
 Validation evaluations every ``eval_every_s`` define time to target (the first evaluation at which the
 mean of the last ``target_window`` of them is at or below the target) and are excluded from every clock;
 cona's decisions may read only the first of them at least 1 s after the previous one it read, and
-cona's clock is charged the measured time of exactly those (``decision_eval_s``).
+cona's clock is charged the measured time of exactly those (``decision_eval_s``) and of its decisions' own
+computation (``decision_s``: the statistics' range and growth, the ranking, the broadcasts that keep ranks agreed).
 
 All four advance in the same 0.5 s slices of training clock (the oracle's branches too), so step times
 of every variant are measured under the same load.
@@ -380,6 +381,7 @@ class Run:
     gns_s: float = 0.0
     eval_s: float = 0.0  # evaluations excluded from the clock
     decision_eval_s: float = 0.0  # evaluations cona's decisions read, charged to its clock
+    decision_s: float = 0.0  # cona's decisions' own computation (range, growth, ranking, broadcasts), charged too
     decision_trace: list[tuple[float, float]] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
     held_out_trace: list[tuple[float, float]] = field(default_factory=list)  # the oracle's picks read these
@@ -486,6 +488,7 @@ class _Variant:
 
     def _decide(self) -> None:
         tr, run, s = self.tr, self.run, self.s
+        t_decide = time.perf_counter()
         self.next_decide = run.clock + tr.cfg.decide_every_s
         # A strategy cona has trained on is ranked by its realised rate (``online_throughput``), the others by
         # the probed table. (Until 2026-12-01 the probes alone: the realised rate of the current strategy set
@@ -523,6 +526,9 @@ class _Variant:
         else:
             d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
+        dt = _bcast(time.perf_counter() - t_decide)  # rank 0's, as every step time; until 2026-12-03 not charged
+        run.clock += dt
+        run.decision_s += dt
         if d.switched:
             t0 = time.perf_counter()
             same = self.ex.same_layout(d.chosen)  # only micro-batch and global batch change: no state moves
@@ -1012,6 +1018,7 @@ def _summary(run: Run, target_loss: float, window: int) -> dict:
         "eval_s_excluded": run.eval_s,
         "decision_eval_s": run.decision_eval_s,
         "decision_eval_frac": run.decision_eval_s / run.clock if run.clock else 0.0,
+        "decision_s": run.decision_s,
         "decision_trace": [[round(t, 4), round(v, 5)] for t, v in run.decision_trace],
         "chain": run.chain,
         "trace": [[round(t, 4), round(v, 5)] for t, v in run.trace],
