@@ -364,9 +364,14 @@ def time_to_target(trace: list[tuple[float, float]], target_loss: float, window:
 
 def _bcast(x: float) -> float:
     """Rank 0's value on every rank (clocks and measured times drive identical decisions)."""
-    t = torch.tensor([x], dtype=torch.float64, device=cdist.current_device())
+    return _bcast_all(x)[0]
+
+
+def _bcast_all(*xs: float) -> list[float]:
+    """Rank 0's values on every rank, in one broadcast (a decision's inputs: one collective, not one each)."""
+    t = torch.tensor(xs, dtype=torch.float64, device=cdist.current_device())
     dist.broadcast(t, 0)
-    return float(t[0])
+    return t.tolist()
 
 
 @dataclass
@@ -503,19 +508,24 @@ class _Variant:
             left = cfg.budget_s - run.clock
             # validation loss (the training loss runs below it here: it read "at the target" 6 s early), from
             # the charged evaluations >= 1 s apart only, never the harness's uncharged ones
-            rem = _bcast(remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0)))
+            rem = remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0))
             lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
-            lo, hi = _bcast(lo), _bcast(hi if math.isfinite(hi) else 1e9)
             phi, extra = self.gns.noise_scale, {}
             fit = self.gns.growth(cfg.growth_pairs) if cfg.noise_ahead or cfg.early_models else None
             models = self._running_models(fit)
+            f_lo = f_point = f_hi = 1.0
             if cfg.noise_ahead:  # carried from where the pairs were taken to the middle of the next interval
                 rate = online if online is not None else tr.cost.throughput(s)[0]
                 to = run.samples + rate * cfg.decide_every_s / 2
                 z = cfg.range_z if cfg.range_z is not None else 1.0
                 f_lo, _, f_hi, _ = self.gns.ahead(to, window=cfg.range_window, pairs=cfg.growth_pairs, z=z, fit=fit)
                 _, f_point, _, _ = self.gns.ahead(to, pairs=cfg.growth_pairs, fit=fit)  # same fit, EMA's position
-                f_lo, f_hi, f_point = _bcast(f_lo), _bcast(f_hi), _bcast(f_point)
+            # rank 0's inputs on every rank in one broadcast (until 2026-12-03 one each, six: on 4 ranks on 2 cores a
+            # decision took ~8 ms with them, README "Headline")
+            rem, lo, hi, f_lo, f_hi, f_point = _bcast_all(
+                rem, lo, hi if math.isfinite(hi) else 1e9, f_lo, f_hi, f_point
+            )
+            if cfg.noise_ahead:
                 extra = {"noise_range_read": [lo, hi], "noise_scale_read": phi, "noise_growth": fit and list(fit),
                          "carried_to_samples": to, "carry": [f_lo, f_point, f_hi]}  # fmt: skip
                 lo, hi, phi = lo * f_lo, min(hi * f_hi, 1e9), min(phi * f_point, 1e9)
