@@ -102,7 +102,8 @@ def _replay(cfg, mcfg, data, val, seed: int, schedule, tput: dict[str, float], o
 
 
 def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, progress: bool,
-            fixed: tuple[str, ...] = ()) -> dict:  # fmt: skip
+            fixed: dict[str, tuple] | None = None) -> dict:  # fmt: skip
+    """Replays per seed; ``fixed``: hand-written chains' schedules (``_fixed``), by their spec."""
     from cona.model import TextData, stdlib_tokens, tiny_llama_config
     from cona.train import BenchConfig
 
@@ -112,13 +113,14 @@ def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, 
     tokens = stdlib_tokens(cfg.corpus_bytes)  # read once, not per replay
     tput = {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
     res = bench["results"]
+    fixed = fixed or {}
     out = {}
     for seed in seeds:
         data = TextData(tokens, cfg.seq_len, int(seed))
         val = data.validation(cfg.val_samples)
         row = {"bench": {k: res[k]["per_seed"][seed]["time_to_target_s"] for k in ("cona", "oracle")}}
         for who in ("oracle", "cona", *fixed):
-            sched = _fixed(who, tput) if who in fixed else _schedule(res[who]["per_seed"][seed]["chain"])
+            sched = fixed[who] if who in fixed else _schedule(res[who]["per_seed"][seed]["chain"])
             row[who] = [_replay(cfg, mcfg, data, val, int(seed), sched, tput, k * OFFSET) for k in range(streams + 1)]
             if progress:
                 print(f"seed {seed} {who}: " + ", ".join(str(r["time_to_target_s"] and round(r["time_to_target_s"], 2))
@@ -190,17 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--seeds {','.join(bad)} not in the bench (it has {','.join(seeds)})")
         seeds = want
     tput = {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
-    fixed = tuple(dict.fromkeys(a.fixed))
-    for f in fixed:
-        try:
-            _fixed(f, tput)
-        except ValueError as e:
-            p.error(str(e))
+    try:  # parsed once, here, so a bad spec fails before any replay
+        fixed = {f: _fixed(f, tput) for f in a.fixed}
+    except ValueError as e:
+        p.error(str(e))
     rows = launch(_worker, 1, bench, seeds, a.streams, True, fixed, timeout_s=7200, threads=a.threads)[0]
     out = {"bench": os.path.abspath(a.bench_json), "streams": a.streams, "offset": OFFSET,
            "switches_by": _switches_by([r["chain"] for k in ("oracle", "cona")
                                         for r in bench["results"][k]["per_seed"].values()]),
-           "summary": _summary(rows, bench["config"]["budget_s"], fixed), "seeds": rows}  # fmt: skip
+           "summary": _summary(rows, bench["config"]["budget_s"], tuple(fixed)), "seeds": rows}  # fmt: skip
     print(json.dumps({k: v for k, v in out["summary"].items() if k != "per_seed"}, indent=1))
     if a.json:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(a.json)) or ".", suffix=".tmp")
