@@ -143,7 +143,7 @@ class Executor:
     def __init__(self, strategy: Strategy, config, state: FullState, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  clip_norm: float | None = None, precondition: bool = False, tensor_stats: bool = False) -> None:  # fmt: skip
-        from .model import build_model
+        from .model import model_skeleton
 
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {clip_norm}")
@@ -181,8 +181,7 @@ class Executor:
         L = config.num_hidden_layers
         bounds = [round(i * L / pp) for i in range(pp + 1)]
         self.lo, self.hi = bounds[self.p], bounds[self.p + 1]
-        with torch.device("meta"):
-            full = build_model(config, 0)
+        full = model_skeleton(config)
         model = full.model
         self.rotary = type(model.rotary_emb)(config).to(self.device)
         self.embed = model.embed_tokens if self.first else None

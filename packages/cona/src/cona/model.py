@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["tiny_llama_config", "build_model", "stdlib_tokens", "TextData"]
+__all__ = ["tiny_llama_config", "build_model", "model_skeleton", "stdlib_tokens", "TextData"]
 
 
 def tiny_llama_config(
@@ -44,9 +44,25 @@ def tiny_llama_config(
 
 def build_model(config, seed: int = 0):
     """A freshly initialised LlamaForCausalLM (fp32, same weights for the same seed on every rank)."""
+    torch.manual_seed(seed)
+    return _llama(config)
+
+
+def model_skeleton(config):
+    """LlamaForCausalLM's module tree on the meta device, its weights left uninitialised: an executor puts its
+    own shards in. Initialising them (random draws, even on meta) was half of building an executor (10 of ~15 ms
+    on one thread, paid at step 0 and at every switch that reshards)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # a transformers 5 without it: the same tree, initialised
+        from contextlib import nullcontext as no_init_weights
+    with torch.device("meta"), no_init_weights():
+        return _llama(config)
+
+
+def _llama(config):
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
     model.config._attn_implementation = "sdpa"
     return model
