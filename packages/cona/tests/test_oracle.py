@@ -216,9 +216,17 @@ def test_cona_decisions_read_only_charged_evaluations_one_second_apart(out):
     assert cona["decision_eval_s"] > 0 and cona["decision_eval_frac"] == pytest.approx(
         cona["decision_eval_s"] / cona["clock_s"]
     )
-    # the decisions' own computation is charged too, to cona alone (every running decision took some time)
-    assert cona["decision_s"] > 0 and out["res"]["runs"]["oracle"]["decision_s"] == 0
-    assert out["res"]["runs"]["surrogate_static"]["decision_s"] == 0
+    # the decisions' own computation is charged too: cona's every decision, surrogate_static's step-0 choice (its only
+    # one, cona's first), nothing to the others (every running decision took some time)
+    runs, step0 = out["res"]["runs"], out["res"]["step0"]
+    assert runs["surrogate_static"]["decision_s"] == step0["decision_s"] > 0
+    assert cona["decision_s"] > step0["decision_s"] and runs["oracle"]["decision_s"] == 0
+    assert runs["best_static"]["decision_s"] == 0
+    # and each run's clock is exactly what it charged: step 0, steps, cona's evaluations and decisions, switches
+    for name, r in runs.items():
+        parts = (r["start_s"], r["train_s"], r["decision_eval_s"], r["decision_s"], r["switch_s"])
+        assert r["clock_s"] == pytest.approx(sum(parts), rel=1e-9), name
+        assert r["train_s"] > 0 and (r["start_s"] > 0) == (name in ("cona", "surrogate_static")), name
     for d in cona["decisions"][1:]:
         assert "remaining_s" in d and math.isfinite(d["remaining_s"])
 

@@ -96,13 +96,14 @@ def test_cona_and_surrogate_static_start_from_the_first_step_only_when_it_traine
         if trains:  # one step on the first 64 samples taken: they read on from sample 64, its time is training's
             assert o["handed"] == [v["state"]] and v["state"] != o["state0"]
             assert (v["consumed"], v["samples"], v["steps"]) == (64, 64, 1)
-            assert v["clock"] == pytest.approx(st["gns_s"] + st["first_step_s"])
+            assert v["clock"] == pytest.approx(st["gns_s"] + st["first_step_s"] + st["decision_s"])
             assert v["gns_s"] == pytest.approx(st["gns_s"] - st["warm_s"]) and st["warm_s"] > 0
             assert st["charged_as_statistics_s"] == pytest.approx(v["gns_s"])
         else:  # step 0 all statistics, training from the initial state and the first sample
             assert o["handed"] == [] and v["state"] == o["state0"]
             assert (v["consumed"], v["samples"], v["steps"]) == (0, 0, 0)
-            assert v["clock"] == v["gns_s"] == pytest.approx(st["gns_s"])
+            assert v["gns_s"] == pytest.approx(st["gns_s"]) and st["decision_s"] > 0
+            assert v["clock"] == pytest.approx(st["gns_s"] + st["decision_s"])  # and the choice's own computation
             assert st["charged_as_statistics_s"] == pytest.approx(st["gns_s"])
 
 

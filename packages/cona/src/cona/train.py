@@ -381,7 +381,9 @@ class Run:
     chain: list[dict] = field(default_factory=list)
     steps: int = 0
     samples: int = 0
-    clock: float = 0.0
+    clock: float = 0.0  # = start_s + train_s + decision_eval_s + decision_s + switch_s
+    start_s: float = 0.0  # step 0's charge (statistics, a first step taken from them), before the first decision
+    train_s: float = 0.0  # the training steps' (statistics steps' included)
     switch_s: float = 0.0
     gns_s: float = 0.0
     eval_s: float = 0.0  # evaluations excluded from the clock
@@ -440,6 +442,7 @@ class _Variant:
                 self.plain_times.append(dt - gns_dt)
                 del self.plain_times[:-15]
             run.clock += dt
+            run.train_s += dt
             run.gns_s += gns_dt
             run.steps += 1
             run.samples += s.global_batch
@@ -910,6 +913,7 @@ class _Oracle:
         run.trace += branch.trace[ctx:]
         run.held_out_trace += branch.held_out_trace[ctx:]
         run.clock = branch.clock
+        run.train_s += branch.train_s
         run.steps += branch.steps
         start_samples = run.samples
         run.samples += branch.samples
@@ -1021,6 +1025,8 @@ def _summary(run: Run, target_loss: float, window: int) -> dict:
         "final_val_loss": run.trace[-1][1],
         "final_val_ppl": math.exp(run.trace[-1][1]),
         "clock_s": run.clock,
+        "start_s": run.start_s,
+        "train_s": run.train_s,
         "steps": run.steps,
         "samples": run.samples,
         "switch_s": run.switch_s,
@@ -1058,7 +1064,9 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=margin,
                       switch_cost_s=reshard_s, initial_models=cfg.initial_models,
                       adam_beta2=cfg.adam_betas[1] if cfg.adapt_cost else None)  # fmt: skip
+    t_decide = time.perf_counter()
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
+    decision0_s = _bcast(time.perf_counter() - t_decide)  # charged to both runs that start on its choice
     surrogate0 = first.chosen
     # on step 0's global batch, its first warm batch's gradient is the run's first step: that forward and backward
     # is training time, not statistics (the step and the hand-over of its state to the chosen layout are charged too)
@@ -1078,11 +1086,12 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
              "reason": first.reason, "switch_cost_prior_s": reshard_s,
              "initial_models": list(cfg.initial_models), "step0_strategy": st0.strategy.name,
              "first_step_from_step0": first_s is not None, "warm_s": st0.warm_s, "first_step_s": first_s,
-             "charged_as_statistics_s": gns_s}  # fmt: skip
+             "charged_as_statistics_s": gns_s, "decision_s": decision0_s}  # fmt: skip
     steps = 1 if consumed else 0
 
     def started(name: str) -> Run:
-        return Run(name, clock=clock, gns_s=gns_s, steps=steps, samples=consumed)
+        return Run(name, clock=clock + decision0_s, start_s=clock, decision_s=decision0_s, gns_s=gns_s, steps=steps,
+                   samples=consumed)  # fmt: skip
 
     runs = {"best_static": Run("best_static"), "surrogate_static": started("surrogate_static"), "cona": started("cona")}
     runs["cona"].decisions.append(first.to_dict())
