@@ -50,8 +50,8 @@ def build_model(config, seed: int = 0):
 
 def model_skeleton(config):
     """LlamaForCausalLM's module tree on the meta device, its weights left uninitialised: an executor puts its
-    own shards in. Initialising them (random draws, even on meta) was half of building an executor (10 of ~15 ms
-    on one thread, paid at step 0 and at every switch that reshards)."""
+    own shards in. Initialising them (random draws, even on meta) was most of building an executor (15 ms a build
+    with it, 6 ms without, on one thread; paid at step 0 and at every switch that reshards)."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # a transformers 5 without it: the same tree, initialised
