@@ -435,7 +435,7 @@ class _Variant:
             want_gns = gns is not None and self.k % every == 0  # plain steps come first: a baseline time
             t0 = time.perf_counter()
             r = ex.train_step(batch, lr=cfg.lr_for(s.global_batch), gns=want_gns)
-            dt, gns_dt = _bcast(time.perf_counter() - t0), _bcast(r.gns_s)
+            dt, gns_dt = _bcast_all(time.perf_counter() - t0, r.gns_s)  # one collective a step, not two
             if want_gns and split and self.plain_times:
                 gns_dt += dt - statistics.median(self.plain_times)  # the split's extra time (unbiased, may be < 0)
             elif not (want_gns and split):
@@ -633,8 +633,9 @@ class _Trainer:
                     secs = time_steps(lambda ex=ex, batch=batch: ex.train_step(batch, gns=False), cfg.probe_steps,
                                       steps_after_first=lambda t: round_steps(_bcast(t), cfg.probe_steps,
                                                                               cfg.probe_round_s))  # fmt: skip
-                    times[s].append(_bcast(secs))
-                    costs[s] += _bcast(time.perf_counter() - tp)
+                    secs, cost = _bcast_all(secs, time.perf_counter() - tp)
+                    times[s].append(secs)
+                    costs[s] += cost
                     del ex
                 rnd += 1
                 # past the minimum, only the strategies whose middle rounds still disagree are timed again
@@ -811,7 +812,8 @@ class _Trainer:
         b, norms, dots, mean_sq = ex.micro_batch_stats(batches)
         pairs = micro_batch_pairs(norms, dots, mean_sq, b)
         kept = warm is not None
-        return Step0(pairs, _bcast(time.perf_counter() - t0), s, _bcast(warm_s), ex if kept else None, warm)
+        secs, warm_s = _bcast_all(time.perf_counter() - t0, warm_s)
+        return Step0(pairs, secs, s, warm_s, ex if kept else None, warm)
 
     def first_step(self, step0: Step0) -> tuple[FullState, float]:
         """The first training step of a run that starts on ``step0.strategy``'s global batch, from the gradient step 0
