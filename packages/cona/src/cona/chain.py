@@ -177,7 +177,7 @@ def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, win
     (mean of the last 3 points). 0 when the level is at the target, ``cap_s`` when the loss does not fall or
     there are fewer than 3 points. A trend fit, not a forecast, and biased both ways: measured against the
     realised times (README) it under-estimated the time left early in training and over-estimated it late.
-    The bench feeds it only the evaluations cona is charged for (>= 1 s apart), over a 3 s window."""
+    The bench feeds it only the evaluations cona is charged for (>= 2 s apart), over a 5 s window."""
     if not trace:
         return cap_s
     t_last = trace[-1][0]

@@ -140,8 +140,10 @@ class BenchConfig:
     # validation-loss trend over the last trend_window_s, and a newcomer must win (switch cost paid) at every
     # noise scale the last range_window statistics pairs support (+- range_z standard errors); "fixed": the
     # fixed switch_horizon_s and margin (the previous rule)
-    trend_window_s: float = 3.0  # over cona's charged evaluations (>= 1 s apart): 3 s holds >= 3 of them
-    decision_eval_every_s: float = 1.0  # cona's decisions read (and pay for) evaluations at least this far apart
+    trend_window_s: float = 5.0  # over cona's charged evaluations (>= 2 s apart): 5 s holds >= 3 of them
+    decision_eval_every_s: float = 2.0  # cona's decisions read (and pay for) evaluations at least this far apart.
+    # 1.0 over a 3 s window until 2026-12-04: the evaluations took 0.9-1.0% of cona's clock on 4 ranks (session 20)
+    # for a time left that barely enters a decision while switches cost 0.01-0.05 s (``switch_gain``)
     decision_val_samples: int | None = None  # windows of cona's own (charged) evaluations, evenly spaced among
     # the validation windows; None: a quarter of them (32 of the 128), a multiple of world. Its
     # time-left trend is their only reader, and reading all 128 cost 2.1% (2 ranks) and 3.2% (4 ranks) of its
@@ -510,7 +512,7 @@ class _Variant:
         if cfg.hysteresis == "remaining":
             left = cfg.budget_s - run.clock
             # validation loss (the training loss runs below it here: it read "at the target" 6 s early), from
-            # the charged evaluations >= 1 s apart only, never the harness's uncharged ones
+            # the charged evaluations >= decision_eval_every_s apart only, never the harness's uncharged ones
             rem = remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0))
             lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
             phi, extra = self.gns.noise_scale, {}
