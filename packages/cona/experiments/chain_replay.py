@@ -57,16 +57,25 @@ def _fixed(spec: str, tput: dict[str, float]) -> tuple[str, list[tuple[float, in
     out = []
     for part in spec.split(","):
         gb, _, at = part.partition(":")
-        if not (gb.strip().isdigit() and at):
+        try:
+            at_s = float(at)
+        except ValueError:
+            at_s = None
+        if not (gb.strip().isdigit() and at_s is not None):
             raise ValueError(f"--fixed entries must be global_batch:clock_s, got {part!r} in {spec!r}")
         names = [n for n in tput if n.endswith(f"-gb{int(gb)}")]
         if not names:
             raise ValueError(f"--fixed {spec!r}: no strategy of global batch {gb} in the probe table")
-        out.append((float(at), int(gb), max(names, key=lambda n: tput[n])))
+        out.append((at_s, int(gb), max(names, key=lambda n: tput[n])))
     clocks = [t for t, _, _ in out]
     if clocks[0] != 0.0 or clocks != sorted(clocks):
         raise ValueError(f"--fixed {spec!r}: the first entry must start at clock 0 and the clocks must increase")
     return "clock", out
+
+
+def _table(bench: dict) -> dict[str, float]:
+    """The bench's probe table: samples/s by strategy name."""
+    return {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
 
 
 def _replay(cfg, mcfg, data, val, seed: int, schedule, tput: dict[str, float], offset: int) -> dict:
@@ -111,7 +120,7 @@ def _worker(rank: int, world: int, bench: dict, seeds: list[str], streams: int, 
     cfg = BenchConfig(**{k: v for k, v in bench["config"].items() if k in known})
     mcfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
     tokens = stdlib_tokens(cfg.corpus_bytes)  # read once, not per replay
-    tput = {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
+    tput = _table(bench)
     res = bench["results"]
     fixed = fixed or {}
     out = {}
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             p.error(f"--seeds {','.join(bad)} not in the bench (it has {','.join(seeds)})")
         seeds = want
-    tput = {n: v["samples_per_s"] for n, v in bench["probe"]["throughput"].items()}
+    tput = _table(bench)
     try:  # parsed once, here, so a bad spec fails before any replay
         fixed = {f: _fixed(f, tput) for f in a.fixed}
     except ValueError as e:

@@ -7,7 +7,7 @@ import torch
 
 from cona.dist import RankFailure, launch
 from cona.executor import V_FLOOR, Executor, initial_state, load_state, save_state
-from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
+from cona.model import TextData, build_model, model_skeleton, stdlib_tokens, tiny_llama_config
 from cona.space import Strategy, StrategyError
 
 SEQ = 32
@@ -382,3 +382,20 @@ def test_per_tensor_gradient_statistics_match_the_reference_in_every_layout(resu
     p_small, p_big, p_scale, p_size = plain
     assert p_scale == [1.0] * len(size) and p_size == size
     assert sum(p_big) == pytest.approx(_sq_grad(range(8)), rel=1e-4)
+
+
+def test_model_skeleton_is_the_model_on_meta_without_initialising_it(monkeypatch):
+    from transformers import PreTrainedModel
+
+    inits = []
+    monkeypatch.setattr(PreTrainedModel, "init_weights", lambda self: inits.append(type(self).__name__))
+    config = tiny_llama_config(2, 32, 4, 2, 96)
+    skeleton = model_skeleton(config)
+    assert inits == []  # an executor puts its own shards in: no random draws
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+    reference = build_model(config)
+    assert inits  # the same tree built for training is initialised (so the check above can fail)
+    assert {k: v.shape for k, v in skeleton.state_dict().items()} == {
+        k: v.shape for k, v in reference.state_dict().items()
+    }
+    assert skeleton.config._attn_implementation == "sdpa"
