@@ -34,7 +34,8 @@ def _worker(rank, world):
 
     def end(self):
         ends.append([{"strategy": s.name, "consumed": v.consumed, "state": state_digest(v.ex.full_state()),
-                      "trace": list(b.trace), "held": list(b.held_out_trace)}
+                      "trace": list(b.trace), "held": list(b.held_out_trace), "samples": b.samples,
+                      "train_s": b.train_s}
                      for s, b, v, _ in self.branches])  # fmt: skip
         end_phase(self)
 
@@ -196,6 +197,9 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
         assert link["samples"] == branches[0]["consumed"]  # where a replay switches (the samples before the phase)
         assert link["pick_on_measuring_windows"] == on_measured["strategy"]
         assert [o["strategy"] for o in link["branches"]] == [b["strategy"] for b in ended]
+        # each branch's phase: the samples it trained (from the phase's sample position) and its training time
+        assert [(o["samples"], o["train_s"]) for o in link["branches"]] == [(b["samples"], b["train_s"]) for b in ended]
+        assert all(b["samples"] == b["consumed"] - branches[0]["consumed"] > 0 and b["train_s"] > 0 for b in ended)
         assert all(o["time_to_target_s"] is None for o in link["branches"])
         prev = lowest
     assert trace[1:] == kept_new  # the oracle's trace: its first evaluation, then each kept branch's new ones

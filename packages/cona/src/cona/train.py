@@ -925,7 +925,8 @@ class _Oracle:
         keys = ("time_to_target_s", "last_mean_val_loss")
         outcomes = [{"strategy": b.name}
                     | dict(zip(keys, branch_outcome(t, cfg.target_loss, cfg.target_window, start)))
-                    | {"held_out_mean_at_compare": _mean_at(h, compared_at, cfg.target_window, start)}
+                    | {"held_out_mean_at_compare": _mean_at(h, compared_at, cfg.target_window, start),
+                       "samples": b.samples, "train_s": b.train_s}  # its realised rate: timing luck is readable
                     for (_, b, _, _), t, h in zip(self.branches, traces, held)]  # fmt: skip
         # for reference: the branch a pick on the measuring windows would have kept
         on_measured = self.branches[pick_branch(traces, cfg.target_loss, cfg.target_window, after=start)][0]
