@@ -101,6 +101,15 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
         ),
         (["bench", "--quick", "--range-z", "-1"], "--range-z must be a number of standard errors >= 0, got -1.0"),
         (["bench", "--quick", "--slice-s", "0"], "--slice-s must be > 0, got 0.0"),
+        (["bench", "--quick", "--set", "gns_every"], "--set takes FIELD=VALUE, got 'gns_every'"),
+        (["bench", "--quick", "--set", "gns_evry=4"], "--set gns_evry: not a bench setting; valid: adam_betas"),
+        (["bench", "--quick", "--set", "gns_every=1.5"], "--set gns_every: '1.5' is not an integer"),
+        (["bench", "--quick", "--set", "gns_every=0"], "--set gns_every must be >= 1, got 0"),
+        (["bench", "--quick", "--set", "trend_window_s=inf"], "--set trend_window_s: 'inf' is not a number"),
+        (["bench", "--quick", "--set", "range_z=wide"], "--set range_z: 'wide' is not a number or none"),
+        (["bench", "--quick", "--set", "adam_betas=0.9"], "--set adam_betas: '0.9' must list 2 values"),
+        (["bench", "--quick", "--set", "oracle=yes"], "--set oracle: 'yes' is not true or false"),
+        (["bench", "--quick", "--set", "seed=1", "--set", "seed=2"], "--set seed: given twice"),
         (
             [
                 "strategies",
@@ -207,3 +216,15 @@ def test_a_seed_where_cona_misses_the_target_stays_in_the_headline_censored():
     # a censored oracle is censored too (not a missing gap)
     h, _ = _headline(_runs(30.0, None), cfg, 0)
     assert h["gap_to_oracle"] == pytest.approx(-0.5) and h["censored"] == ["oracle"]
+
+
+def test_set_replaces_any_bench_setting_and_wins_over_flags():
+    from cona.cli import _parser, _run_config
+
+    argv = ["bench", "--quick", "--range-z", "2", "--set", "gns_every=16", "--set", "decision_eval_every_s=1",
+            "--set", "range_z=none", "--set", "global_batches=32,64", "--set", "oracle=false",
+            "--set", "adam_betas=0.9,0.99"]  # fmt: skip
+    cfg = _run_config(_parser().parse_args(argv), quick=True)
+    assert (cfg.gns_every, cfg.decision_eval_every_s, cfg.range_z) == (16, 1.0, None)
+    assert (cfg.global_batches, cfg.oracle, cfg.adam_betas) == ((32, 64), False, (0.9, 0.99))
+    assert cfg.world == 2 and cfg.trend_window_s == 5.0  # the rest as --quick has it

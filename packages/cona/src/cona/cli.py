@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -47,6 +48,61 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def _config_value(name: str, text: str, annotation: str):
+    """``text`` as a value of the BenchConfig field ``name`` annotated ``annotation`` (``bool``, ``int``,
+    ``float``, ``str``, ``X | None``, ``tuple[X, ...]``, ``tuple[X, X]``); a ``UsageError`` naming the field and
+    what would be valid otherwise."""
+    base, optional = annotation.removesuffix(" | None"), annotation.endswith(" | None")
+    if optional and text.strip().lower() == "none":
+        return None
+    tup = re.fullmatch(r"tuple\[(\w+), (\.\.\.|\w+)\]", base)
+    kind = tup.group(1) if tup else base
+    want = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a name"}[kind]
+    if tup:
+        want = f"a comma-separated list of {want.removeprefix('an ').removeprefix('a ')}s"
+    if optional:
+        want += " or none"
+    try:
+        if kind == "bool":
+            vals = [{"true": True, "false": False}[x.strip().lower()] for x in text.split(",")]
+        else:
+            vals = [_SCALARS[kind](x.strip()) for x in text.split(",")]
+        if kind == "float" and not all(math.isfinite(v) for v in vals):
+            raise ValueError
+    except (KeyError, ValueError):
+        raise UsageError(f"--set {name}: {text!r} is not {want}") from None
+    if not tup:
+        if len(vals) != 1:
+            raise UsageError(f"--set {name}: {text!r} is not {want}")
+        return vals[0]
+    if tup.group(2) != "..." and len(vals) != 2:
+        raise UsageError(f"--set {name}: {text!r} must list 2 values")
+    return tuple(vals)
+
+
+def _config_sets(items: list[str]) -> dict:
+    """``--set FIELD=VALUE`` (repeatable): any BenchConfig field by its Python name, e.g. ``gns_every=16`` for A/B
+    runs of a setting that has no flag of its own; the run's JSON records the whole config."""
+    from .train import BenchConfig
+
+    fields = BenchConfig.__dataclass_fields__
+    out = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq:
+            raise UsageError(f"--set takes FIELD=VALUE, got {item!r}")
+        if name not in fields:
+            raise UsageError(f"--set {name}: not a bench setting; valid: {', '.join(sorted(fields))}")
+        if name in out:
+            raise UsageError(f"--set {name}: given twice")
+        out[name] = _config_value(name, text, fields[name].type)
+    return out
+
+
 def _load_spec(text: str) -> hwtopo.Cluster:
     """The hwtopo spec named by --spec; a missing name or file is a usage error (exit 2)."""
     try:
@@ -78,10 +134,15 @@ def _run_config(args, quick: bool):
         kw["adapt_cost"] = True
     if getattr(args, "no_early_models", False):
         kw["early_models"] = False
+    sets = _config_sets(getattr(args, "set", None) or [])
+    kw |= sets  # last: it wins over the flags above
     try:
         cfg = BenchConfig(**kw)
     except ValueError as e:
-        raise UsageError(f"--{str(e).replace('_', '-')}") from None
+        msg = str(e)
+        if msg.split(" ", 1)[0] in sets:  # named as the user wrote it
+            raise UsageError(f"--set {msg}") from None
+        raise UsageError(f"--{msg.replace('_', '-')}") from None
     from .model import tiny_llama_config
     from .space import ModelDims, enumerate_strategies
 
@@ -517,6 +578,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--slice-s", type=float,
                         help="seconds of training clock each variant runs before the next one's turn (default 0.5): "
                              "the variants share the machine's speed swings at longer time scales than this")  # fmt: skip
+        sp.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any bench setting by its BenchConfig name, e.g. gns_every=16 or trend_window_s=3 "
+                             "(repeatable; tuples comma separated, none for an optional one; wins over the flags "
+                             "above): for A/B runs, recorded in the JSON's config")  # fmt: skip
         sp.add_argument("--hysteresis", choices=("remaining", "fixed"),
                         help="cona's switch rule: remaining (default; the newcomer must win over the estimated time "
                              "to target, switch cost paid, at every plausible noise scale) or fixed (5%% margin over "

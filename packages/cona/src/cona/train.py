@@ -258,7 +258,7 @@ class BenchConfig:
         if self.step0_batches < 1 or self.step0_warm_batches < 0:
             raise ValueError(f"step0_batches must be >= 1 and step0_warm_batches >= 0, got {self.step0_batches} and "
                              f"{self.step0_warm_batches}")  # fmt: skip
-        for name in ("probe_rounds", "probe_steps"):
+        for name in ("probe_rounds", "probe_steps", "gns_every", "reference_batch", "seq_len", "online_min_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.probe_round_s is not None and not self.probe_round_s > 0:
