@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
-import tempfile
+
+import hwtopo
 
 OFFSET = 60_000  # samples between streams: a bench run trains on fewer than 40k, the permutation holds 262144
 
@@ -60,6 +62,8 @@ def _fixed(spec: str, tput: dict[str, float]) -> tuple[str, list[tuple[float, in
         try:
             at_s = float(at)
         except ValueError:
+            at_s = None
+        if at_s is not None and not math.isfinite(at_s):  # float() takes nan and inf
             at_s = None
         if not (gb.strip().isdigit() and at_s is not None):
             raise ValueError(f"--fixed entries must be global_batch:clock_s, got {part!r} in {spec!r}")
@@ -212,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
            "summary": _summary(rows, bench["config"]["budget_s"], tuple(fixed)), "seeds": rows}  # fmt: skip
     print(json.dumps({k: v for k, v in out["summary"].items() if k != "per_seed"}, indent=1))
     if a.json:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(a.json)) or ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, a.json)
+        hwtopo.atomic_write_text(a.json, json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The replay experiment's hand-written chains parse into the schedule its replays follow, or fail clearly."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ def test_fixed_chain_takes_each_global_batch_on_its_fastest_strategy():
         ("64", "must be global_batch:clock_s"),
         ("x:0", "must be global_batch:clock_s"),
         ("64:soon", "must be global_batch:clock_s"),
+        ("64:0,128:nan", "must be global_batch:clock_s"),
+        ("64:0,128:inf", "must be global_batch:clock_s"),
         ("64:0,512:3", "no strategy of global batch 512"),
         ("64:1,128:3", "must start at clock 0"),
         ("64:0,128:6,256:3", "clocks must increase"),
@@ -34,3 +37,59 @@ def test_fixed_chain_takes_each_global_batch_on_its_fastest_strategy():
 def test_fixed_chain_errors_name_the_entry(spec, message):
     with pytest.raises(ValueError, match=message):
         chain_replay._fixed(spec, TABLE)
+
+
+_LUCK = Path(__file__).resolve().parents[1] / "experiments" / "oracle_luck.py"
+_lspec = importlib.util.spec_from_file_location("oracle_luck", _LUCK)
+oracle_luck = importlib.util.module_from_spec(_lspec)
+_lspec.loader.exec_module(oracle_luck)
+
+
+def _branch(name, samples, train_s, held):
+    return {"strategy": name, "samples": samples, "train_s": train_s, "held_out_mean_at_compare": held}
+
+
+def _bench(phases, ttt):
+    return {
+        "probe": {"throughput": {n: {"samples_per_s": v} for n, v in TABLE.items()}},
+        "results": {
+            "oracle": {"per_seed": {"0": {"chain": phases, "time_to_target_s": ttt["oracle"]}}},
+            **{who: {"per_seed": {"0": {"time_to_target_s": t}}} for who, t in ttt.items() if who != "oracle"},
+        },
+    }
+
+
+def test_oracle_luck_reads_the_kept_branch_rate_against_its_rivals():
+    phases = [
+        {"clock": 0.0, "strategy": "dp2-pp2-mb32-gb64", "branches": []},  # no timed branches: skipped
+        {"clock": 3.0, "strategy": "dp4-mb32-gb128", "branches": [
+            _branch("dp4-mb32-gb128", 1400 * 3 * 1.10, 3.0, 2.0),  # kept: 10% over its table rate
+            _branch("dp4-mb32-gb256", 1600 * 3 * 1.00, 3.0, 2.2),  # runner-up by held-out loss, on table
+            _branch("dp2-pp2-mb32-gb64", 1100 * 3 * 0.90, 3.0, 2.3),
+            _branch("dp4-mb16-gb64", 900 * 3 * 0.50, 3.0, None),  # not the gb64 leader, still a rival
+        ]},
+        {"clock": 6.0, "strategy": "dp4-mb16-gb64", "branches": [  # kept below --min-global-batch 128: skipped there
+            _branch("dp4-mb16-gb64", 900 * 3, 3.0, 2.0), _branch("dp4-mb32-gb128", 1400 * 3, 3.0, 2.1),
+        ]},
+    ]  # fmt: skip
+    bench = _bench(phases, {"oracle": 9.0, "cona": 9.9, "surrogate_static": 10.0, "best_static": 20.0})
+    rows = oracle_luck.phase_luck(bench)
+    assert [r["clock"] for r in rows] == [3.0, 6.0]
+    assert rows[0]["vs_others"] == pytest.approx(1.10 / ((1.0 + 0.9 + 0.5) / 3) - 1)
+    assert rows[0]["vs_runner_up"] == pytest.approx(0.10)
+    assert rows[1]["vs_others"] == pytest.approx(0.0) and rows[1]["vs_runner_up"] == pytest.approx(0.0)
+    assert [r["clock"] for r in oracle_luck.phase_luck(bench, min_global_batch=128)] == [3.0]
+    s = oracle_luck.summary(bench)
+    assert s["phases"] == 2
+    assert s["time_to_target_vs_surrogate_static"] == pytest.approx({"cona": -0.01, "oracle": -0.1, "best_static": 1.0})
+
+
+def test_oracle_luck_says_which_runs_it_cannot_read(tmp_path, capsys):
+    old = _bench([{"clock": 0.0, "strategy": "dp4-mb32-gb128", "branches": [
+        {"strategy": "dp4-mb32-gb128", "held_out_mean_at_compare": 2.0}]}], {"oracle": 9.0, "surrogate_static": 10.0})  # fmt: skip
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(SystemExit) as e:
+        oracle_luck.main([str(path)])
+    assert e.value.code == 2
+    assert "a run of commit 7f5cd73 or later is needed" in capsys.readouterr().err
