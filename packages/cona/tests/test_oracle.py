@@ -85,6 +85,32 @@ def test_held_out_windows_lie_between_the_measuring_ones():
         BenchConfig(world=4, val_samples=4, decision_val_samples=4)
 
 
+def test_held_out_split_is_text_after_the_corpus_and_leaves_train_and_validation_as_they_were():
+    import torch
+
+    import cona.train as T
+    from cona.model import TextData, stdlib_tokens
+
+    tokens = stdlib_tokens(260_000)
+    plain, data = TextData(tokens[:200_000], 32, 3), TextData(tokens, 32, 3, held_out_tokens=60_000)
+    assert torch.equal(plain.validation(16), data.validation(16))  # same train/val split, same windows
+    assert torch.equal(plain.validation_between(16), data.validation_between(16))
+    assert torch.equal(plain.samples(0, 8), data.samples(0, 8))  # same sample stream
+    held = data.held_out(10).numpy()
+    assert held.shape == (10, 32)
+    starts = [int(200_000 + k * (60_000 - 32) / 9) for k in range(10)]  # evenly spaced over the last 60 000
+    assert [bytes(r.astype("uint8")) for r in held] == [tokens[a : a + 32].tobytes() for a in starts]
+    with pytest.raises(ValueError, match="no held-out split"):
+        plain.held_out(4)
+    for bad in (64, 260_000):
+        with pytest.raises(ValueError, match="held_out_tokens must be above 2 x seq_len"):
+            TextData(tokens, 32, 0, held_out_tokens=bad)
+    with pytest.raises(ValueError, match="held_out_bytes must be 0"):
+        BenchConfig(held_out_bytes=-1)
+    with pytest.raises(ValueError, match="corpus_bytes \\+ held_out_bytes"):
+        T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000, held_out_bytes=90_000_000))
+
+
 def test_pick_held_out_compares_at_the_first_hit_on_the_measuring_windows():
     from cona.train import pick_held_out
 
@@ -236,6 +262,8 @@ def test_cona_decisions_read_only_charged_evaluations_spaced_apart(out):
 
 
 def test_cona_reads_its_own_quarter_of_the_validation_windows():
+    import torch
+
     import cona.train as T
 
     assert BenchConfig().decision_val_samples == 32 and BenchConfig(world=4, val_samples=20).decision_val_samples == 4
@@ -244,8 +272,11 @@ def test_cona_reads_its_own_quarter_of_the_validation_windows():
             BenchConfig(world=2, decision_val_samples=bad)
     tr = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000))
     val, held, sub = tr.val, tr.held_out, tr.decision_val
-    assert held.shape == (14, val.shape[1])  # the oracle's: 15 between, a multiple of 2
+    assert torch.equal(held, tr.data.held_out(16))  # the oracle's: 16 windows of the text after the corpus
     assert not any(bool((val[i] == r).all()) for r in held for i in range(len(val)))  # not a measuring window
+    old = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000, held_out_bytes=0)).held_out
+    assert old.shape == (14, val.shape[1])  # held_out_bytes=0: 15 between the measuring windows, a multiple of 2
+    assert torch.equal(old, tr.data.validation_between(16)[:14])
     assert sub.shape == (4, val.shape[1])
     rows = [next(i for i in range(len(val)) if bool((val[i] == r).all())) for r in sub]
     assert rows == [0, 5, 10, 15]  # evenly spaced over the measuring windows, first and last included

@@ -91,16 +91,22 @@ class TextData:
     """A deterministic stream of training samples and a fixed validation set over a token array.
 
     Sample i of the stream depends only on (seed, i), so every strategy and every rank sees the same
-    samples in the same order whatever the batch sizes.
+    samples in the same order whatever the batch sizes. The last ``held_out_tokens`` tokens, if any, are a
+    third split (``held_out``), neither trained nor measured on; training and validation split the rest.
     """
 
     tokens: np.ndarray
     seq_len: int
     seed: int = 0
     val_fraction: float = 0.1
+    held_out_tokens: int = 0
 
     def __post_init__(self) -> None:
-        n = len(self.tokens)
+        n = len(self.tokens) - self.held_out_tokens
+        if self.held_out_tokens and not 2 * self.seq_len < self.held_out_tokens < len(self.tokens):
+            raise ValueError(f"held_out_tokens must be above 2 x seq_len ({2 * self.seq_len}) and under the "
+                             f"{len(self.tokens)} tokens, got {self.held_out_tokens}")  # fmt: skip
+        self._end = n  # validation ends here, the held-out split starts here
         self._split = int(n * (1 - self.val_fraction))
         if self._split <= self.seq_len * 2 or n - self._split <= self.seq_len * 2:
             raise ValueError(f"{n} tokens are too few for seq_len={self.seq_len}")
@@ -115,15 +121,22 @@ class TextData:
 
     def validation(self, count: int) -> torch.Tensor:
         """``count`` evenly spaced validation windows [count, seq_len]."""
-        return self._windows(np.linspace(self._split, len(self.tokens) - self.seq_len, count))
+        return self._windows(np.linspace(self._split, self._end - self.seq_len, count))
+
+    def held_out(self, count: int) -> torch.Tensor:
+        """``count`` evenly spaced windows [count, seq_len] of the held-out split: other text than the training
+        and validation splits, for decisions that must not select on the validation windows' own noise."""
+        if not self.held_out_tokens:
+            raise ValueError("this TextData has no held-out split (held_out_tokens=0)")
+        return self._windows(np.linspace(self._end, len(self.tokens) - self.seq_len, count))
 
     def validation_between(self, count: int) -> torch.Tensor:
         """The ``count - 1`` windows halfway between consecutive windows of ``validation(count)``: disjoint from
         them, for decisions that must not read the windows a result is measured on."""
-        idx = np.linspace(self._split, len(self.tokens) - self.seq_len, count)
+        idx = np.linspace(self._split, self._end - self.seq_len, count)
         if count < 2 or idx[1] - idx[0] < 2 * self.seq_len:
             raise ValueError(
-                f"validation split of {len(self.tokens) - self._split} tokens holds no windows between {count} "
+                f"validation split of {self._end - self._split} tokens holds no windows between {count} "
                 f"windows of {self.seq_len} (need count >= 2 and a spacing of at least {2 * self.seq_len})"
             )
         return self._windows((idx[:-1] + idx[1:]) / 2)

@@ -13,7 +13,7 @@ validation. Variants:
 - ``oracle``: quick oracle sequence: every phase, branch each shortlisted strategy (by default
   every distinct global batch of the candidates, each at the strategy that runs it fastest) from the
   same checkpoint (written layout-independently), keep the branch furthest along on held-out windows
-  (``pick_held_out``) when the first reaches the target on the measuring ones, else at the phase end.
+  of the text after the corpus (``held_out_bytes``; ``pick_held_out``) when the first reaches the target on the measuring ones, else at the phase end.
 
 Validation evaluations every ``eval_every_s`` define time to target (the first evaluation at which the
 mean of the last ``target_window`` of them is at or below the target) and are excluded from every clock;
@@ -192,6 +192,10 @@ class BenchConfig:
     seed: int = 0
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
     corpus_bytes: int = 1_000_000
+    held_out_bytes: int = 300_000  # the oracle picks its branches on windows of the text after the corpus (other
+    # files, never trained or measured on). 0: on the windows halfway between the measuring ones, as until
+    # 2026-12-05: ~390 bytes from them in the same files, they shared ~2x the branch-to-branch noise with them that
+    # independent text does (experiments/held_out_overlap.py, docs/measurements.md)
     probe_steps: int = 20  # timed steps per round (median kept). 5 read gb256/gb64 1.31, 1.52, 1.54 and 1.96 in four
     # passes on 4 ranks (03:34-03:47 UTC 2026-12-01) where 40 training-like steps read 1.39, 1.37, 1.45
     probe_round_s: float | None = 1.0  # a round times probe_steps steps or, for a slow strategy, as many as fit
@@ -249,8 +253,11 @@ class BenchConfig:
             raise ValueError(f"decision_val_samples must be in 1..val_samples ({self.val_samples}) and divisible by "
                              f"world ({self.world}), got {self.decision_val_samples}")  # fmt: skip
         if self.val_samples < 2 * self.world:
-            raise ValueError(f"val_samples must be >= 2 x world ({2 * self.world}): the oracle picks on the windows "
-                             f"between them, as many as split over the ranks, got {self.val_samples}")  # fmt: skip
+            raise ValueError(f"val_samples must be >= 2 x world ({2 * self.world}): the oracle picks on as many "
+                             f"held-out windows, cut to a multiple of world, got {self.val_samples}")  # fmt: skip
+        if self.held_out_bytes < 0 or 0 < self.held_out_bytes <= 2 * self.seq_len:
+            raise ValueError(f"held_out_bytes must be 0 (the oracle picks on the windows between the measuring ones) "
+                             f"or above 2 x seq_len ({2 * self.seq_len}), got {self.held_out_bytes}")  # fmt: skip
         if self.target_window < 1:
             raise ValueError(f"target_window must be >= 1 (evaluations averaged), got {self.target_window}")
         if self.oracle_branches is not None and self.oracle_branches < 1:
@@ -567,14 +574,21 @@ class _Trainer:
         self.seed = cfg.seed if seed is None else seed
         self.model_cfg = tiny_llama_config(cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.intermediate)
         self.dims = ModelDims.from_config(self.model_cfg, cfg.seq_len)
-        self.data = TextData(stdlib_tokens(cfg.corpus_bytes), cfg.seq_len, self.seed)
+        want = cfg.corpus_bytes + cfg.held_out_bytes
+        tokens = stdlib_tokens(want)
+        if len(tokens) < want:
+            raise ValueError(f"corpus_bytes + held_out_bytes ({want}) exceed the {len(tokens)} bytes of standard "
+                             f"library sources found: lower held_out_bytes (0: no separate text)")  # fmt: skip
+        self.data = TextData(tokens, cfg.seq_len, self.seed, held_out_tokens=cfg.held_out_bytes)
         self.val = self.data.validation(cfg.val_samples)  # the windows time to target is measured on
-        # The oracle picks its branches on other windows: halfway between those (disjoint), as many as split
-        # over every dp degree, so that it does not select on the noise of the windows that measure the result
+        # The oracle picks its branches on other windows, as many as split over every dp degree, so that it does
+        # not select on the noise of the windows that measure the result: of the text after the corpus, or
+        # (held_out_bytes=0) halfway between the measuring windows
         self.held_out = None
         if cfg.oracle:
-            between = self.data.validation_between(cfg.val_samples)
-            self.held_out = between[: len(between) // cfg.world * cfg.world]
+            held = (self.data.held_out(cfg.val_samples) if cfg.held_out_bytes
+                    else self.data.validation_between(cfg.val_samples))  # fmt: skip
+            self.held_out = held[: len(held) // cfg.world * cfg.world]
         # cona's own evaluations: evenly spaced measuring windows. Its time-left trend compares their level with
         # the target, and the held-out windows' loss runs 0.05-0.09 nats lower (other text); it selects nothing
         pick = torch.linspace(0, cfg.val_samples - 1, cfg.decision_val_samples).round().long()
@@ -865,9 +879,10 @@ class _Oracle:
     """The quick oracle sequence as a sliced variant. Every phase, each shortlisted strategy is branched
     from the same layout-independent checkpoint and trained ``oracle_phase_s`` of clock; the branch with the
     lowest held-out loss when the first branch reaches the target (else at the phase end) is kept
-    (``pick_held_out``) and the next phase starts from its state. The held-out windows lie between those that
-    measure time to target: picking on the measuring windows themselves selects, among branches that are
-    close, the one whose measurement happened to be lucky, and reports that luck as the oracle's time.
+    (``pick_held_out``) and the next phase starts from its state. The held-out windows are other text than those
+    that measure time to target (``BenchConfig.held_out_bytes``): picking on the measuring windows themselves, or
+    on windows near them in the same files, selects, among branches that are close, the one whose measurement
+    happened to be lucky, and reports that luck as the oracle's time.
     Each branch's traces start with the kept traces' last ``target_window`` evaluations (the window's
     context), and only evaluations after the phase start count. ``advance`` moves every branch of the
     current phase to the same clock, so the branches interleave with the other variants' slices instead of
