@@ -193,9 +193,9 @@ class BenchConfig:
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
     corpus_bytes: int = 1_000_000
     held_out_bytes: int = 300_000  # the oracle picks its branches on windows of the text after the corpus (other
-    # files, never trained or measured on). 0: on the windows halfway between the measuring ones, as until
-    # 2026-12-05: ~390 bytes from them in the same files, they shared ~2x the branch-to-branch noise with them that
-    # independent text does (experiments/held_out_overlap.py, docs/measurements.md)
+    # files, never trained or measured on). 0: on the windows halfway between the measuring ones, as before
+    # 2026-12-06: ~390 bytes from them in the same files, they shared ~2x the branch-to-branch noise with them that
+    # independent text does (experiments/held_out_overlap.py, README "Held-out text")
     probe_steps: int = 20  # timed steps per round (median kept). 5 read gb256/gb64 1.31, 1.52, 1.54 and 1.96 in four
     # passes on 4 ranks (03:34-03:47 UTC 2026-12-01) where 40 training-like steps read 1.39, 1.37, 1.45
     probe_round_s: float | None = 1.0  # a round times probe_steps steps or, for a slow strategy, as many as fit
