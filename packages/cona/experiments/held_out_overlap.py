@@ -9,7 +9,7 @@ phase gives it (``--phase-samples``, from a 4-rank probe table), and evaluates e
 
 - M: the 128 measuring windows (``TextData.validation``),
 - B: the 127 windows between them (``TextData.validation_between``, the old held-out set),
-- S1, S2: windows of two other text regions, files never trained or measured on (``TextData.held_out``).
+- S1, S2: windows of two other text regions, text never trained or measured on (``TextData.held_out``).
 
 For each pair of branches of an instance, the difference of their losses in each set; across instances, after the
 mean difference of the pair is removed (the part due to the strategies themselves), the covariance of the

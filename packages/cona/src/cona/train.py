@@ -192,8 +192,8 @@ class BenchConfig:
     seed: int = 0
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
     corpus_bytes: int = 1_000_000
-    held_out_bytes: int = 300_000  # the oracle picks its branches on windows of the text after the corpus (other
-    # files, never trained or measured on). 0: on the windows halfway between the measuring ones, as before
+    held_out_bytes: int = 300_000  # the oracle picks its branches on windows of the text after the corpus (text
+    # never trained or measured on). 0: on the windows halfway between the measuring ones, as before
     # 2026-12-06: ~390 bytes from them in the same files, they shared ~2x the branch-to-branch noise with them that
     # independent text does (experiments/held_out_overlap.py, README "Held-out text")
     probe_steps: int = 20  # timed steps per round (median kept). 5 read gb256/gb64 1.31, 1.52, 1.54 and 1.96 in four
