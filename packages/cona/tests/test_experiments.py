@@ -93,3 +93,36 @@ def test_oracle_luck_says_which_runs_it_cannot_read(tmp_path, capsys):
         oracle_luck.main([str(path)])
     assert e.value.code == 2
     assert "a run of commit 7f5cd73 or later is needed" in capsys.readouterr().err
+
+
+_POOL = Path(__file__).resolve().parents[1] / "experiments" / "pool_gaps.py"
+_pspec = importlib.util.spec_from_file_location("pool_gaps", _POOL)
+pool_gaps = importlib.util.module_from_spec(_pspec)
+_pspec.loader.exec_module(pool_gaps)
+
+
+def _gaps(values, **config):
+    return {"config": {"world": 4, "seeds": len(values), "wall_s": 1.0} | config,
+            "headline_spread": {"gap_to_oracle": {"per_seed": values}}}  # fmt: skip
+
+
+def test_pool_gaps_pools_seeds_of_runs_of_one_configuration():
+    a, b = _gaps([0.0, 0.02, 0.04, None]), _gaps([0.06, 0.08, 0.10], wall_s=9.0)  # wall time is run-local
+    out = pool_gaps.pool({"a": a, "b": b}, draws=500)
+    assert out["runs"] == {"a": {"seeds": 3, "median": 0.02}, "b": {"seeds": 3, "median": 0.08}}
+    assert out["pooled"]["seeds"] == 6 and out["pooled"]["median"] == pytest.approx(0.05)
+    assert out["pooled"]["at_or_under_target"] == 3  # 0.05 exactly is not in the data; 0.0, 0.02, 0.04 are
+    lo, hi = out["pooled"]["median_interval_90"]
+    assert 0.0 <= lo <= 0.05 <= hi <= 0.10
+    assert 0.0 < out["p_run_median_above_target"]["3"] < 1.0
+    low = pool_gaps.pool({"a": _gaps([-0.1, -0.05, 0.0])}, draws=500)
+    assert low["p_run_median_above_target"] == {"3": 0.0}
+
+
+def test_pool_gaps_refuses_runs_of_other_configurations_and_unknown_keys():
+    with pytest.raises(ValueError, match="config field 'world' differs between a and b"):
+        pool_gaps.pool({"a": _gaps([0.01]), "b": _gaps([0.02], world=2)}, draws=500)
+    with pytest.raises(ValueError, match="key 'gap' is not in the run's headline_spread"):
+        pool_gaps.pool({"a": _gaps([0.01])}, key="gap", draws=500)
+    with pytest.raises(ValueError, match="run a has no per-seed value"):
+        pool_gaps.pool({"a": _gaps([None])}, draws=500)
