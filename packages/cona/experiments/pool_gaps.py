@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
-import tempfile
+
+import hwtopo
 
 RUN_LOCAL = {"seed", "seeds", "seed_list", "wall_s", "probe_cache"}  # differ between runs of one experiment
 
@@ -80,7 +80,7 @@ def pool(runs: dict[str, dict], key: str = "gap_to_oracle", target: float = 0.05
             "mean": statistics.mean(pooled),
             "median_interval_90": [meds[int(0.05 * draws)], meds[int(0.95 * draws) - 1]],
             "at_or_under_target": sum(x <= target for x in pooled),
-        },  # fmt: skip
+        },
         "p_run_median_above_target": above,
         "bootstrap": {"draws": draws, "seed": seed},
     }
@@ -116,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, pa in out["p_run_median_above_target"].items():
         print(f"a {k}-seed run's median above {args.target:g}: {pa:.1%} of resampled runs")
     if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".pool-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, args.json)
+        hwtopo.atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")
     return 0
 
 
