@@ -1,4 +1,4 @@
-"""The replay experiment's hand-written chains parse into the schedule its replays follow, or fail clearly."""
+"""The experiments' helpers: chain_replay's hand-written chains, oracle_luck, pool_gaps and target_level."""
 
 import importlib.util
 import json
@@ -126,3 +126,38 @@ def test_pool_gaps_refuses_runs_of_other_configurations_and_unknown_keys():
         pool_gaps.pool({"a": _gaps([0.01])}, key="gap", draws=500)
     with pytest.raises(ValueError, match="run a has no per-seed value"):
         pool_gaps.pool({"a": _gaps([None])}, draws=500)
+
+
+def _target_level():
+    import sys
+
+    exp = str(Path(__file__).resolve().parents[1] / "experiments")
+    if exp not in sys.path:
+        sys.path.insert(0, exp)  # it imports batch_efficiency from beside it
+    spec = importlib.util.spec_from_file_location("target_level", Path(exp) / "target_level.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_target_level_reads_the_larger_set_where_the_smaller_reaches_the_target():
+    import argparse
+
+    import numpy as np
+
+    from cona.model import stdlib_tokens, tiny_llama_config
+
+    tl = _target_level()
+    assert tl.trailing([1.0, 3.0, 5.0, 7.0], w=2) == [1.0, 2.0, 4.0, 6.0]
+    assert np.allclose(tl.wiggle(np.arange(12.0)), 0.0)  # a straight line has no wiggle
+    assert tl.seeds_arg("2-4") == [2, 3, 4] and tl.seeds_arg("0,5") == [0, 5]
+    args = argparse.Namespace(small=8, large=32, target=40.0, every=2, steps=400, after_steps=40, held_out_bytes=0)
+    r = tl.one(tiny_llama_config(2, 32, 4, 2, 96), stdlib_tokens(200_000), 0, args)
+    assert abs(r["small_mean5_at_hit"] - np.log(40.0)) < 0.5 and r["small_mean5_at_hit"] <= np.log(40.0)
+    assert r["level_offset"] == pytest.approx(r["small_mean5_at_hit"] - r["large_mean5_at_hit"])
+    assert r["large_ppl_at_hit"] == pytest.approx(np.exp(r["large_mean5_at_hit"]))
+    assert r["wiggle_sd_small"] > 0 and r["wiggle_sd_large"] > 0 and -1 <= r["wiggle_corr"] <= 1
+    args.target = 1.01  # never reached in a few steps: the error says which set and how to go on
+    args.steps = 8
+    with pytest.raises(SystemExit, match="8-window set never reached perplexity 1.01 in 8 steps"):
+        tl.one(tiny_llama_config(2, 32, 4, 2, 96), stdlib_tokens(200_000), 0, args)

@@ -267,9 +267,13 @@ def test_cona_reads_its_own_quarter_of_the_validation_windows():
     import cona.train as T
 
     assert BenchConfig().decision_val_samples == 32 and BenchConfig(world=4, val_samples=20).decision_val_samples == 4
-    for bad in (0, 130, 3):
+    assert BenchConfig(val_samples=128).decision_val_samples == 32  # a quarter, at most 32: more measuring windows
+    assert BenchConfig(val_samples=2048).decision_val_samples == 32  # do not raise what cona pays for its own
+    for bad in (0, 600, 3):
         with pytest.raises(ValueError, match="decision_val_samples must be in 1..val_samples"):
             BenchConfig(world=2, decision_val_samples=bad)
+    with pytest.raises(ValueError, match="held_out_samples must be >= 2 x world"):
+        BenchConfig(world=4, held_out_samples=6)
     tr = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000))
     val, held, sub = tr.val, tr.held_out, tr.decision_val
     assert torch.equal(held, tr.data.held_out(16))  # the oracle's: 16 windows of the text after the corpus
@@ -280,6 +284,12 @@ def test_cona_reads_its_own_quarter_of_the_validation_windows():
     assert sub.shape == (4, val.shape[1])
     rows = [next(i for i in range(len(val)) if bool((val[i] == r).all())) for r in sub]
     assert rows == [0, 5, 10, 15]  # evenly spaced over the measuring windows, first and last included
+    big = T._Trainer(BenchConfig(world=2, val_samples=64, held_out_samples=8, corpus_bytes=200_000))
+    assert big.val.shape[0] == 64 and torch.equal(big.held_out, big.data.held_out(8))  # the oracle's count is its own
+    assert T._Trainer(BenchConfig(world=2, val_samples=256, corpus_bytes=200_000)).held_out.shape[0] == 128
+    few = T._Trainer(BenchConfig(world=2, val_samples=16, held_out_samples=6, corpus_bytes=200_000, held_out_bytes=0))
+    between = few.data.validation_between(16)  # 15 windows: 6 of them evenly spaced, first and last included
+    assert torch.equal(few.held_out, between[torch.tensor([0, 3, 6, 8, 11, 14])])
 
 
 @pytest.mark.slow
