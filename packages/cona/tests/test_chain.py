@@ -283,8 +283,8 @@ def test_noise_range_quantiles_for_few_pairs_and_the_running_default():
     assert (lo_t, hi_t) == pytest.approx(gns.interval(z=t_quantile_975(7), window=8))
     from cona.train import BenchConfig
 
-    cfg = BenchConfig()  # running decisions: one standard error (a switch is reversible a second later)
-    assert cfg.range_z == 1.0 and cfg.remaining_margin > 0 and cfg.hysteresis == "remaining"
+    cfg = BenchConfig()  # running decisions: half a standard error (a switch is reversible a second later)
+    assert cfg.range_z == 0.5 and cfg.remaining_margin > 0 and cfg.hysteresis == "remaining"
     lo_1, hi_1 = gns.interval(z=cfg.range_z, window=8)
     assert lo_t < lo_2 < lo_1 < hi_1 < hi_2 < hi_t  # narrower than +-2 standard errors (and the t range) both sides
 

@@ -168,7 +168,7 @@ def test_step0_range_uses_the_student_t_quantile_for_its_pairs():
 
     rng = random.Random(3)
     pairs = [(1.0 + rng.gauss(0, 0.2), 40 + rng.gauss(0, 8)) for _ in range(8)]
-    assert BenchConfig().range_z == 1.0  # the running decisions' quantile is not the step-0 one
+    assert BenchConfig().range_z == 0.5  # the running decisions' quantile is not the step-0 one
     lo, hi = step0_range(pairs)
     assert (lo, hi) == pytest.approx(fieller_interval(pairs, t_quantile_975(7)))
     assert t_quantile_975(7) == 2.365

@@ -183,12 +183,15 @@ class BenchConfig:
     # exponent alone, clipped to +-1.5 (15:14-15:26 UTC), one seed fitted 1.42 at 4.2 s through a dip of the noise scale
     # at 2 s (19, read from [8, 29]), carried [96, 144] to [152, 226] and jumped from gb64 to gb256, 0.14 behind the
     # oracle (gb128 at 3 s, gb256 at 6 s); two seeds of 5 did so in each of two runs (gaps 0.041 and 0.023)
-    range_z: float | None = 1.0  # standard errors the running range spans (None: the two-sided 95% Student-t
+    range_z: float | None = 0.5  # standard errors the running range spans (None: the two-sided 95% Student-t
     # quantile for the pairs in the window, 2.36 for 8, the default until 2026-12-02). A switch is reversible a
     # second later for its switch cost (0.01-0.05 s here), while holding back costs the goodput difference until
     # the range's far end crosses over: on 4 ranks (2026-12-02 02:11-02:40 UTC, one probe table, 5 seeds each) the
     # t range moved cona to gb128 at 5.3-7.4 s or never (gap 0.056), one standard error at 4.3-6.3 s in every
-    # seed (gap 0.044), where the oracle took gb128 or gb256 from 3-6 s
+    # seed (gap 0.044), where the oracle took gb128 or gb256 from 3-6 s. 1.0 until 2026-12-07: the oracle's own
+    # branches showed gb128 ahead of gb64 from 3 s (phase 3-6 s: -0.0042 nats, sd 0.0053, 10 seeds, 512 windows),
+    # where one standard error held cona on gb64 to 4.2-5.2 s; half of one moved it at 3.1-4.2 s and cona ran 3.6%
+    # ahead of surrogate_static (median per seed), against 2.6% (4 ranks, 10 seeds each, 09:22 and 09:57 UTC)
     remaining_margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
     # (the throughput table's own spread, now kept as each probe's rounds, is not used by the rule yet: the
     # range covers noise-scale uncertainty only)
