@@ -20,15 +20,9 @@ import math
 import numpy as np
 import torch
 from batch_efficiency import adam, lr_for, step, val_loss  # same directory
+from held_out_overlap import _ints as seeds_arg  # "0-3" or "0,5" (same directory)
 
 from cona.model import TextData, build_model, stdlib_tokens, tiny_llama_config
-
-
-def seeds_arg(text: str) -> list[int]:
-    if "-" in text:
-        a, b = map(int, text.split("-"))
-        return list(range(a, b + 1))
-    return [int(x) for x in text.split(",")]
 
 
 def trailing(xs: list[float], w: int = 5) -> list[float]:

@@ -141,7 +141,8 @@ class BenchConfig:
     val_samples: int = 512  # the measuring windows (time to target). 128 until 2026-12-07: one evaluation's
     # deviation from its trend (sd ~0.009 nats, 4 ranks) then moved time to target by 0.3-0.5 s of ~9 s per variant,
     # and its wiggles were mostly those windows' own: against the held-out windows' at the same clocks (other text,
-    # the same weights) they correlated 0.04-0.30 (sessions 24-25's runs), so 4x the windows cut them ~2x. The
+    # the same weights) they correlated 0.04-0.30 (sessions 24-25's runs); 4x the windows, from the same stretch of
+    # text, cut them to 0.74x (experiments/target_level.py), the mean of 10 (target_window) the rest. The
     # harness's evaluations are excluded from every clock; cona's own stay at decision_val_samples
     held_out_samples: int | None = None  # the oracle's picking windows; None: as many as val_samples, at most 128
     # (what it picked on before val_samples grew: the same oracle)
