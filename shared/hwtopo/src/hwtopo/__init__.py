@@ -4,6 +4,7 @@ Model (frozen dataclasses, SI units in field names), declarative specs (JSON/TOM
 machine, light measurements, and emulation of slower CPUs and links on one machine.
 """
 
+from . import console, launch
 from .emulate import (
     CpuThrottle,
     Dilation,
@@ -57,6 +58,7 @@ __all__ = [
     "atomic_write_text",
     "attach",
     "cgroup_available",
+    "console",
     "cleanup_stale",
     "current_dilation",
     "dilate",
@@ -67,6 +69,7 @@ __all__ = [
     "format_duration",
     "format_flops",
     "from_dict",
+    "launch",
     "load",
     "loads",
     "matmul_flops",

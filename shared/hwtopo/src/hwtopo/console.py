@@ -1,0 +1,224 @@
+"""The command-line convention every mlsyskit console script follows, in one place.
+
+    parser, sub = console.parser("kvpool", "One KV pool across memory and SSDs.", __version__)
+    bench = console.command(sub, "bench", "the headline comparison")
+    bench.add_argument("--reps", type=console.positive_int("--reps"), default=5)
+    def main(argv=None): return console.run(parser, {"bench": cmd_bench}, argv)
+
+Exit codes: 0 done, 2 bad input (``UsageError`` or argparse), 1 a runtime failure (one line;
+the traceback only with ``--debug``), 130 interrupted. ``--version`` on the program, ``--quiet`` and
+``--debug`` both before and after the subcommand. Progress goes through tqdm (plain lines when
+stderr is not a terminal), tables through tabulate, the cache directory through platformdirs;
+output paths are checked before any work and only the directory the user named is ever created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "UsageError",
+    "parser",
+    "command",
+    "run",
+    "positive_int",
+    "positive_float",
+    "fraction",
+    "output_file",
+    "output_dir",
+    "progress",
+    "table",
+    "cache_dir",
+    "pyplot",
+]
+
+log = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the CLI prints the one sentence and exits 2."""
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress output")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="debug logs and tracebacks")
+    return common
+
+
+def parser(prog: str, description: str, version: str) -> tuple[argparse.ArgumentParser, Any]:
+    """The program's parser (``--version``, ``--quiet``, ``--debug``) and its subcommand group."""
+    p = argparse.ArgumentParser(prog=prog, description=description, parents=[_common()])
+    p.add_argument("--version", action="version", version=f"{prog} {version}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    return p, sub
+
+
+def command(sub: Any, name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand that also takes ``--quiet``/``--debug`` after its name; defaults in ``--help``."""
+    kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+    return sub.add_parser(name, help=help, description=help, parents=[_common()], **kwargs)
+
+
+def _setup_logging(debug: bool, quiet: bool) -> None:
+    level = logging.DEBUG if debug else (logging.ERROR if quiet else logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
+
+
+def run(
+    p: argparse.ArgumentParser,
+    handlers: Mapping[str, Callable[[argparse.Namespace], int | None]],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Parse ``argv``, call the handler of the chosen subcommand, map failures to exit codes."""
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or argparse's own usage error (2)
+        return int(e.code or 0)
+    args.quiet = getattr(args, "quiet", False)
+    args.debug = getattr(args, "debug", False)
+    _setup_logging(args.debug, args.quiet)
+    try:
+        return int(handlers[args.cmd](args) or 0)
+    except UsageError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{p.prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place a failure becomes an exit code
+        if args.debug:
+            traceback.print_exc()
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _number(text: str, field: str, kind: type, low: float, high: float | None, closed: bool) -> float:
+    try:
+        v = kind(text)
+    except ValueError:
+        v = math.nan
+    ok = math.isfinite(v) and (v >= low if closed else v > low) and (high is None or v <= high)
+    if not ok:
+        what = "an integer" if kind is int else "a number"
+        bound = f"{'>=' if closed else '>'} {low:g}" + ("" if high is None else f" and <= {high:g}")
+        raise argparse.ArgumentTypeError(f"{field} must be {what} {bound}, not {text!r}")
+    return v
+
+
+def positive_int(field: str, maximum: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer >= 1 (and <= ``maximum``), the error naming ``field``."""
+    return lambda text: int(_number(text, field, int, 1, maximum, True))
+
+
+def positive_float(field: str, maximum: float | None = None) -> Callable[[str], float]:
+    """argparse type: a finite number > 0 (and <= ``maximum``), the error naming ``field``."""
+    return lambda text: _number(text, field, float, 0.0, maximum, False)
+
+
+def fraction(field: str) -> Callable[[str], float]:
+    """argparse type: a number in [0, 1]."""
+    return lambda text: _number(text, field, float, 0.0, 1.0, True)
+
+
+def output_file(path: str | os.PathLike, field: str) -> Path:
+    """``path`` if a file can be written there; else UsageError naming ``field``. Creates nothing."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{field} {str(p)!r} is a directory; give a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{field} {str(p)!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{field} {str(p)!r} is not writable")
+    return p
+
+
+def output_dir(path: str | os.PathLike, field: str) -> Path:
+    """Directory ``path``, created if its parent exists (never a chain of parents); else UsageError."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{field} {str(p)!r} exists and is not a directory")
+    if not p.exists():
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir():
+            raise UsageError(f"{field} {str(p)!r}: its parent {str(parent)!r} does not exist; create it first")
+        try:
+            p.mkdir()
+        except OSError as e:
+            raise UsageError(f"{field} {str(p)!r} cannot be created: {e.strerror}") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise UsageError(f"{field} {str(p)!r} is not writable")
+    return p
+
+
+class _Lines:
+    """A file for tqdm that turns its carriage-return redraws into whole lines (logs, CI)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, s: str) -> None:
+        s = s.replace("\r", "").strip()
+        if s:
+            self.stream.write(s + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", quiet: bool = False):
+    """A tqdm bar on a terminal, a line every 15 s otherwise, nothing when ``quiet``."""
+    from tqdm.auto import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        disable=quiet,
+        file=sys.stderr if tty else _Lines(sys.stderr),
+        mininterval=0.1 if tty else 15.0,
+        dynamic_ncols=tty,
+        leave=True,
+    )
+
+
+def table(rows: Iterable[Sequence[Any]] | Iterable[Mapping[str, Any]], headers: Sequence[str] | str = "keys") -> str:
+    """Rows as a Markdown (GitHub) table: readable in a terminal and pasted into a report as is."""
+    from tabulate import tabulate
+
+    return tabulate(list(rows), headers=headers, tablefmt="github", floatfmt="g", missingval="-")
+
+
+def cache_dir(package: str, env_var: str | None = None) -> Path:
+    """Where ``package`` caches models and probes: ``$env_var``, else ``$MLSYSKIT_CACHE_DIR/<package>``,
+    else the user cache directory (``~/.cache/mlsyskit/<package>`` on Linux). Not created here."""
+    if env_var and os.environ.get(env_var):
+        return Path(os.environ[env_var])
+    if os.environ.get("MLSYSKIT_CACHE_DIR"):
+        return Path(os.environ["MLSYSKIT_CACHE_DIR"]) / package
+    from platformdirs import user_cache_path
+
+    return user_cache_path("mlsyskit", appauthor=False) / package
+
+
+def pyplot(package: str):
+    """matplotlib.pyplot on the Agg backend, or None (logged once) when the ``plot`` extra is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install '%s[plot]'); no plots written", package)
+        return None
+    return plt

@@ -1,0 +1,130 @@
+"""hwtopo.console: exit codes, common options, argument types, output paths, tables, progress."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+
+import pytest
+
+from hwtopo import console
+
+
+def _cli(handler):
+    p, sub = console.parser("demo-cli", "a test program", "9.9")
+    run = console.command(sub, "run", "do the thing")
+    run.add_argument("--reps", type=console.positive_int("--reps", maximum=100), default=3, help="repetitions")
+    run.add_argument("--rate", type=console.positive_float("--rate"), default=1.0)
+    run.add_argument("--frac", type=console.fraction("--frac"), default=0.5)
+    return lambda argv: console.run(p, {"run": handler}, argv)
+
+
+def test_exit_codes_map_failures(capsys):
+    def usage(args):
+        raise console.UsageError("--out must be a file")
+
+    def boom(args):
+        raise RuntimeError("disk vanished")
+
+    assert _cli(lambda a: 0)(["run"]) == 0
+    assert _cli(usage)(["run"]) == 2
+    assert "demo-cli: error: --out must be a file" in capsys.readouterr().err
+    assert _cli(boom)(["run"]) == 1
+    err = capsys.readouterr().err
+    assert "demo-cli: error: disk vanished" in err and "Traceback" not in err
+    assert _cli(boom)(["run", "--debug"]) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_quiet_and_debug_work_before_and_after_the_subcommand():
+    seen = []
+    cli = _cli(lambda a: seen.append((a.quiet, a.debug)))
+    cli(["--quiet", "run"])
+    cli(["run", "--debug"])
+    cli(["run"])
+    assert seen == [(True, False), (False, True), (False, False)]
+    assert logging.getLogger().level == logging.WARNING
+
+
+def test_version_and_help(capsys):
+    cli = _cli(lambda a: 0)
+    assert cli(["--version"]) == 0
+    assert "demo-cli 9.9" in capsys.readouterr().out
+    assert cli(["run", "--help"]) == 0
+    assert "(default: 3)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--reps", "0"], "--reps must be an integer >= 1 and <= 100"),
+        (["--reps", "101"], "--reps must be an integer >= 1 and <= 100"),
+        (["--reps", "1e30"], "--reps must be an integer"),
+        (["--reps", "two"], "--reps must be an integer"),
+        (["--rate", "nan"], "--rate must be a number > 0"),
+        (["--rate", "inf"], "--rate must be a number > 0"),
+        (["--rate", "-1"], "--rate must be a number > 0"),
+        (["--frac", "1.5"], "--frac must be a number >= 0 and <= 1"),
+    ],
+)
+def test_numbers_out_of_range_are_usage_errors(argv, field, capsys):
+    assert _cli(lambda a: 0)(["run", *argv]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_output_file_is_checked_without_creating_anything(tmp_path):
+    assert console.output_file(tmp_path / "r.json", "--json") == tmp_path / "r.json"
+    with pytest.raises(console.UsageError, match=r"--json .*does not exist"):
+        console.output_file(tmp_path / "no" / "r.json", "--json")
+    with pytest.raises(console.UsageError, match="is a directory"):
+        console.output_file(tmp_path, "--json")
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_output_file_in_a_read_only_directory(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(console.UsageError, match="not writable"):
+        console.output_file(ro / "r.json", "--json")
+
+
+def test_output_dir_creates_only_the_named_leaf(tmp_path):
+    assert console.output_dir(tmp_path / "out", "--out").is_dir()
+    with pytest.raises(console.UsageError, match="its parent .* does not exist"):
+        console.output_dir(tmp_path / "a" / "b" / "c", "--out")
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(console.UsageError, match="is not a directory"):
+        console.output_dir(tmp_path / "f", "--out")
+
+
+def test_table_is_markdown():
+    text = console.table([["dp4", 1.5], ["tp2", 2]], ["plan", "ratio"])
+    lines = text.splitlines()
+    assert lines[0].split("|")[1].strip() == "plan" and set(lines[1]) <= set("|-: ")
+    assert "dp4" in lines[2] and "1.5" in lines[2]
+
+
+def test_progress_writes_whole_lines_when_not_a_terminal(monkeypatch):
+    buf = io.StringIO()
+    monkeypatch.setattr("sys.stderr", buf)
+    for _ in console.progress(range(3), desc="steps"):
+        pass
+    out = buf.getvalue()
+    assert "\r" not in out and "steps" in out and "3/3" in out
+    buf.truncate(0)
+    list(console.progress(range(3), desc="steps", quiet=True))
+    assert buf.getvalue() == ""
+
+
+def test_cache_dir_overrides(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLSYSKIT_CACHE_DIR", str(tmp_path))
+    assert console.cache_dir("kvpool") == tmp_path / "kvpool"
+    monkeypatch.setenv("KVPOOL_CACHE", str(tmp_path / "own"))
+    assert console.cache_dir("kvpool", "KVPOOL_CACHE") == tmp_path / "own"
+    monkeypatch.delenv("MLSYSKIT_CACHE_DIR")
+    monkeypatch.delenv("KVPOOL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert console.cache_dir("kvpool") == tmp_path / "xdg" / "mlsyskit" / "kvpool"
