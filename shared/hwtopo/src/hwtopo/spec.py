@@ -3,12 +3,19 @@
 Spec keys are friendly (``memory = "16GiB"``, ``bandwidth = "10Gbps"``, ``latency = "25ms"``); the
 SI field names of the model (``memory_bytes``...) are accepted too, and are what ``save`` writes,
 so ``load(save(c)) == c``.
+
+Every value is range-checked where it is read: quantities are finite, greater than zero where a
+zero would be meaningless (memory, bandwidth, compute; a link's latency and a memoryless NUMA node
+may be 0) and at most ``MAX_QUANTITY``; counts and CPU ids lie below ``MAX_CPUS``. A machine is
+checked as a whole too: at least as many threads as cores, its NUMA nodes' CPUs among its own
+hardware threads (ids ``0..threads-1``) and each CPU in one node only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -20,6 +27,10 @@ from .model import Accelerator, Cluster, Disk, Link, Machine, NumaNode
 from .units import SpecError, parse_bandwidth, parse_bytes, parse_duration, parse_flops
 
 __all__ = ["load", "loads", "from_dict", "to_dict", "save", "dumps", "atomic_write_text"]
+
+MAX_CPUS = 1 << 16  # hardware threads of one machine (Linux allows at most 8192)
+MAX_QUANTITY = 1e24  # bytes, bytes/s, FLOP/s, seconds: far beyond any machine, finite for arithmetic
+MAX_SPEC_BYTES = 16 << 20  # a spec is text written by people or by `save`, not a dump
 
 Parser = Callable[[Any, str], Any]
 
@@ -40,43 +51,62 @@ def _bool(value: Any, field: str) -> bool:
     return value
 
 
-def _int(minimum: int) -> Parser:
+def _int(minimum: int, maximum: int) -> Parser:
     def parse(value: Any, field: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise SpecError(field, f"{value!r} is not an integer >= {minimum}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise SpecError(field, f"{value!r} is not an integer between {minimum} and {maximum}")
         return value
 
     return parse
 
 
-def _positive(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise SpecError(field, f"{value!r} is not a positive number; use e.g. 1.0")
+def _speed(value: Any, field: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_QUANTITY
+    if not ok:  # also rejects NaN and infinity
+        raise SpecError(field, f"{value!r} is not a finite relative speed > 0; use e.g. 1.0 (the reference) or 0.5")
     return float(value)
 
 
-def _nonzero(parse: Parser, example: str) -> Parser:
+def _quantity(parse: Parser, example: str, zero_ok: bool = False) -> Parser:
+    """A unit parser (finite, >= 0) narrowed to a physical range: > 0 unless ``zero_ok``, <= MAX_QUANTITY."""
+
     def wrapped(value: Any, field: str) -> float:
         v = parse(value, field)
-        if v <= 0:
-            raise SpecError(field, f"{value!r} must be greater than zero; use e.g. {example!r}")
+        if v <= 0 and not zero_ok:
+            raise SpecError(field, f"{value!r} must be greater than zero; use e.g. {example!r} or leave it out")
+        if v > MAX_QUANTITY:
+            raise SpecError(field, f"{value!r} is beyond any machine (at most {MAX_QUANTITY:g}); use e.g. {example!r}")
         return v
 
     return wrapped
 
 
-def _cpus(value: Any, field: str) -> tuple[int, ...]:
-    """A list of CPU ids or a Linux cpulist string ("0-3,8")."""
+def _cpu_ids(value: Any, field: str) -> tuple[int, ...]:
+    """A list of CPU ids or a Linux cpulist string ("0-3,8"), each id below MAX_CPUS, none twice."""
+    bad = SpecError(field, f"{value!r} is not a CPU list; use e.g. '0-3,8' or [0, 1]")
     if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if not all(re.fullmatch(r"[0-9]+(-[0-9]+)?", p) for p in parts):
+            raise bad
+        # check the bounds before expanding ranges: "0-9999999999" must not build a huge list
+        ends = [int(n) for p in parts for n in p.split("-")]
+        if any(n >= MAX_CPUS for n in ends):
+            raise SpecError(field, f"{value!r} names a CPU id beyond {MAX_CPUS - 1}; use e.g. '0-3,8'")
         from .probe import parse_cpulist
 
         try:
-            return tuple(parse_cpulist(value))
+            ids = parse_cpulist(value)
         except ValueError:
-            raise SpecError(field, f"{value!r} is not a CPU list; use e.g. '0-3,8' or [0, 1]") from None
-    if isinstance(value, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value):
-        return tuple(value)
-    raise SpecError(field, f"{value!r} is not a CPU list; use e.g. '0-3,8' or [0, 1]")
+            raise bad from None
+    elif isinstance(value, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in value):
+        ids = value
+        if any(not 0 <= c < MAX_CPUS for c in ids):
+            raise SpecError(field, f"{value!r} names a CPU id outside 0-{MAX_CPUS - 1}; use e.g. [0, 1]")
+    else:
+        raise bad
+    if len(set(ids)) != len(ids):
+        raise SpecError(field, f"{value!r} names a CPU more than once; list each CPU once")
+    return tuple(ids)
 
 
 # For each dataclass: spec key -> (model field, parser). Keys equal to the model field are implied.
@@ -98,39 +128,49 @@ def _table(cls: type, friendly: dict[str, tuple[str, Parser]], plain: dict[str, 
 _NUMA = _table(
     NumaNode,
     {
-        "memory": ("memory_bytes", parse_bytes),
-        "bandwidth": ("bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "20GB/s")),
+        # a memoryless node (CPUs only) is real hardware, so 0 bytes is allowed here
+        "memory": ("memory_bytes", _quantity(parse_bytes, "64GiB", zero_ok=True)),
+        "bandwidth": ("bandwidth_bytes_per_s", _quantity(parse_bandwidth, "20GB/s")),
     },
-    {"id": _int(0), "cpus": _cpus},
+    {"id": _int(0, MAX_CPUS - 1), "cpus": _cpu_ids},
 )
 _DISK = _table(
     Disk,
     {
-        "capacity": ("capacity_bytes", parse_bytes),
-        "read_bandwidth": ("read_bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "3GB/s")),
-        "write_bandwidth": ("write_bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "2GB/s")),
+        "capacity": ("capacity_bytes", _quantity(parse_bytes, "2TB")),
+        "read_bandwidth": ("read_bandwidth_bytes_per_s", _quantity(parse_bandwidth, "3GB/s")),
+        "write_bandwidth": ("write_bandwidth_bytes_per_s", _quantity(parse_bandwidth, "2GB/s")),
     },
     {"name": _str, "path": _opt_str, "rotational": _bool},
 )
 _ACCEL = _table(
     Accelerator,
     {
-        "memory": ("memory_bytes", parse_bytes),
-        "peak": ("peak_flops", _nonzero(parse_flops, "989TFLOPS")),
-        "interconnect": ("interconnect_bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "450GB/s")),
+        "memory": ("memory_bytes", _quantity(parse_bytes, "80GiB")),
+        "peak": ("peak_flops", _quantity(parse_flops, "989TFLOPS")),
+        "interconnect": ("interconnect_bandwidth_bytes_per_s", _quantity(parse_bandwidth, "450GB/s")),
     },
     {"kind": _str, "name": _str},
 )
 _MACHINE = _table(
     Machine,
-    {"memory": ("memory_bytes", parse_bytes), "compute": ("flops", _nonzero(parse_flops, "1.2TFLOPS"))},
-    {"name": _str, "cores": _int(1), "threads": _int(1), "speed": _positive, "region": _opt_str},
+    {
+        "memory": ("memory_bytes", _quantity(parse_bytes, "16GiB")),
+        "compute": ("flops", _quantity(parse_flops, "1.2TFLOPS")),
+    },
+    {
+        "name": _str,
+        "cores": _int(1, MAX_CPUS),
+        "threads": _int(1, MAX_CPUS),
+        "speed": _speed,
+        "region": _opt_str,
+    },
 )
 _LINK = _table(
     Link,
     {
-        "bandwidth": ("bandwidth_bytes_per_s", _nonzero(parse_bandwidth, "10Gbps")),
-        "latency": ("latency_s", parse_duration),
+        "bandwidth": ("bandwidth_bytes_per_s", _quantity(parse_bandwidth, "10Gbps")),
+        "latency": ("latency_s", _quantity(parse_duration, "25ms", zero_ok=True)),
     },
     {"a": _str, "b": _str, "name": _opt_str},
 )
@@ -149,7 +189,8 @@ def _obj(data: Any, field: str, table: _Table, nested: dict[str, Callable] | Non
             attr, parse = table[key]
             if attr in out:
                 raise SpecError(path, f"given twice (as {attr!r} and {key!r}); keep one")
-            out[attr] = None if value is None else parse(value, path)
+            if value is not None:  # null means "not given": the field keeps its default
+                out[attr] = parse(value, path)
         else:
             valid = sorted(set(table) | set(nested))
             raise SpecError(path, f"unknown field {key!r}; valid fields are {', '.join(valid)}")
@@ -211,7 +252,31 @@ def _machine(v: Any, f: str) -> Machine:
     m = Machine(**o)
     _unique(m.numa_nodes, "id", f"{f}.numa_nodes", "NUMA node id")
     _unique(m.disks, "name", f"{f}.disks", "disk name")
+    _check_machine(m, f)
     return m
+
+
+def _check_machine(m: Machine, f: str) -> None:
+    """Fields that must agree with each other: threads and cores, NUMA CPUs and the machine's CPUs."""
+    if m.threads is not None and m.threads < m.cores:
+        raise SpecError(
+            f"{f}.threads", f"{m.threads} is fewer than cores ({m.cores}); a machine has at least one thread per core"
+        )
+    n = m.hardware_threads
+    owner: dict[int, int] = {}
+    for i, node in enumerate(m.numa_nodes):
+        for cpu in node.cpus:
+            if cpu >= n:
+                hint = "" if m.threads is not None else " (set threads when it has more threads than cores)"
+                raise SpecError(
+                    f"{f}.numa_nodes[{i}].cpus",
+                    f"CPU {cpu} is not one of this machine's {n} hardware threads; valid CPU ids are 0-{n - 1}{hint}",
+                )
+            if cpu in owner:
+                raise SpecError(
+                    f"{f}.numa_nodes[{i}].cpus", f"CPU {cpu} is in numa_nodes[{owner[cpu]}] too; a CPU is in one node"
+                )
+            owner[cpu] = i
 
 
 def _link(v: Any, f: str) -> Link:
@@ -246,6 +311,8 @@ def from_dict(data: Any) -> Cluster:
     _unique(machines, "name", "machines", "machine name")
     regions = tuple(o.get("regions", ()))
     declared = set(regions)
+    if len(declared) != len(regions):
+        raise SpecError("regions", f"{list(regions)} names a region twice; region names must be unique")
     for i, m in enumerate(machines):
         if m.region is not None and regions and m.region not in declared:
             raise SpecError(f"machines[{i}].region", f"unknown region {m.region!r}; regions are {list(regions)}")
@@ -266,28 +333,75 @@ def from_dict(data: Any) -> Cluster:
     return Cluster(name=o.get("name", "cluster"), machines=machines, links=links, regions=regions)
 
 
-def loads(text: str, fmt: str = "json") -> Cluster:
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:  # plain json.loads would keep the last one silently
+            raise SpecError(key, "given twice in one object; keep one")
+        out[key] = value
+    return out
+
+
+def _parse_text(text: str, fmt: str) -> Any:
     if fmt == "json":
         try:
-            data = json.loads(text)
+            return json.loads(text, object_pairs_hook=_no_duplicate_keys)
         except json.JSONDecodeError as e:
             raise SpecError("", f"not valid JSON: {e}") from None
-    elif fmt == "toml":
+    if fmt == "toml":
         if sys.version_info >= (3, 11):
             import tomllib
         else:  # pragma: no cover - 3.10
             import tomli as tomllib
         try:
-            data = tomllib.loads(text)
+            return tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise SpecError("", f"not valid TOML: {e}") from None
-    else:
+    raise ValueError(f"fmt must be 'json' or 'toml', not {fmt!r}")  # pragma: no cover - loads checks it
+
+
+def loads(text: str, fmt: str = "json") -> Cluster:
+    """Parse and validate a spec given as JSON or TOML text; raises SpecError naming the field."""
+    if fmt not in ("json", "toml"):
         raise ValueError(f"fmt must be 'json' or 'toml', not {fmt!r}")
+    try:
+        data = _parse_text(text, fmt)
+    except RecursionError:
+        raise SpecError("", f"not valid {fmt.upper()}: nested too deeply") from None
+    except SpecError:
+        raise
+    except ValueError as e:  # e.g. an integer literal longer than Python converts
+        raise SpecError("", f"not valid {fmt.upper()}: {e}") from None
     return from_dict(data)
 
 
+def _read_spec_text(p: Path) -> str:
+    """The file's text; a binary, non-UTF-8 or oversized file is a SpecError (the caller adds the path)."""
+    try:
+        with open(p, "rb") as fh:
+            data = fh.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError("", f"cannot read it: {e.strerror}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError("", f"larger than {MAX_SPEC_BYTES >> 20} MiB; a spec is a small JSON or TOML text file")
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark from a Windows editor is harmless
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            "", f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); save the spec as UTF-8"
+        ) from None
+    if "\0" in text:
+        raise SpecError(
+            "", f"binary data (a NUL character at offset {text.index(chr(0))}); a spec is JSON or TOML text"
+        )
+    return text
+
+
 def load(path: str | os.PathLike) -> Cluster:
-    """Load a spec from a .json or .toml file (or the name of a bundled example, e.g. 'edge-home')."""
+    """Load a spec from a .json or .toml file (or the name of a bundled example, e.g. 'edge-home').
+
+    Every SpecError raised carries the file in ``source`` and leads its message with it.
+    """
     p = Path(path)
     if not p.exists() and p.suffix == "" and os.sep not in str(path):
         from .examples import example_path
@@ -297,15 +411,11 @@ def load(path: str | os.PathLike) -> Cluster:
         except FileNotFoundError as e:
             raise SpecError("", str(e)) from None
     if p.suffix not in (".json", ".toml"):
-        raise SpecError("", f"{str(p)!r}: spec files must end in .json or .toml")
+        raise SpecError("", "spec files must end in .json or .toml", source=str(p))
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise SpecError("", f"cannot read {str(p)!r}: {e.strerror}") from None
-    try:
-        return loads(text, p.suffix[1:])
+        return loads(_read_spec_text(p), p.suffix[1:])
     except SpecError as e:
-        raise SpecError(e.field, f"{e.message} (in {p.name})") from None
+        raise SpecError(e.field, e.message, source=str(p)) from None
 
 
 def _plain(obj: Any) -> Any:
@@ -314,6 +424,8 @@ def _plain(obj: Any) -> Any:
         for f in fields(obj):
             v = getattr(obj, f.name)
             if v is None or v == () or (f.name == "notes" and not v):
+                continue
+            if f.name == "memory_bytes" and v == 0:  # the default, "unknown"; a spec may not say 0 bytes
                 continue
             out[f.name] = _plain(v)
         return out

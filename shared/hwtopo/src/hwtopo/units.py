@@ -24,12 +24,17 @@ __all__ = [
 
 
 class SpecError(ValueError):
-    """A bad value in a hardware spec; ``field`` is the dotted path of the offending field."""
+    """A bad value in a hardware spec.
 
-    def __init__(self, field: str, message: str):
+    ``field`` is the dotted path of the offending field ("" for the whole spec) and ``source`` the
+    file it came from (None for an in-memory spec); both lead the message.
+    """
+
+    def __init__(self, field: str, message: str, source: str | None = None):
         self.field = field
         self.message = message
-        super().__init__(f"{field}: {message}" if field else message)
+        self.source = source
+        super().__init__(": ".join(part for part in (source, field, message) if part))
 
 
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
@@ -73,7 +78,10 @@ def _parse(value: object, field: str, kind: str, example: str, regex: re.Pattern
     m = regex.match(str(value).strip())
     if not m:
         raise SpecError(field, f"{value!r} is not a {kind}; use e.g. {example!r}")
-    return float(m.group(1)) * scale(m)
+    v = float(m.group(1)) * scale(m)
+    if not math.isfinite(v):  # "1e400GiB" matches the pattern but overflows to inf
+        raise SpecError(field, f"{value!r} is too large to be a finite {kind}; use e.g. {example!r}")
+    return v
 
 
 def parse_bytes(value: object, field: str = "") -> float:
