@@ -57,16 +57,6 @@ def _worker(rank, world, ckpt_dir):
         rq = pre.compute_grads(b1)  # the same statistics again, in the buffers of the first call
         out["per"][s.name]["pre_reuse"] = (ptrs == [b.data_ptr() for b in pre._pre_bufs + pre._gns_scratch],
                                            (rq.sq_small, rq.sq_big) == (rp.sq_small, rp.sq_big))  # fmt: skip
-        pre.tensor_stats = True  # the same statistics per parameter tensor
-        rt = pre.compute_grads(b1)
-        plain = Executor(s, cfg, st0, lr=LR, eps=EPS, tensor_stats=True)  # the plain metric: sqrt(v) counts as 1
-        out["per"][s.name]["tensors"] = (
-            rt.sq_small,
-            rt.sq_big,
-            rt.tensors,
-            rq.tensors,
-            plain.compute_grads(b0).tensors,
-        )
         out["per"][s.name]["micro"] = Executor(s, cfg, st0, lr=LR, eps=EPS).micro_batch_stats([b0, b1])
         step0 = Executor(s, cfg, st0, lr=LR, eps=EPS, precondition=True)  # step 0's metric: a warm batch's g^2
         step0.compute_grads(b0, gns=False)
@@ -219,11 +209,6 @@ def _sq_grad(rows):
 
 def _pre_sq(rows):
     """|g|^2 of rows of the second batch in Adam's metric g / (sqrt(v_hat) + eps) after one step on the first."""
-    return sum(_pre_sq_each(rows)[0])
-
-
-def _pre_sq_each(rows):
-    """(per tensor |g|^2 as in ``_pre_sq``, per tensor mean sqrt(v_hat) as floored, sizes), in parameter order."""
     model = build_model(tiny_llama_config(), 0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.0)
     ids = _data().samples(0, 8)
@@ -232,14 +217,12 @@ def _pre_sq_each(rows):
     opt.zero_grad()
     ids = _data().samples(8, 8)[list(rows)]
     model(input_ids=ids, labels=ids).loss.backward()
-    sq, scale, size = [], [], []
+    sq = 0.0
     for p in model.parameters():
         v = opt.state[p]["exp_avg_sq"] / (1 - 0.95)
         root = v.clamp(min=V_FLOOR * float(v.mean())).sqrt()  # floored per full tensor
-        sq.append(float((p.grad / (root + EPS)).double().pow(2).sum()))
-        scale.append(float(root.double().mean()))
-        size.append(p.numel())
-    return sq, scale, size
+        sq += float((p.grad / (root + EPS)).double().pow(2).sum())
+    return sq
 
 
 @pytest.mark.slow
@@ -299,9 +282,9 @@ def _die_on_rank1(rank, world):
 
 
 def test_failed_and_dead_ranks_are_named():
-    with pytest.raises(RankFailure, match="rank 1 failed: ValueError: boom on purpose"):
+    with pytest.raises(RankFailure, match=r"rank 1 .*failed: ValueError: boom on purpose"):
         launch(_fail_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
-    with pytest.raises(RankFailure, match="rank 1 died with exit code 3"):
+    with pytest.raises(RankFailure, match=r"rank 1 .*exited with code 3"):
         launch(_die_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
 
 
@@ -359,29 +342,6 @@ def test_check_strategy_messages():
         check_strategy(Strategy(1, 4, 1, 1, 4), dims)
     with pytest.raises(StrategyError, match="world has 4 ranks"):
         check_strategy(Strategy(2, 1, 1, 1, 4), dims, world=4)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [s.name for s in STRATEGIES])
-def test_per_tensor_gradient_statistics_match_the_reference_in_every_layout(results, name):
-    """Per parameter tensor of the whole model (shards, stages and replicas summed): |g_B|^2 in Adam's metric and
-    the mean sqrt(v) as the reference computes them on the unsharded model; they add up to the pooled figures,
-    and a step without them asks for none."""
-    sq_small, sq_big, (small, big, scale, size), without, plain = results["per"][name]["tensors"]
-    want_big, want_scale, want_size = _pre_sq_each(range(8))
-    s = next(x for x in STRATEGIES if x.name == name)
-    per, first = 8 // s.dp, (s.accum - 1) * s.micro_batch if s.pp > 1 else 0
-    micro = [_pre_sq_each(range(d * per + first, d * per + first + s.micro_batch))[0] for d in range(s.dp)]
-    want_small = [sum(col) / s.dp for col in zip(*micro)]  # each tensor's, averaged over the replicas
-    assert without is None
-    assert sum(small) == pytest.approx(sq_small, rel=1e-9) and sum(big) == pytest.approx(sq_big, rel=1e-9)
-    assert size == want_size
-    assert big == pytest.approx(want_big, rel=1e-3, abs=1e-9 * sum(want_big))
-    assert small == pytest.approx(want_small, rel=1e-3, abs=1e-9 * sum(want_small))
-    assert scale == pytest.approx(want_scale, rel=1e-4)
-    p_small, p_big, p_scale, p_size = plain
-    assert p_scale == [1.0] * len(size) and p_size == size
-    assert sum(p_big) == pytest.approx(_sq_grad(range(8)), rel=1e-4)
 
 
 def test_model_skeleton_is_the_model_on_meta_without_initialising_it(monkeypatch):
