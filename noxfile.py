@@ -165,8 +165,27 @@ def demo(session: nox.Session) -> None:
     session.log(f"wrote {out / 'index.md'}")
 
 
-# package -> further bench subcommands whose headline keys join the package's (same --quick/--json)
-EXTRA_BENCHES = {"sysprdict": ["blockchain-bench"]}
+def _benches(name: str) -> list[str]:
+    """The bench subcommands of a package (``[tool.mlsyskit] benches``; default ``bench``): their
+    headline keys join into one entry, all run with the same --quick/--json."""
+    return list(_pyproject(_pkg_dir(name)).get("tool", {}).get("mlsyskit", {}).get("benches", ["bench"]))
+
+
+def _run_benches(session: nox.Session, name: str, script: str, out: Path) -> dict | None:
+    """One package's bench subcommands run with --quick --json, their headlines merged."""
+    merged = None
+    for i, sub in enumerate(_benches(name)):
+        path = out / (f"{name}.json" if i == 0 else f"{name}-{sub}.json")
+        path.unlink(missing_ok=True)
+        session.run(script, sub, "--quick", "--json", str(path), external=True)
+        if not path.exists():
+            return None
+        res = json.loads(path.read_text())
+        if merged is None:
+            merged = res
+        else:
+            merged.setdefault("headline", {}).update(res.get("headline", {}))
+    return merged
 
 
 @nox.session
@@ -184,17 +203,11 @@ def bench(session: nox.Session) -> None:
         if not _has_command(session, script, "bench"):
             session.log(f"{name}: no bench yet, skipped")
             continue
-        path = out / f"{name}.json"
         started = _dt.datetime.now()
-        path.unlink(missing_ok=True)
-        session.run(script, "bench", "--quick", "--json", str(path), external=True)
-        if not path.exists():  # `nox --install-only`: nothing ran
+        res = _run_benches(session, name, script, out)
+        if res is None:  # `nox --install-only`: nothing ran
             continue
-        collected[name] = json.loads(path.read_text())
-        for extra in EXTRA_BENCHES.get(name, ()):  # a second paper result in the same package
-            extra_path = out / f"{name}-{extra}.json"
-            session.run(script, extra, "--quick", "--json", str(extra_path), external=True)
-            collected[name].setdefault("headline", {}).update(json.loads(extra_path.read_text()).get("headline", {}))
+        collected[name] = res
         collected[name]["measured_at"] = started.strftime("%Y-%m-%d %H:%M")
         collected[name]["bench_wall_s"] = round((_dt.datetime.now() - started).total_seconds(), 1)
     collected = {p: collected[p] for p in PACKAGES if p in collected}
