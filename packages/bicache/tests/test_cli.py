@@ -4,9 +4,12 @@ import sys
 from bicache.cli import main
 
 
-def test_usage_errors_exit_2(capsys):
+def test_usage_errors_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("BICACHE_TOKEN", raising=False)
     assert main(["serve", "--port", "0"]) == 2
     assert "--port" in capsys.readouterr().err
+    assert main(["serve", "--host", "0.0.0.0"]) == 2  # beyond loopback, no token
+    assert "--token" in capsys.readouterr().err
     r = subprocess.run([sys.executable, "-m", "bicache", "bench", "--bogus"], capture_output=True, text=True)
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
 

@@ -87,3 +87,51 @@ def test_prefix_store_longest_match_and_eviction(dlm, task):
     tiny.add(short)
     tiny.add(long)
     assert list(tiny.entries) == [long.tokens]
+
+
+def _order(eng, labelled):
+    """Submit (label, prompt, cfg) in order; the labels in the order their requests complete."""
+    done = []
+    for label, prompt, cfg in labelled:
+        eng.submit(prompt, cfg).add_done_callback(lambda _f, label=label: done.append(label))
+    eng.drain()
+    return done
+
+
+def test_light_request_is_served_before_queued_heavy_ones(dlm, task):
+    heavy = diffusion.DecodeConfig(gen_length=32, block_length=32, steps=32)
+    light = diffusion.DecodeConfig(gen_length=4, block_length=2, steps=4)
+    reqs = task.burst(7, 3)
+    eng = Engine(dlm, mode="none", max_batch=2)
+    labelled = [(f"h{i}", r.prompt, heavy) for i, r in enumerate(reqs[:6])] + [("light", reqs[6].prompt, light)]
+    # first in, first out would serve it last, after three batches of heavy ones
+    assert _order(eng, labelled) == ["light", "h0", "h1", "h2", "h3", "h4", "h5"]
+
+
+def test_a_heavy_request_is_overtaken_at_most_max_skips_times(dlm, task):
+    heavy = diffusion.DecodeConfig(gen_length=16, block_length=16, steps=16)
+    reqs = task.burst(5, 3)
+    eng = Engine(dlm, mode="none", max_batch=1, max_skips=2)
+    labelled = [("heavy", reqs[0].prompt, heavy)] + [(f"l{i}", r.prompt, None) for i, r in enumerate(reqs[1:], 1)]
+    assert _order(eng, labelled) == ["l1", "l2", "heavy", "l3", "l4"]
+
+
+def test_full_queue_raises_until_a_batch_is_served(dlm, task):
+    from bicache.engine import QueueFull
+
+    reqs = task.burst(4, 3)
+    eng = Engine(dlm, mode="none", max_batch=1, max_queue=2)
+    first = [eng.submit(r.prompt) for r in reqs[:2]]
+    with pytest.raises(QueueFull, match=r"queue is full \(2 requests waiting\)") as info:
+        eng.submit(reqs[2].prompt)
+    assert info.value.retry_after_s >= 1
+    assert eng.step()
+    assert first[0].done() and not first[1].done()
+    eng.submit(reqs[2].prompt)  # room again
+    eng.drain()
+    # offline runs longer than the queue serve every request, in input order
+    out = eng.run([r.prompt for r in reqs])
+    ref = Engine(dlm, mode="none", max_batch=1).run([r.prompt for r in reqs])
+    assert [c.tokens for c in out] == [c.tokens for c in ref]
+    with pytest.raises(ValueError, match="max_queue must be >= 1"):
+        Engine(dlm, mode="none", max_queue=0)

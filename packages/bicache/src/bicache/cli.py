@@ -188,7 +188,7 @@ def cmd_serve(args) -> int:
     policy = _policy(dlm, args) if args.mode in ("bicache", "bicache+block") else None
     engine = Engine(dlm, mode=args.mode, policy=policy, max_batch=args.max_batch)
     print(f"bicache serving on http://{args.host}:{args.port} (mode {args.mode}); POST /v1/generate, /v1/completions")
-    serve(engine, args.host, args.port)
+    serve(engine, args.host, args.port, token=args.token)
     return 0
 
 
@@ -213,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", parents=[common], help="HTTP JSON completion server (aiohttp)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--token",
+        help="bearer token every request must carry (default: $BICACHE_TOKEN, else none); "
+        "required when --host is beyond loopback",
+    )
     s.add_argument("--mode", default="bicache", choices=["none", "naive", "bicache", "block", "bicache+block"])
     s.add_argument("--max-batch", type=int, default=16)
     s.add_argument("--bound", type=float, help="drift bound (default: chosen from calibration requests)")
@@ -233,6 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "bound", None) is not None and args.bound < 0:
         print("bicache: error: --bound must be >= 0", file=sys.stderr)
         return 2
+    if args.cmd == "serve":
+        from hwtopo.httpguard import check_bind, token_from_env
+
+        args.token = args.token or token_from_env("BICACHE_TOKEN")
+        try:
+            check_bind(args.host, args.token)  # before the model loads: a refused bind costs nothing
+        except ValueError as exc:
+            print(f"bicache: error: {exc}", file=sys.stderr)
+            return 2
     import torch
 
     torch.set_num_threads(1)

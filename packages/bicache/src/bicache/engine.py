@@ -1,7 +1,11 @@
 """Serving engine for the diffusion LM: batching, shared-prefix detection, depth policy, metrics.
 
-Requests queue up; the scheduler takes the oldest request and batches it with queued requests of
-the same prompt length, preferring the ones sharing its longest common token prefix. A radix-style
+Requests queue up (at most ``max_queue``; beyond that :class:`QueueFull`); the scheduler takes the
+request with the least estimated work (denoising steps x sequence length; the oldest among equals)
+and batches it with queued requests of the same prompt length and decode settings, preferring the
+ones sharing its longest common token prefix. Shortest-work-first keeps a light request from
+waiting behind a queue of heavy ones; a request overtaken by ``max_skips`` later arrivals goes
+next, so heavy ones are not starved either. A radix-style
 :class:`PrefixStore` keeps one :class:`~bicache.kvcache.PrefixEntry` per shared prefix (filled by
 the first batch that brings it, from that batch's own first denoising step) and the
 :class:`~bicache.depth.DepthPolicy` picks the reuse depth from the shared fraction of the prompt.
@@ -9,7 +13,9 @@ the first batch that brings it, from that batch's own first denoising step) and 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -96,6 +102,31 @@ class PrefixStore:
         return sum(e.nbytes() for e in self.entries.values())
 
 
+class QueueFull(RuntimeError):
+    """The engine already holds ``max_queue`` requests; ``retry_after_s`` estimates when to retry."""
+
+    def __init__(self, queued: int, retry_after_s: int) -> None:
+        super().__init__(f"the engine's queue is full ({queued} requests waiting); retry in {retry_after_s} s")
+        self.queued = queued
+        self.retry_after_s = retry_after_s
+
+
+def estimated_work(prompt_len: int, cfg: diffusion.DecodeConfig) -> int:
+    """A request's decoding cost in token positions processed: steps x (prompt + generated)."""
+    return cfg.steps * (prompt_len + cfg.gen_length)
+
+
+@dataclass(eq=False)
+class _Queued:
+    prompt: list[int]
+    cfg: diffusion.DecodeConfig
+    t0: float
+    fut: Future
+    seq: int  # arrival order
+    work: int
+    skips: int = 0  # times a later arrival was served before this request
+
+
 @dataclass
 class Completion:
     tokens: list[int]
@@ -144,7 +175,9 @@ class Engine:
     """Batches requests and decodes them with one cache mode.
 
     ``mode``: ``none`` | ``naive`` | ``bicache`` | ``block`` | ``bicache+block`` | ``fixed`` (bicache at
-    ``fixed_depth`` for every request). bicache modes need a ``policy``.
+    ``fixed_depth`` for every request). bicache modes need a ``policy``. ``max_queue`` bounds the
+    waiting requests (``submit`` raises :class:`QueueFull` beyond it); ``max_skips`` bounds how
+    often shortest-work-first may serve a later arrival before a waiting request.
     """
 
     def __init__(
@@ -157,6 +190,8 @@ class Engine:
         fixed_depth: int = 0,
         cfg: diffusion.DecodeConfig | None = None,
         store: PrefixStore | None = None,
+        max_queue: int = 256,
+        max_skips: int = 8,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -169,12 +204,16 @@ class Engine:
             )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue < 1 or max_skips < 0:
+            raise ValueError(f"max_queue must be >= 1 and max_skips >= 0, got {max_queue} and {max_skips}")
         self.dlm, self.mode, self.policy = dlm, mode, policy
         self.max_batch, self.min_prefix, self.fixed_depth = max_batch, min_prefix, fixed_depth
         self.cfg = cfg or diffusion.DecodeConfig(gen_length=dlm.spec.gen_length)
         self.store = store if store is not None else PrefixStore()
         self.stats = EngineStats()
-        self._queue: list[tuple[list[int], diffusion.DecodeConfig, float, Future]] = []
+        self.max_queue, self.max_skips = max_queue, max_skips
+        self._queue: list[_Queued] = []
+        self._arrivals = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -186,22 +225,27 @@ class Engine:
         cfg.validate()
         if not prompt:
             raise ValueError("prompt is empty; give at least one token")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.dlm.config.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.dlm.config.vocab_size})")
+        # the length first: it is O(1), and an over-long prompt need not have its ids scanned
         if len(prompt) + cfg.gen_length > self.dlm.max_length:
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + gen_length {cfg.gen_length} is longer than the model's "
                 f"{self.dlm.max_length} positions"
             )
+        if any((not isinstance(t, int)) or t < 0 or t >= self.dlm.config.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.dlm.config.vocab_size})")
 
     # ---------------------------------------------------------------- scheduling
-    def _pick_batch(self) -> list[tuple[list[int], diffusion.DecodeConfig, float, Future]]:
-        head = self._queue[0]
-        same = [r for r in self._queue[1:] if len(r[0]) == len(head[0]) and r[1] == head[1]]
-        same.sort(key=lambda r: -common_prefix_len(r[0], head[0]))
+    def _pick_batch(self) -> list[_Queued]:
+        starved = [r for r in self._queue if r.skips >= self.max_skips]
+        head = starved[0] if starved else min(self._queue, key=lambda r: (r.work, r.seq))
+        same = [r for r in self._queue if r is not head and len(r.prompt) == len(head.prompt) and r.cfg == head.cfg]
+        same.sort(key=lambda r: (-common_prefix_len(r.prompt, head.prompt), r.seq))
         batch = [head, *same[: self.max_batch - 1]]
-        ids = {id(r) for r in batch}
-        self._queue = [r for r in self._queue if id(r) not in ids]
+        last = max(r.seq for r in batch)
+        taken = {id(r) for r in batch}
+        self._queue = [r for r in self._queue if id(r) not in taken]
+        for r in self._queue:
+            r.skips += r.seq < last
         return batch
 
     def _depth(self, fraction: float) -> tuple[int, dict | None]:
@@ -257,17 +301,30 @@ class Engine:
 
     def run(self, prompts: list[list[int]]) -> list[Completion]:
         """Serve a whole list of requests offline through the scheduler; results in input order."""
-        futures = [self.submit(p) for p in prompts]
+        futures = []
+        for p in prompts:
+            while len(self._queue) >= self.max_queue:
+                self.step()
+            futures.append(self.submit(p))
         self.drain()
         return [f.result() for f in futures]
 
     # ---------------------------------------------------------------- online
+    def _retry_after_s(self) -> int:
+        """Seconds until the queue has likely moved on: its batches at the mean batch time so far."""
+        per_batch = self.stats.busy_s / self.stats.batches if self.stats.batches else 1.0
+        return max(1, math.ceil(per_batch * math.ceil(len(self._queue) / self.max_batch)))
+
     def submit(self, prompt: list[int], cfg: diffusion.DecodeConfig | None = None) -> Future:
+        """Queue one request; its Future holds the :class:`Completion`. :class:`QueueFull` when full."""
         cfg = cfg or self.cfg
         self.check_prompt(prompt, cfg)
         fut: Future = Future()
         with self._wake:
-            self._queue.append((list(prompt), cfg, time.perf_counter(), fut))
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(len(self._queue), self._retry_after_s())
+            work = estimated_work(len(prompt), cfg)
+            self._queue.append(_Queued(list(prompt), cfg, time.perf_counter(), fut, next(self._arrivals), work))
             self._wake.notify()
         return fut
 
@@ -278,16 +335,16 @@ class Engine:
                 return False
             batch = self._pick_batch()
         try:
-            done = self.run_batch([r[0] for r in batch], batch[0][1])
+            done = self.run_batch([r.prompt for r in batch], batch[0].cfg)
         except Exception as exc:  # a failed batch fails its requests, not the engine
             for r in batch:
-                r[3].set_exception(exc)
+                r.fut.set_exception(exc)
             return True
         now = time.perf_counter()
         for r, c in zip(batch, done):
-            c.latency_s = now - r[2]
+            c.latency_s = now - r.t0
             self.stats.latencies.append(c.latency_s)
-            r[3].set_result(c)
+            r.fut.set_result(c)
         return True
 
     def drain(self) -> None:

@@ -1,7 +1,10 @@
 """aiohttp server: ``POST /v1/generate`` (JSON), OpenAI-style ``/v1/completions`` and ``/v1/chat/completions``.
 
 Requests go to a background :class:`~bicache.engine.Engine`, which batches concurrent requests and
-reuses shared prefixes. Bad requests get a 400 with one sentence naming the field.
+reuses shared prefixes. Bad requests get a 400 with one sentence naming the field; a body over
+``max_body_bytes`` 413, JSON nested deeper than 64 levels 400, a full engine queue 429 with
+``Retry-After``. With a ``token`` every route needs ``Authorization: Bearer <token>`` (401 without);
+a host beyond loopback needs one. Unexpected failures are a 500 without internals (logged).
 """
 
 from __future__ import annotations
@@ -13,52 +16,98 @@ import uuid
 
 from aiohttp import web
 
+from hwtopo.httpguard import BadRequest, check_bind, middleware, read_json
+
 from .diffusion import DecodeConfig
-from .engine import Engine
+from .engine import Engine, QueueFull
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 NAME_KEY = web.AppKey("model_name", str)
+BODY_LIMIT_KEY = web.AppKey("max_body_bytes", int)
+
+MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64
+
+__all__ = ["BadRequest", "make_app", "serve"]
 
 
-class BadRequest(ValueError):
-    """A client error: the message names the field and what is valid."""
+def _error_body(status: int, message: str, field: str | None) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": field, "code": status}}
 
 
 def _error(status: int, message: str, field: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": field, "code": status}}
-    return web.json_response(body, status=status)
+    return web.json_response(_error_body(status, message, field), status=status)
 
 
 async def _json(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest('request body is not valid JSON; send a JSON object such as {"prompt": "..."}') from None
+    body = await read_json(request, max_bytes=request.app[BODY_LIMIT_KEY], max_depth=MAX_JSON_DEPTH)
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise BadRequest('request body must be a JSON object such as {"prompt": "..."}')
     return body
 
 
-def _int_field(body: dict, name: str, default: int, lo: int = 1) -> int:
+def _int_field(body: dict, name: str, default: int, hi: int) -> int:
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise BadRequest(f"field '{name}' must be an integer >= {lo}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+        raise BadRequest(f"field '{name}' must be an integer from 1 to {hi}", field=name)
     return v
 
 
 def _decode_cfg(engine: Engine, body: dict, length_field: str = "gen_length") -> DecodeConfig:
-    base = engine.cfg
-    gen = _int_field(body, length_field, base.gen_length)
-    block = _int_field(body, "block_length", base.block_length if gen % base.block_length == 0 else gen)
-    steps = _int_field(body, "steps", gen)
+    base, hi = engine.cfg, engine.dlm.max_length
+    gen = _int_field(body, length_field, base.gen_length, hi)
+    block = _int_field(body, "block_length", base.block_length if gen % base.block_length == 0 else gen, hi)
+    steps = _int_field(body, "steps", gen, hi)
     cfg = DecodeConfig(gen, block, steps)
     try:
         cfg.validate()
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
     return cfg
+
+
+def _too_long(engine: Engine, n: int, field: str) -> BadRequest:
+    return BadRequest(
+        f"field '{field}' is longer than the model's {engine.dlm.max_length} positions ({n} tokens or more)",
+        field=field,
+    )
+
+
+def _check_text_length(engine: Engine, text: str, field: str) -> None:
+    """Reject text that cannot fit the model before tokenizing it (a C-speed pass, no Python loop).
+
+    A vocabulary word is one token of at most ``longest`` characters and an unknown word at least
+    one token per character, so text with more than ``max_length * longest`` non-space characters
+    needs more than ``max_length`` tokens; what passes is small enough to tokenize on the event loop.
+    """
+    longest = max(len(w) for w in engine.dlm.vocab.index)
+    chars = len("".join(text.split()))
+    if chars > engine.dlm.max_length * longest:
+        raise _too_long(engine, -(-chars // longest), field)
+
+
+def _text_ids(engine: Engine, text: str, field: str, open_vocab: bool) -> list[int]:
+    _check_text_length(engine, text, field)
+    try:
+        return engine.dlm.vocab.encode(text, open_vocab=open_vocab)
+    except UnicodeEncodeError:
+        raise BadRequest(
+            f"field '{field}' holds a lone surrogate code point; send valid Unicode text", field=field
+        ) from None
+    except ValueError as exc:
+        raise BadRequest(str(exc), field=field) from None
+
+
+def _token_list(engine: Engine, toks) -> list[int]:
+    if not isinstance(toks, list):
+        raise BadRequest("field 'tokens' must be a list of integer token ids", field="tokens")
+    if len(toks) > engine.dlm.max_length:
+        raise _too_long(engine, len(toks), "tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        raise BadRequest("field 'tokens' must be a list of integer token ids", field="tokens")
+    return toks
 
 
 def _prompt_ids(engine: Engine, body: dict, field: str = "prompt", open_vocab: bool | None = None) -> list[int]:
@@ -71,24 +120,18 @@ def _prompt_ids(engine: Engine, body: dict, field: str = "prompt", open_vocab: b
     if open_vocab is None:
         open_vocab = body.get("open_vocab", False)
         if not isinstance(open_vocab, bool):
-            raise BadRequest("field 'open_vocab' must be true or false")
+            raise BadRequest("field 'open_vocab' must be true or false", field="open_vocab")
     if "tokens" in body:
-        toks = body["tokens"]
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            raise BadRequest("field 'tokens' must be a list of integer token ids")
-        ids = toks
+        ids = _token_list(engine, body["tokens"])
     else:
         text = body.get(field)
         if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
             text = text[0]
         if not isinstance(text, str):
-            raise BadRequest(f"field '{field}' is required and must be a string (or send 'tokens': [ids])")
-        try:
-            ids = vocab.encode(text, open_vocab=open_vocab)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+            raise BadRequest(f"field '{field}' is required and must be a string (or send 'tokens': [ids])", field=field)
+        ids = _text_ids(engine, text, field, open_vocab)
     if not ids:
-        raise BadRequest(f"field '{field}' is empty; give at least one token")
+        raise BadRequest(f"field '{field}' is empty; give at least one token", field=field)
     if ids[0] != vocab.bos_id:
         ids = [vocab.bos_id, *ids]
     return ids
@@ -97,6 +140,12 @@ def _prompt_ids(engine: Engine, body: dict, field: str = "prompt", open_vocab: b
 async def _complete(engine: Engine, ids: list[int], cfg: DecodeConfig):
     try:
         fut = engine.submit(ids, cfg)
+    except QueueFull as exc:
+        raise web.HTTPTooManyRequests(
+            text=json.dumps(_error_body(429, str(exc), None)),
+            content_type="application/json",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        ) from None
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
     return await asyncio.wrap_future(fut)
@@ -111,18 +160,6 @@ def _answer_text(engine: Engine, tokens: list[int]) -> tuple[str, str]:
 
 def _usage(ids: list[int], tokens: list[int]) -> dict:
     return {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
-
-
-@web.middleware
-async def errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except BadRequest as exc:
-        return _error(400, str(exc))
-    except web.HTTPException:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a failure is a 500 with one line, the server stays up
-        return _error(500, f"generation failed: {exc}")
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -181,7 +218,7 @@ def _message_text(i: int, m) -> str:
     """The text of one chat message: a string, null (an assistant turn that only called tools) or
     a list of ``{"type": "text", "text": ...}`` parts (other part types are not supported)."""
     if not isinstance(m, dict):
-        raise BadRequest(f"field 'messages[{i}]' must be an object with 'role' and 'content'")
+        raise BadRequest(f"field 'messages[{i}]' must be an object with 'role' and 'content'", field="messages")
     content = m.get("content")
     if content is None:
         return ""
@@ -230,11 +267,22 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
-def make_app(engine: Engine, model_name: str = "bicache-tiny-dlm") -> web.Application:
-    """The aiohttp application; the engine's background thread starts and stops with the app."""
-    app = web.Application(middlewares=[errors], client_max_size=1 << 20)
+def make_app(
+    engine: Engine,
+    model_name: str = "bicache-tiny-dlm",
+    *,
+    token: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> web.Application:
+    """The aiohttp application; the engine's background thread starts and stops with the app.
+
+    ``token``: the bearer token every request must carry (None: no authentication, loopback only).
+    """
+    guard = middleware(token, max_body_bytes, _error)
+    app = web.Application(middlewares=[guard], client_max_size=max_body_bytes)
     app[ENGINE_KEY] = engine
     app[NAME_KEY] = model_name
+    app[BODY_LIMIT_KEY] = max_body_bytes
 
     async def on_startup(app: web.Application) -> None:
         engine.start()
@@ -253,5 +301,7 @@ def make_app(engine: Engine, model_name: str = "bicache-tiny-dlm") -> web.Applic
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000) -> None:
-    web.run_app(make_app(engine), host=host, port=port, print=None)
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> None:
+    """Serve until interrupted; a ``host`` beyond loopback needs a ``token`` (ValueError otherwise)."""
+    check_bind(host, token)
+    web.run_app(make_app(engine, token=token), host=host, port=port, print=None)
