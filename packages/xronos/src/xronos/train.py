@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,20 @@ from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
 from .partition import ModelShape, Partition, PartitionError, even_partition
 from .shard import build_model, check_partition, enable_lora, lm_loss, shard_model, tiny_config
 
-__all__ = ["TrainConfig", "TPTrainer", "PPTrainer", "split_layers", "make_corpus", "make_optimizer"]
+__all__ = [
+    "CheckpointError",
+    "TrainConfig",
+    "TPTrainer",
+    "PPTrainer",
+    "split_layers",
+    "make_corpus",
+    "make_optimizer",
+    "read_checkpoint",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be resumed from (not xronos's, unsafe to unpickle, or unreadable)."""
 
 
 @dataclass
@@ -117,10 +131,40 @@ def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _atomic_save(obj, path: Path) -> None:
+    """Write ``obj`` to ``path`` whole or not at all, and on disk before a commit marker can name it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_CHECKPOINT_KEYS = ("model", "opt", "step", "partition", "config")
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """A rank's checkpoint, loaded with ``weights_only=True``: tensors and plain containers only, so a
+    crafted file in a user's checkpoint directory cannot run code when it is read."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"checkpoint {path} holds objects other than tensors and plain values, which xronos does not "
+            "unpickle (that could run code); it was not written by xronos: delete it or use another --ckpt-dir"
+        ) from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e}); delete it or use another --ckpt-dir") from e
+    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is not an xronos checkpoint: it has no {', '.join(missing)}")
+    return state
 
 
 class TPTrainer:
@@ -197,7 +241,8 @@ class TPTrainer:
         return Path(directory) / f"rank{self.rank}.pt"
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """This rank's shard, optimiser state and step, written atomically."""
+        """This rank's shard, optimiser state and step, written atomically as ``directory/rank<r>.pt``
+        (plain values and tensors only, so that :func:`read_checkpoint` loads it without pickle)."""
         path = self.checkpoint_path(directory)
         part = None if self.part is None else self.part.describe()
         _atomic_save(
@@ -213,11 +258,11 @@ class TPTrainer:
         return path
 
     def load(self, directory: str | os.PathLike) -> bool:
-        """Resume from this rank's checkpoint if there is one; False when none exists."""
+        """Resume from this rank's checkpoint in ``directory`` if there is one; False when none exists."""
         path = self.checkpoint_path(directory)
         if not path.exists():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = read_checkpoint(path)
         part = None if self.part is None else self.part.describe()
         if state["partition"] is not None and part is not None:
             saved = {k: state["partition"][k] for k in ("q_heads", "kv_heads", "mlp_columns")}
