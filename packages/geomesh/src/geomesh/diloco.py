@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -341,18 +342,56 @@ class DiLoCo:
         self._phase_start = time.perf_counter()
 
     def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
-        """Atomic checkpoint (temp file + os.replace) of this worker's whole state."""
+        """Atomic checkpoint (temp file + os.replace) of this worker's whole state.
+
+        ``extra`` holds plain values only (numbers, strings, None, tensors and lists, tuples or dicts of
+        them): :meth:`load` reads with ``weights_only=True``, which unpickles nothing else.
+        """
+        extra = extra or {}
+        _check_plain(extra, "extra")
         path = os.fspath(path)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"diloco": self.state_dict(), "extra": extra or {}}, tmp)
+        torch.save({"diloco": self.state_dict(), "extra": extra}, tmp)
         os.replace(tmp, path)
 
     def load(self, path: str | os.PathLike) -> dict:
-        """Restore from ``save``; returns the ``extra`` dict stored with it."""
-        blob = torch.load(os.fspath(path), weights_only=False)
+        """Restore from ``save``; returns the ``extra`` dict stored with it.
+
+        Loaded with ``weights_only=True``: a crafted file cannot run code when it is read.
+        """
+        path = os.fspath(path)
+        try:
+            blob = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"checkpoint {path} holds objects other than tensors and plain values, which geomesh does not "
+                "unpickle (that could run code); load only checkpoints written by DiLoCo.save"
+            ) from e
+        if not isinstance(blob, dict) or "diloco" not in blob:
+            raise ValueError(f"checkpoint {path} was not written by DiLoCo.save (it has no 'diloco' state)")
         self.load_state_dict(blob["diloco"])
-        return blob["extra"]
+        return blob.get("extra", {})
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.Tensor)
+
+
+def _check_plain(obj, where: str) -> None:
+    """Raise TypeError naming the first value under ``where`` that ``weights_only`` loading would refuse."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{where}: key {k!r} must be a string or an integer")
+            _check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise TypeError(
+            f"{where} is of type {type(obj).__name__}; checkpoints hold numbers, strings, None, tensors and "
+            "lists, tuples or dicts of them"
+        )
 
 
 def default_timeout() -> timedelta:
