@@ -107,5 +107,5 @@ def test_curriculum_level_advances_on_patience(tmp_path):
         target=2.0,
     )
     train(recipe, progress=False, resume_dir=tmp_path)
-    state = torch.load(tmp_path / "train-state.pt", weights_only=False)
+    state = torch.load(tmp_path / "train-state.pt", weights_only=True)
     assert state["step"] == 4 and state["rows"] == recipe.min_rows + 4

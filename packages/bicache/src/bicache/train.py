@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,7 +157,7 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     best: tuple[float, dict | None] = (-1.0, None)  # (held-out accuracy, weights) at full rows
     state_path = resume_dir / "train-state.pt" if resume_dir is not None else None
     if state_path is not None and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = load_train_state(state_path)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
@@ -236,6 +237,18 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
         bar.close()
     model.eval()
     return dlm
+
+
+def load_train_state(path: Path) -> dict:
+    """A ``train-state.pt`` written by :func:`train`, read with ``weights_only=True``: tensors and plain
+    values only, so a crafted file in the resume directory cannot run code."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain values, which bicache does not unpickle "
+            "(that could run code); it was not written by bicache: delete it to train from the start"
+        ) from e
 
 
 def load_or_train(recipe: Recipe = Recipe(), progress: bool = True, directory: Path | None = None) -> DiffusionLM:
