@@ -103,3 +103,10 @@ def test_bench_schedule_alternates_native_and_optimized():
 
     assert _schedule(("native", "static", "optimized"), 2) == ["native", "optimized", "optimized", "native", "static"]
     assert _schedule(("static",), 3) == ["static"]
+
+
+def test_serve_beyond_loopback_needs_a_token(capsys, monkeypatch):
+    monkeypatch.delenv("AGENTDYN_TOKEN", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--token" in err[0]

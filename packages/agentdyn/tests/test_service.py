@@ -21,9 +21,9 @@ from agentdyn.sandbox import zombie_children
 from agentdyn.service import make_app
 
 
-async def _serve(h: Harness):
+async def _serve(h: Harness, **app_kw):
     await h.start()
-    runner = web.AppRunner(make_app(h), access_log=None)
+    runner = web.AppRunner(make_app(h, **app_kw), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
@@ -240,3 +240,136 @@ def test_port_in_use_still_stops_the_harness():
         return calls
 
     assert asyncio.run(go()) == ["stop"]
+
+
+def _corpus() -> list[tuple[str, str, bytes | None, dict]]:
+    """(method, path, body, headers) of malformed requests: none of them is a valid agent request."""
+    raw = [
+        b"",
+        b"   ",
+        b"{",
+        b"{not json",
+        b"null",
+        b"[]",
+        b"[1, 2]",
+        b"42",
+        b'"coding"',
+        b"\xff\xfe{}",
+        b'{"task_type": NaN}',
+        b'{"task_type": "coding", "tool_timeout_s": 1e999}',
+        b'{"task_type": "coding", "max_steps": ' + b"9" * 5000 + b"}",
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 1000 + b"1" + b"}" * 1000,
+        b'{"task_type": "coding", "input": ' + b"[" * 70 + b"]" * 70 + b"}",
+        b'{"task_type": "\\ud800"}',
+        b'{"task_type": "coding",}',
+        b"{'task_type': 'coding'}",
+    ]
+    objs = [
+        {},
+        {"input": {}},
+        {"task_type": None},
+        {"task_type": 3},
+        {"task_type": ["coding"]},
+        {"task_type": {"name": "coding"}},
+        {"task_type": "painting"},
+        {"task_type": "CODING"},
+        {"task_type": "x" * 100_000},
+        {"task_type": "coding", "input": 5},
+        {"task_type": "coding", "input": "{}"},
+        {"task_type": "coding", "input": []},
+        {"task_type": "coding", "tool_timeout_s": -1},
+        {"task_type": "coding", "tool_timeout_s": 0},
+        {"task_type": "coding", "tool_timeout_s": 10**30},
+        {"task_type": "coding", "tool_timeout_s": "5"},
+        {"task_type": "coding", "tool_timeout_s": True},
+        {"task_type": "coding", "max_steps": 0},
+        {"task_type": "coding", "max_steps": 1.5},
+        {"task_type": "coding", "max_steps": 10**30},
+        {"task_type": "coding", "max_steps": False},
+        {"task_type": "coding", "request_id": "a b"},
+        {"task_type": "coding", "request_id": "x" * 65},
+        {"task_type": "coding", "request_id": 7},
+        {"task_type": "coding", "request_id": "../../etc"},
+        {"task_type": "coding", "colour": 1},
+    ]
+    bodies = raw + [json.dumps(o).encode() for o in objs]
+    out = [("POST", "/v1/agent", b, {}) for b in bodies]
+    out += [
+        ("POST", "/v1/agent", b"task_type=coding", {"Content-Type": "application/x-www-form-urlencoded"}),
+        ("POST", "/v1/agent", b"coding", {"Content-Type": "text/plain"}),
+        ("POST", "/v1/agent", b"--x\r\n\r\ncoding\r\n--x--", {"Content-Type": "multipart/form-data; boundary=x"}),
+        ("POST", "/v1/agent", b" " * ((1 << 20) + 1), {}),
+        ("GET", "/v1/agent", None, {}),
+        ("PUT", "/v1/agent", b"{}", {}),
+        ("DELETE", "/healthz", None, {}),
+        ("POST", "/v1/stats", b"{}", {}),
+        ("GET", "/v1/agents", None, {}),
+        ("GET", "/v1/../../etc/passwd", None, {}),
+    ]
+    return out
+
+
+def test_malformed_request_corpus_gets_no_500_and_no_traceback():
+    corpus = _corpus()
+    assert len(corpus) >= 50
+
+    async def go():
+        h = Harness(emulator=_fast(), site_pages=30)
+        runner, url = await _serve(h)
+        out = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for method, path, body, headers in corpus:
+                    async with s.request(method, url + path, data=body, headers=headers) as r:
+                        out.append((method, path, (body or b"")[:40], r.status, await r.text()))
+                accepted = h.runtime.completed + h.runtime.failed
+        finally:
+            await runner.cleanup()
+            await h.stop()
+        return out, accepted
+
+    out, ran = asyncio.run(go())
+    assert ran == 0  # nothing malformed reached the agent
+    for method, path, body, status, text in out:
+        assert 400 <= status < 500, (method, path, body, status, text)
+        assert "Traceback" not in text and 'File "' not in text, (method, path, body, text)
+    deep = [json.loads(t) for m, p, b, st, t in out if b.startswith(b"[[[[")]
+    assert deep[0]["field"] == "body" and "100000 levels deep; the limit is 64" in deep[0]["error"]
+
+
+def test_token_guards_every_route():
+    async def go():
+        h = Harness(emulator=_fast(), site_pages=30)
+        runner, url = await _serve(h, token="t0ken")
+        out = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path, headers in (
+                    ("/healthz", {}),
+                    ("/v1/stats", {"Authorization": "Bearer t0ke"}),
+                    ("/healthz", {"Authorization": "Bearer t0ken"}),
+                ):
+                    async with s.get(url + path, headers=headers) as r:
+                        out.append((r.status, r.headers.get("WWW-Authenticate")))
+                async with s.post(url + "/v1/agent", json={"task_type": "coding"}) as r:
+                    out.append((r.status, r.headers.get("WWW-Authenticate")))
+        finally:
+            await runner.cleanup()
+            await h.stop()
+        return out, h.runtime.completed + h.runtime.failed
+
+    out, ran = asyncio.run(go())
+    assert out == [(401, "Bearer"), (401, "Bearer"), (200, None), (401, "Bearer")]
+    assert ran == 0
+
+
+def test_serve_beyond_loopback_without_token_starts_nothing():
+    from agentdyn.service import serve
+
+    h = Harness(emulator=_fast(), site_pages=30)
+    started = []
+    h.start = lambda: started.append(1)
+    with pytest.raises(ValueError, match="--token"):
+        asyncio.run(serve(h, "0.0.0.0", 0))
+    assert started == []

@@ -130,8 +130,15 @@ def _llm_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
+    from hwtopo.httpguard import check_bind, token_from_env
+
     from .service import serve
 
+    token = args.token or token_from_env("AGENTDYN_TOKEN")
+    try:
+        check_bind(args.host, token)  # before the harness starts its emulator, site and sampler
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     h = _harness(args)
     progress = _progress(args)
 
@@ -141,7 +148,7 @@ def cmd_serve(args) -> int:
     def ready(url):
         print(f"agentdyn serving on {url} (policy {args.policy})", flush=True)
 
-    return asyncio.run(serve(h, args.host, args.port, args.drain_timeout, ready=ready, setup=setup))
+    return asyncio.run(serve(h, args.host, args.port, args.drain_timeout, ready=ready, setup=setup, token=token))
 
 
 def cmd_run(args) -> int:
@@ -332,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8080)
     s.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument(
+        "--token",
+        help="bearer token every request must carry (default: $AGENTDYN_TOKEN, else none); "
+        "required when --host is beyond loopback",
+    )
     _llm_options(s)
     s.set_defaults(fn=cmd_serve)
 

@@ -1,22 +1,26 @@
 """``agentdyn serve``: the agent runtime as an HTTP service (aiohttp).
 
 ``POST /v1/agent`` {"task_type", "input", "request_id"?, "tool_timeout_s"?, "max_steps"?} runs one
-agent request and answers its result with the timeline. Malformed bodies get 400 naming the field,
-unknown task types 422, an LLM that stays down or slow after the bounded retries 502 with the
-reason, other agent failures 500. ``GET /healthz`` and ``GET /v1/stats`` report state. On SIGTERM
-or SIGINT the service drains: new requests get 503, in-flight ones finish (up to
-``drain_timeout_s``), then tools, groups and servers are closed and the process exits 0.
+agent request and answers its result with the timeline. Malformed bodies get 400 naming the field
+(JSON nested deeper than 64 levels too; a body over ``max_body_bytes`` 413), unknown task types
+422, an LLM that stays down or slow after the bounded retries 502 with the reason, other agent
+failures 500; an unexpected exception is a 500 naming no internals (logged). With a ``token``
+every route needs ``Authorization: Bearer <token>`` (401 without); a host beyond loopback needs
+one. ``GET /healthz`` and ``GET /v1/stats`` report state. On SIGTERM or SIGINT the service
+drains: new requests get 503, in-flight ones finish (up to ``drain_timeout_s``), then tools,
+groups and servers are closed and the process exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
 
 from aiohttp import web
+
+from hwtopo.httpguard import BadRequest, check_bind, middleware, read_json
 
 from .runtime import Harness, RequestError, validate_request
 
@@ -26,6 +30,10 @@ log = logging.getLogger(__name__)
 
 HARNESS = web.AppKey("harness", Harness)
 STATE = web.AppKey("state", dict)
+BODY_LIMIT = web.AppKey("max_body_bytes", int)
+
+MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64
 
 
 def _err(status: int, message: str, field: str | None = None, **extra) -> web.Response:
@@ -38,11 +46,10 @@ async def _agent(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state["draining"]:
         return _err(503, "draining: the service is shutting down and takes no new requests")
-    raw = await request.read()
     try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _err(400, f"body: not valid JSON ({e.msg if hasattr(e, 'msg') else e})", "body")
+        body = await read_json(request, max_bytes=request.app[BODY_LIMIT], max_depth=MAX_JSON_DEPTH)
+    except BadRequest as e:
+        return _err(e.status, f"body: {e}", "body")
     try:
         req = validate_request(body)
     except RequestError as e:
@@ -81,10 +88,12 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-def make_app(harness: Harness) -> web.Application:
-    """The service app around a started ``Harness``."""
-    app = web.Application(client_max_size=1 << 20)
+def make_app(harness: Harness, *, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+    """The service app around a started ``Harness``; ``token``: the bearer token requests must carry."""
+    guard = middleware(token, max_body_bytes, _err)
+    app = web.Application(middlewares=[guard], client_max_size=max_body_bytes)
     app[HARNESS] = harness
+    app[BODY_LIMIT] = max_body_bytes
     app[STATE] = {"draining": False, "accepted": 0, "started": time.monotonic()}
     app.router.add_post("/v1/agent", _agent)
     app.router.add_get("/healthz", _health)
@@ -93,16 +102,24 @@ def make_app(harness: Harness) -> web.Application:
 
 
 async def serve(
-    harness: Harness, host: str = "127.0.0.1", port: int = 8080, drain_timeout_s: float = 120.0, ready=None, setup=None
+    harness: Harness,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    drain_timeout_s: float = 120.0,
+    ready=None,
+    setup=None,
+    token: str | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT, then drain. ``await setup(harness)`` runs after start (e.g. to
-    calibrate and install a policy); ``ready(url)`` is called once listening."""
+    calibrate and install a policy); ``ready(url)`` is called once listening. A ``host`` beyond
+    loopback needs a ``token`` (ValueError before anything starts)."""
+    check_bind(host, token)
     await harness.start()
     runner = None
     try:  # a failed setup or bind (port in use) still stops the harness: no leaked sessions or tools
         if setup is not None:
             await setup(harness)
-        app = make_app(harness)
+        app = make_app(harness, token=token)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
