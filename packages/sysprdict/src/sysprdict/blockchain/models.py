@@ -12,13 +12,19 @@ Targets: throughput is learnt as the fraction of the offered load that succeeds 
 send rate), so one model covers every send rate; latency in log space; success rate directly.
 Cross-validation folds are grouped by `config_id`: repeated runs of one configuration never sit on
 both sides of a split.
+
+Saved models are an ``.npz`` of plain arrays read with ``allow_pickle=False`` plus JSON metadata: the
+forests' and boosted trees' nodes (:class:`TreeEnsemble`, which predicts exactly as the fitted
+scikit-learn regressor did) or xgboost's own JSON model. Loading one runs no code from the file, so a
+model file may come from anywhere; a pickle could run anything when unpickled.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +33,17 @@ from ..timepred import boosting_backend
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FEATURES", "TARGETS", "PerfModel", "featurize", "grouped_cv", "grouped_folds", "mape", "smape"]
+__all__ = [
+    "FEATURES",
+    "TARGETS",
+    "PerfModel",
+    "TreeEnsemble",
+    "featurize",
+    "grouped_cv",
+    "grouped_folds",
+    "mape",
+    "smape",
+]
 
 FEATURES = {
     "peers": "peer nodes (horizontal)",
@@ -157,7 +173,7 @@ class PerfModel:
         point = _decode(target, rows, m.predict(x))
         lo_r, hi_r = self.residual_q.get(target, (0.0, 0.0))
         if self.kind == "rf":
-            per_tree = np.stack([_decode(target, rows, est.predict(x)) for est in m.estimators_])
+            per_tree = np.stack([_decode(target, rows, z) for z in _tree_predictions(m, x)])
             lo = np.quantile(per_tree, (1 - q) / 2, axis=0)
             hi = np.quantile(per_tree, 1 - (1 - q) / 2, axis=0)
         else:
@@ -177,22 +193,213 @@ class PerfModel:
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
+        """Write the model atomically as an ``.npz`` of plain arrays (see the module doc), whatever the
+        path's suffix."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "wb") as f:
-            state = {"kind": self.kind, "seed": self.seed, "models": self.models, "residual_q": self.residual_q}
-            pickle.dump({**state, "space": self.space}, f)
-        os.replace(tmp, path)
+        arrays: dict[str, np.ndarray] = {}
+        meta = {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "kind": self.kind,
+            "seed": self.seed,
+            "residual_q": {t: list(q) for t, q in self.residual_q.items()},
+            "space": self.space,
+            "models": {t: _export(m, t, arrays) for t, m in self.models.items()},
+        }
+        arrays["meta"] = np.array(json.dumps(meta, default=_json_scalar))
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PerfModel:
+        """Read a model written by :meth:`save`; nothing in the file is unpickled or run."""
+        path = Path(path)
         with open(path, "rb") as f:
-            d = pickle.load(f)  # noqa: S301 - our own saved models
-        m = cls(d["kind"], d["seed"])
-        m.models, m.residual_q, m.space = d["models"], d["residual_q"], d.get("space", {})
+            head = f.read(4)
+        if head[:1] == b"\x80":
+            raise ValueError(
+                f"{path} is a pickled model from an older sysprdict; it is not loaded because unpickling can run "
+                "code. Refit it: `sysprdict blockchain-demo` writes a new one, or PerfModel(kind).fit(rows).save(path)"
+            )
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                if meta.get("format") != _FORMAT or meta.get("version") != _FORMAT_VERSION:
+                    raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}")
+                models = {t: _import(spec, t, z) for t, spec in meta["models"].items()}
+        except (ValueError, KeyError, TypeError, OSError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{path} is not a sysprdict model file written by PerfModel.save ({e})") from e
+        m = cls(meta["kind"], meta["seed"])
+        m.models, m.space = models, meta["space"]
+        m.residual_q = {t: tuple(q) for t, q in meta["residual_q"].items()}
         return m
+
+
+_FORMAT, _FORMAT_VERSION = "sysprdict-perfmodel", 1
+_NODE_FIELDS = {"feature": np.int64, "threshold": np.float64, "left": np.int64, "right": np.int64, "value": np.float64}
+
+
+def _json_scalar(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+
+class TreeEnsemble:
+    """A random forest or histogram gradient boosting regressor as plain node arrays.
+
+    All trees' nodes are concatenated (``roots`` holds each tree's first node; a leaf has ``left`` -1).
+    A sample goes left when ``x[feature] <= threshold``, with ``x`` first rounded to float32 for a
+    forest, as scikit-learn does; a forest averages its trees, boosting adds them to ``base``. Summed
+    in the same order as scikit-learn, the predictions are the same floats.
+    """
+
+    def __init__(
+        self,
+        nodes: dict[str, np.ndarray],
+        roots: np.ndarray,
+        combine: str,
+        base: float = 0.0,
+        importances: np.ndarray | None = None,
+    ):
+        if combine not in ("mean", "sum"):
+            raise ValueError(f"combine must be 'mean' or 'sum', not {combine!r}")
+        self.nodes = {k: np.asarray(nodes[k]).astype(dt, casting="same_kind") for k, dt in _NODE_FIELDS.items()}
+        self.roots = np.asarray(roots).astype(np.int64, casting="same_kind")
+        self.combine, self.base = combine, float(base)
+        self.feature_importances_ = importances
+        _check_nodes(self.nodes, self.roots)
+
+    @classmethod
+    def from_regressor(cls, m) -> TreeEnsemble:
+        """From a fitted ``RandomForestRegressor`` or ``HistGradientBoostingRegressor`` (numeric splits)."""
+        if hasattr(m, "estimators_"):
+            trees = [
+                (
+                    e.tree_.feature,
+                    e.tree_.threshold,
+                    e.tree_.children_left,
+                    e.tree_.children_right,
+                    e.tree_.value[:, 0, 0],
+                )
+                for e in m.estimators_
+            ]
+            return cls._concat(trees, "mean", 0.0, m.feature_importances_)
+        preds = [p for it in m._predictors for p in it]
+        if any(p.nodes["is_categorical"].any() for p in preds):
+            raise ValueError("categorical splits cannot be saved; sysprdict's features are all numeric")
+        trees = []
+        for p in preds:
+            nd, leaf = p.nodes, p.nodes["is_leaf"].astype(bool)
+            left, right = (np.where(leaf, -1, nd[k].astype(np.int64)) for k in ("left", "right"))
+            trees.append((nd["feature_idx"], nd["num_threshold"], left, right, nd["value"]))
+        return cls._concat(trees, "sum", float(np.ravel(m._baseline_prediction)[0]), None)
+
+    @classmethod
+    def _concat(cls, trees, combine, base, importances) -> TreeEnsemble:
+        sizes = [len(t[4]) for t in trees]
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        cols = list(zip(*trees))
+        feature = np.concatenate([np.maximum(f, 0) for f in cols[0]]).astype(np.int64)
+        left, right = (np.concatenate([np.where(c >= 0, c + o, -1) for c, o in zip(cols[i], offsets)]) for i in (2, 3))
+        nodes = {
+            "feature": feature,
+            "threshold": np.concatenate(cols[1]).astype(np.float64),
+            "left": left.astype(np.int64),
+            "right": right.astype(np.int64),
+            "value": np.concatenate(cols[4]).astype(np.float64),
+        }
+        return cls(nodes, offsets, combine, base, importances)
+
+    def tree_predictions(self, x: np.ndarray) -> np.ndarray:
+        """Every tree's prediction, shape (trees, samples)."""
+        x = np.asarray(x, np.float64)
+        if np.isnan(x).any():
+            raise ValueError("features must not be NaN")
+        if self.combine == "mean":
+            x = x.astype(np.float32).astype(np.float64)
+        feat, thr, left, right = (self.nodes[k] for k in ("feature", "threshold", "left", "right"))
+        if x.shape[1] <= feat.max(initial=0):
+            raise ValueError(f"the trees split on feature {feat.max()} but the samples have {x.shape[1]} features")
+        node = np.repeat(self.roots[:, None], len(x), axis=1)
+        samples = np.arange(len(x))[None, :]
+        inner = left[node] >= 0
+        while inner.any():
+            go_left = x[samples, feat[node]] <= thr[node]
+            node = np.where(inner, np.where(go_left, left[node], right[node]), node)
+            inner = left[node] >= 0
+        return self.nodes["value"][node]
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(x)) + (self.base if self.combine == "sum" else 0.0)
+        for z in self.tree_predictions(x):
+            out += z
+        return out / len(self.roots) if self.combine == "mean" else out
+
+    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        out = {f"{prefix}.{k}": v for k, v in self.nodes.items()} | {f"{prefix}.roots": self.roots}
+        if self.feature_importances_ is not None:
+            out[f"{prefix}.importances"] = np.asarray(self.feature_importances_, np.float64)
+        return out
+
+
+def _check_nodes(nodes: dict[str, np.ndarray], roots: np.ndarray) -> None:
+    """Refuse node arrays a prediction could not walk to a leaf: every child lies after its parent
+    (as both scikit-learn builders number them), so every walk ends."""
+    n = len(nodes["value"])
+    if any(v.ndim != 1 or len(v) != n for v in nodes.values()) or roots.ndim != 1 or len(roots) == 0:
+        raise ValueError("tree arrays must be one-dimensional, of one length, with at least one tree")
+    idx = np.arange(n)
+    inner = nodes["left"] >= 0
+    ok = (nodes["right"] >= 0) == inner
+    for c in (nodes["left"], nodes["right"]):
+        ok &= ~inner | ((c > idx) & (c < n))
+    if not ok.all() or (nodes["feature"] < 0).any() or ((roots < 0) | (roots >= n)).any():
+        raise ValueError("tree nodes are inconsistent: a child, root or feature index is out of range")
+
+
+def _tree_predictions(m, x: np.ndarray) -> np.ndarray:
+    """Per-tree predictions of a fitted forest or a loaded :class:`TreeEnsemble`."""
+    if isinstance(m, TreeEnsemble):
+        return m.tree_predictions(x)
+    return np.stack([est.predict(x) for est in m.estimators_])
+
+
+def _export(m, target: str, arrays: dict) -> dict:
+    """Add ``m``'s arrays to ``arrays``; returns what :func:`_import` needs besides them."""
+    if type(m).__module__.startswith("xgboost"):
+        raw = bytes(m.get_booster().save_raw("json"))  # xgboost's own JSON model, no pickle
+        arrays[f"{target}.xgboost_json"] = np.frombuffer(raw, np.uint8)
+        return {"type": "xgboost"}
+    e = m if isinstance(m, TreeEnsemble) else TreeEnsemble.from_regressor(m)
+    arrays.update(e.arrays(target))
+    return {"type": "trees", "combine": e.combine, "base": e.base}
+
+
+def _import(spec: dict, target: str, z) -> object:
+    if spec["type"] == "xgboost":
+        try:
+            import xgboost as xgb
+        except ImportError as e:
+            raise ValueError("its xgboost models need xgboost: pip install 'mlsyskit-sysprdict[xgboost]'") from e
+        m = xgb.XGBRegressor()
+        m.load_model(bytearray(z[f"{target}.xgboost_json"].tobytes()))
+        return m
+    if spec["type"] != "trees":
+        raise ValueError(f"model type {spec['type']!r} is not known")
+    nodes = {k: z[f"{target}.{k}"] for k in _NODE_FIELDS}
+    imp = z[f"{target}.importances"] if f"{target}.importances" in z.files else None
+    return TreeEnsemble(nodes, z[f"{target}.roots"], spec["combine"], spec["base"], imp)
 
 
 def grouped_folds(rows: list[dict], k: int = 5, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
