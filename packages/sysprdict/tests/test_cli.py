@@ -95,3 +95,56 @@ def test_blockchain_bad_data_is_one_line_naming_file_row_column(tmp_path, capsys
     assert main(["blockchain-demo", "--data", str(rep), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert "report.json" in err and "round 0" in err and "Traceback" not in err
+
+
+def _fake_evaluation(**kwargs):
+    fams, precs = ["llama", "vit"], ["fp32", "bf16"]
+    per = {
+        m: {"per_family": {f: 0.1 for f in fams}, "per_precision": {q: 0.2 for q in precs}}
+        for m in ("aware", "blind", "analytical")
+    }
+    tpts = [{"precision": q, "true": 0.01 * (i + 1), "pred": 0.011 * (i + 1)} for i, q in enumerate(precs * 2)]
+    mpts = [
+        {
+            "model": "llava-clip-xs",
+            "precision": "fp32",
+            "batch": 2,
+            "modality": m,
+            "true": 2**22,
+            "pred": 2**22 + 9,
+            "accelerate_style": 2**20,
+        }
+        for m in ("multimodal", "text")
+    ]
+    guard = {
+        "cases": [
+            {
+                "model": "llama-xs",
+                "limit_bytes": 2**24,
+                "batch": 3,
+                "predicted_peak_bytes": 2**23,
+                "measured_peak_bytes": 2**22,
+                "violation": False,
+            }
+        ]
+    }
+    return {
+        "rows": [],
+        "timing": {"families": fams, **per, "points": tpts},
+        "memory": {"points": mpts},
+        "oom_guard": guard,
+        "headline": {"time_mape": 0.09, "oom_guard_violations": 0},
+    }
+
+
+def test_demo_prints_tables_and_writes_report_and_plots(tmp_path, capsys, monkeypatch):
+    import sysprdict.evaluate
+
+    monkeypatch.setattr(sysprdict.evaluate, "run_evaluation", _fake_evaluation)
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| held-out family " in printed and "| llava-clip-xs " in printed and "| ok " in printed
+    report = (out / "report.md").read_text()
+    assert "| time_mape " in report and "time_scatter.png" in report
+    assert {p.name for p in out.iterdir()} == {"profile.jsonl", "report.md", "time_scatter.png", "memory_scatter.png"}

@@ -1,8 +1,8 @@
 """The profiler: real training steps over a grid, recorded into the versioned dataset.
 
 Single-process configurations run in this process (one thread).  Data-parallel ones (world size
-> 1) spawn gloo ranks on localhost, each with one thread, a timeout on the process group, and a
-clear error naming a rank that died; rank 0 also measures the gloo all-reduce bandwidth, which the
+> 1) run as gloo ranks through hwtopo.launch.spawn (one thread each, a timeout on the process group,
+an error naming the rank that failed); rank 0 also reports the gloo all-reduce bandwidth, which the
 communication model of the time predictor uses.
 """
 
@@ -12,10 +12,7 @@ import dataclasses
 import datetime as dt
 import itertools
 import logging
-import os
 import platform
-import queue as queue_mod
-import socket
 import statistics
 import time
 from collections.abc import Iterable
@@ -115,11 +112,11 @@ def profile_grid(points: Iterable[GridPoint], steps: int = 3, progress: bool = T
     if rounds < 1:
         raise ValueError(f"rounds: {rounds} must be >= 1 timing pass over the grid")
     points = list(points)
-    from tqdm import tqdm
+    from hwtopo import console
 
     rows: list[dict | None] = [None] * len(points)
     sessions: dict[int, tuple[TrainingSession, tuple]] = {}
-    bar = tqdm(total=len(points) * rounds, desc="profile", disable=not progress, leave=False)
+    bar = console.progress(total=len(points) * rounds, desc="profile", quiet=not progress)
     for i, p in enumerate(points):
         if p.world_size > 1:
             rows[i] = run_point(p, steps)
@@ -149,109 +146,59 @@ def _session(p: GridPoint) -> TrainingSession:
 # ---------------------------------------------------------------- data parallel (gloo) ----------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank: int, ws: int, port: int, p: GridPoint, steps: int, q, timeout_s: float) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _ddp_rank(rank: int, world: int, p: GridPoint, steps: int) -> dict:
+    """One gloo rank of a data-parallel point (run by hwtopo.launch.spawn, its group joined)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from .layers import precision_setup
     from .train import _step, make_optimizer
 
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=ws,
-            timeout=dt.timedelta(seconds=timeout_s),
-        )
-        from .layers import precision_setup
-
-        param_dtype, ac = precision_setup(p.precision)
-        zm = build(p.model, image_size=p.image_size)
-        zm.module.to(param_dtype)
-        ddp = DDP(zm.module)
-        dzm = dataclasses.replace(zm, module=ddp)
-        batch = zm.make_batch(Shape(p.batch, p.seq_len, p.image_size), dtype=param_dtype, seed=rank)
-        opt = make_optimizer(p.optimizer, ddp.parameters())
-        scaler = torch.amp.GradScaler("cpu") if p.precision == "fp16" else None
+    param_dtype, ac = precision_setup(p.precision)
+    zm = build(p.model, image_size=p.image_size)
+    zm.module.to(param_dtype)
+    ddp = DDP(zm.module)
+    dzm = dataclasses.replace(zm, module=ddp)
+    batch = zm.make_batch(Shape(p.batch, p.seq_len, p.image_size), dtype=param_dtype, seed=rank)
+    opt = make_optimizer(p.optimizer, ddp.parameters())
+    scaler = torch.amp.GradScaler("cpu") if p.precision == "fp16" else None
+    _step(dzm, batch, opt, scaler, ac)
+    times, cpu = [], []
+    for _ in range(steps):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
         _step(dzm, batch, opt, scaler, ac)
-        times, cpu = [], []
-        for _ in range(steps):
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            _step(dzm, batch, opt, scaler, ac)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        # all-reduce bandwidth of this process group (for the communication model)
-        buf = torch.zeros(1 << 20)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    # all-reduce bandwidth of this process group (for the communication model)
+    buf = torch.zeros(1 << 20)
+    dist.all_reduce(buf)
+    t0 = time.perf_counter()
+    for _ in range(3):
         dist.all_reduce(buf)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            dist.all_reduce(buf)
-        ar = (time.perf_counter() - t0) / 3
-        algbw = buf.numel() * 4 * 2 * (ws - 1) / ws / ar
-        t = torch.tensor([statistics.median(times), min(cpu)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            q.put(("ok", rank, (float(t[0]), float(t[1])), times, algbw))
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - reported to the parent by rank
-        q.put(("error", rank, f"{type(e).__name__}: {e}", None, None))
-        raise SystemExit(1) from None
+    ar = (time.perf_counter() - t0) / 3
+    t = torch.tensor([statistics.median(times), min(cpu)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    algbw = buf.numel() * 4 * 2 * (world - 1) / world / ar
+    return {"time_s": float(t[0]), "cpu_s": float(t[1]), "times_s": times, "allreduce_bytes_per_s": algbw}
 
 
 def _run_ddp(p: GridPoint, steps: int, timeout_s: float) -> dict:
-    import torch.multiprocessing as mp
+    """Measure a data-parallel point on `world_size` local gloo ranks; a failed rank is named."""
+    from hwtopo.launch import RankError, spawn
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_ddp_worker, args=(r, p.world_size, port, p, steps, q, min(timeout_s, 120.0)), daemon=True)
-        for r in range(p.world_size)
-    ]
-    for pr in procs:
-        pr.start()
-    deadline = time.monotonic() + timeout_s
-    result = None
     try:
-        while result is None:
-            try:
-                msg = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                msg = None
-            if msg is not None:
-                if msg[0] == "error":
-                    raise ProfileError(f"data-parallel run of {p.model}: rank {msg[1]} failed: {msg[2]}")
-                result = msg
-                break
-            dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-            if dead:
-                try:  # the dead rank usually left its reason on the queue
-                    msg = q.get(timeout=2.0)
-                    if msg[0] == "error":
-                        raise ProfileError(f"data-parallel run of {p.model}: rank {msg[1]} failed: {msg[2]}")
-                except queue_mod.Empty:
-                    pass
-                raise ProfileError(
-                    f"data-parallel run of {p.model}: rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
-                )
-            if time.monotonic() > deadline:
-                raise ProfileError(f"data-parallel run of {p.model}: timed out after {timeout_s:.0f}s")
-    finally:
-        for pr in procs:
-            pr.join(timeout=10)
-            if pr.is_alive():
-                pr.kill()
-                pr.join()
-    _, _, (t, cpu), times, algbw = result
-    row = _row(p, t, times, cpu, 0, {}, 0)
-    row["allreduce_bandwidth_bytes_per_s"] = algbw
+        results = spawn(
+            _ddp_rank,
+            p.world_size,
+            (p, steps),
+            backend="gloo",
+            timeout_s=timeout_s,
+            pg_timeout_s=min(timeout_s, 120.0),
+        )
+    except RankError as e:
+        raise ProfileError(f"data-parallel run of {p.model}: {e}") from e
+    r0 = results[0]
+    row = _row(p, r0["time_s"], r0["times_s"], r0["cpu_s"], 0, {}, 0)
+    row["allreduce_bandwidth_bytes_per_s"] = r0["allreduce_bytes_per_s"]
     return row

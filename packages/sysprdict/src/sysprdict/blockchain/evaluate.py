@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 from pathlib import Path
 
 import hwtopo
+from hwtopo import console
 
 from .caliper import load_caliper
 from .fabricsim import FabricConfig, SimParams, simulate, simulate_dataset
@@ -24,11 +23,6 @@ DEMO_WORKLOAD = {
     "batch_timeout_s": 1.0,
     "endorsement": "MAJORITY",
 }
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlsyskit" / "sysprdict"
 
 
 def load_data(data: str = "", quick: bool = True, seed: int = 0) -> tuple[list[dict], str]:
@@ -93,13 +87,15 @@ def run_blockchain_demo(
     model = PerfModel("rf", seed)
     model.fit(rows)
     model.residual_q = {t: rf[t]["residual_q05_q95"] for t in ("throughput_tps", "success_rate")}
-    model.save(_cache_dir() / "blockchain-rf.pkl")
+    model.save(console.cache_dir("sysprdict") / "blockchain-rf.pkl")
     target_tps, target_succ = 250.0, 0.95
     rec = recommend(model, DEMO_WORKLOAD, target_tps, target_succ, Costs(), conservative=True)
-    lines = [f"# sysprdict blockchain demo{label}", "", "| model | target | SMAPE | MAPE |", "|---|---|---|---|"]
-    for m in (rf, xgb):
-        for t in ("throughput_tps", "success_rate", "avg_latency_s"):
-            lines.append(f"| {m['model']} | {t} | {m[t]['smape']:.4f} | {m[t]['mape']:.4f} |")
+    errors = [
+        [m["model"], t, round(m[t]["smape"], 4), round(m[t]["mape"], 4)]
+        for m in (rf, xgb)
+        for t in ("throughput_tps", "success_rate", "avg_latency_s")
+    ]
+    lines = [f"# sysprdict blockchain demo{label}", "", console.table(errors, ["model", "target", "SMAPE", "MAPE"])]
     lines += ["", f"{len(rows)} rows, {rf['n_configs']} configurations, 5-fold CV grouped by configuration.", ""]
     if rec is None:
         lines.append(f"No candidate is predicted to reach {target_tps} TPS at {target_succ:.0%} success.")
@@ -127,7 +123,3 @@ def run_blockchain_demo(
     text = "\n".join(lines) + "\n"
     hwtopo.atomic_write_text(outp / "report.md", text)
     return text
-
-
-def _asdict(x):  # pragma: no cover - helper for callers printing dataclasses
-    return dataclasses.asdict(x)
