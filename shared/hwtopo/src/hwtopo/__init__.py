@@ -5,6 +5,7 @@ machine, light measurements, and emulation of slower CPUs and links on one machi
 """
 
 from . import console, launch
+from .cgroups import CGroup, CGroupUsage, cgroup_controllers
 from .emulate import (
     CpuThrottle,
     Dilation,
@@ -42,6 +43,8 @@ __version__ = "0.1.1"
 
 __all__ = [
     "Accelerator",
+    "CGroup",
+    "CGroupUsage",
     "Cluster",
     "CpuThrottle",
     "Dilation",
@@ -58,6 +61,7 @@ __all__ = [
     "atomic_write_text",
     "attach",
     "cgroup_available",
+    "cgroup_controllers",
     "console",
     "cleanup_stale",
     "current_dilation",

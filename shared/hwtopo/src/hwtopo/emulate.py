@@ -3,8 +3,11 @@
 CPU speed: a process runs at a relative ``speed`` of one CPU through a cgroup CPU quota when the
 cgroup ``cpu`` controller is writable (v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``), otherwise a
 duty-cycle throttle: a small watchdog process alternates SIGSTOP/SIGCONT. ``CpuThrottle.method``
-says which was used. Every cgroup created is removed on close, at exit, and by
-``cleanup_stale()`` (called on every new throttle) once the process that made it has died.
+says which was used. Neither outlives the process that made it: the quota's group is a
+:class:`~hwtopo.cgroups.CGroup` (removed on close, at exit, and by a guardian when its creator dies);
+the watchdog resumes the process and exits when its creator dies or closes the throttle, and a
+guardian of its own resumes the process if the watchdog itself is killed, so a stopped process is
+never left behind.
 
 Compute dilation (``Dilation``, ``dilate``, ``sync_point``): a process emulating relative ``speed``
 computes at full speed and, at each synchronisation point it marks, sleeps ``(1/speed - 1)`` x the CPU
@@ -31,9 +34,10 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cgroups import CGroup, cgroup_available, cleanup_stale, pid_alive, remove_cgroup
 from .model import Link
 
 __all__ = [
@@ -58,130 +62,94 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EMULATED = "emulated"
-PREFIX = "hwtopo-"
 PERIOD_US = 100_000
-_CG_ROOTS_V1 = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/cpu,cpuacct"))
-_CG_ROOT_V2 = Path("/sys/fs/cgroup")
-_counter = 0
-_live: dict[str, CpuThrottle] = {}
+WATCHDOG_MARKER = "hwtopo-watchdog"
+_throttles: dict[int, CpuThrottle] = {}
 _lock = threading.Lock()
 
 
-def _cgroup_root() -> tuple[Path, int] | None:
-    """(root directory, version) of a writable cpu controller, or None."""
-    for root in _CG_ROOTS_V1:
-        if (root / "cpu.cfs_quota_us").exists() and os.access(root, os.W_OK):
-            return root, 1
-    if (_CG_ROOT_V2 / "cgroup.controllers").exists() and os.access(_CG_ROOT_V2, os.W_OK):
-        ctrl = (_CG_ROOT_V2 / "cgroup.subtree_control").read_text()
-        if "cpu" in ctrl.split():
-            return _CG_ROOT_V2, 2
-    return None
-
-
-def cgroup_available() -> bool:
-    """True when a cgroup CPU quota can be set here (root with a writable cpu controller)."""
-    return _cgroup_root() is not None
-
-
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists (also when it belongs to another user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _procs(group: Path) -> list[int]:
-    try:
-        return [int(x) for x in (group / "cgroup.procs").read_text().split()]
-    except OSError:
-        return []
-
-
-def remove_cgroup(group: Path) -> bool:
-    """Move a cgroup's remaining processes to its parent, then rmdir it. True when removed."""
-    parent = group.parent / "cgroup.procs"
-    for _ in range(50):
-        for pid in _procs(group):
-            try:
-                parent.write_text(str(pid))
-            except OSError:
-                pass
-        try:
-            group.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError:
-            time.sleep(0.02)
-    log.warning("could not remove cgroup %s", group)
-    return False
-
-
-def cleanup_stale() -> list[str]:
-    """Remove hwtopo cgroups whose creating process is dead (e.g. after a crash). Returns their names."""
-    found = _cgroup_root()
-    if found is None:
-        return []
-    root, _ = found
-    removed = []
-    for group in root.glob(f"{PREFIX}*"):
-        try:
-            owner = int(group.name[len(PREFIX) :].split("-")[0])
-        except ValueError:
-            continue
-        if owner != os.getpid() and not pid_alive(owner):
-            if remove_cgroup(group):
-                removed.append(group.name)
-    if removed:
-        log.info("removed %d stale hwtopo cgroup(s): %s", len(removed), removed)
-    return removed
-
-
+# The duty-cycle watchdog, run without importing hwtopo. It sleeps in select() on two pipes: the end of
+# the creator's lifeline (the creator died, or closed the throttle) and a signal wake-up (SIGTERM,
+# SIGINT, SIGHUP), so it resumes the target at once in either case, stop phase or not. Its guardian, a
+# forked child in its own session, waits for the end of a pipe only the watchdog holds and resumes the
+# target if the watchdog dies by any means, SIGKILL included.
 _WATCHDOG = r"""
-import os, signal, sys, time
-pid, parent, on_s, off_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-def alive(p):
+import os, select, signal, sys
+_, _marker, pid, parent, on_s, off_s, lifeline = sys.argv
+pid, parent, lifeline, on_s, off_s = int(pid), int(parent), int(lifeline), float(on_s), float(off_s)
+
+def send(sig):
     try:
-        os.kill(p, 0); return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-stop = False
-def done(*_):
-    global stop; stop = True
-signal.signal(signal.SIGTERM, done)
-try:
-    while not stop and alive(pid) and alive(parent):
-        time.sleep(on_s)
-        if stop: break
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(off_s)
-        os.kill(pid, signal.SIGCONT)
-finally:
-    try:
-        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+def gone(p):
+    try:
+        os.kill(p, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    try:
+        with open("/proc/%d/stat" % p, "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+guard_r, guard_w = os.pipe()
+guardian = os.fork()
+if guardian == 0:
+    try:
+        os.setsid()
+        os.close(guard_w)
+        os.close(lifeline)
+        os.read(guard_r, 1)  # returns at the watchdog's end, however it came
+        send(signal.SIGCONT)
+    finally:
+        os._exit(0)
+os.close(guard_r)
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda *_: None)
+
+def stop_now(seconds):
+    ready = select.select([lifeline, wake_r], [], [], seconds)[0]
+    return bool(ready) or gone(pid) or gone(parent)
+
+try:
+    while not stop_now(on_s):
+        send(signal.SIGSTOP)
+        if stop_now(off_s):
+            break
+        send(signal.SIGCONT)
+finally:
+    send(signal.SIGCONT)
+    os.close(guard_w)
+    os.waitpid(guardian, 0)
 """
 
 
 @dataclass
 class CpuThrottle:
-    """A running throttle of one process to ``speed`` x ``cpus`` CPUs. Use as a context manager."""
+    """A running throttle of one process to ``speed`` x ``cpus`` CPUs. Use as a context manager.
+
+    ``group`` is the cgroup directory holding the quota (cgroup methods), ``cgroup`` the
+    :class:`~hwtopo.cgroups.CGroup` it belongs to.
+    """
 
     pid: int
     speed: float
     cpus: float
     method: str  # "cgroup-v1", "cgroup-v2", "duty-cycle" or "none" (speed >= 1)
     group: Path | None = None
+    cgroup: CGroup | None = None
     _watchdog: subprocess.Popen | None = None
+    _lifeline: int | None = None  # the write end the watchdog waits on; closing it stops the watchdog
     closed: bool = False
+    creator: int = field(default_factory=os.getpid)
 
     def describe(self) -> dict:
         return {"emulated": True, "pid": self.pid, "speed": self.speed, "cpus": self.cpus, "method": self.method}
@@ -191,20 +159,26 @@ class CpuThrottle:
             return
         self.closed = True
         if self._watchdog is not None:
-            self._watchdog.terminate()
+            self._stop_watchdog()
+        if self.cgroup is not None:
+            self.cgroup.close()
+        with _lock:
+            _throttles.pop(id(self), None)
+
+    def _stop_watchdog(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)  # the watchdog resumes the process and exits
+            self._lifeline = None
+        try:
+            self._watchdog.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._watchdog.kill()  # its guardian resumes the process
+            self._watchdog.wait()
+        if pid_alive(self.pid):
             try:
-                self._watchdog.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._watchdog.kill()
-            if pid_alive(self.pid):
-                try:
-                    os.kill(self.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-        if self.group is not None:
-            remove_cgroup(self.group)
-            with _lock:
-                _live.pop(str(self.group), None)
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> CpuThrottle:
         return self
@@ -228,7 +202,6 @@ def throttle(
     0.1 s, duty-cycle default 0.02 s); shorter periods make sub-second phases of a slow process less
     jittery at a little more overhead.
     """
-    global _counter
     if not 0 < speed:
         raise ValueError(f"speed must be > 0, not {speed!r}")
     if cpus <= 0:
@@ -240,51 +213,74 @@ def throttle(
     pid = os.getpid() if pid is None else pid
     if speed >= 1.0:
         return CpuThrottle(pid, speed, cpus, "none")
-    found = _cgroup_root() if method in ("auto", "cgroup") else None
-    if method == "cgroup" and found is None:
-        raise RuntimeError("no writable cgroup cpu controller here (need root and cgroup v1 cpu or v2 cpu.max)")
-    if found is not None:
-        cleanup_stale()
-        root, version = found
-        with _lock:
-            _counter += 1
-            group = root / f"{PREFIX}{os.getpid()}-{_counter}"
-        group.mkdir()
-        period_us = PERIOD_US if period_s is None else int(period_s * 1e6)
-        quota = max(1000, int(speed * cpus * period_us))
+    t = None
+    if method in ("auto", "cgroup"):
+        t = _cgroup_throttle(pid, speed, cpus, period_s, strict=method == "cgroup")
+    if t is None:
+        t = _duty_cycle(pid, speed, cpus, period_s)
+    with _lock:
+        _throttles[id(t)] = t
+    return t
+
+
+def _cgroup_throttle(pid: int, speed: float, cpus: float, period_s: float | None, strict: bool) -> CpuThrottle | None:
+    """A CPU quota of ``speed * cpus`` cores in a new cgroup; None (or raise, if ``strict``) where it fails."""
+    if not cgroup_available():
+        if strict:
+            raise RuntimeError("no writable cgroup cpu controller here (need root and cgroup v1 cpu or v2 cpu.max)")
+        return None
+    try:
+        cg = CGroup(quota_cores=speed * cpus, period_s=period_s, strict=True)
         try:
-            if version == 1:
-                (group / "cpu.cfs_period_us").write_text(str(period_us))
-                (group / "cpu.cfs_quota_us").write_text(str(quota))
-            else:
-                (group / "cpu.max").write_text(f"{quota} {period_us}")
-            (group / "cgroup.procs").write_text(str(pid))
+            cg.add(pid)
         except OSError:
-            remove_cgroup(group)
-            if method == "cgroup":
-                raise
-            log.warning("cgroup set-up failed; falling back to a duty-cycle throttle", exc_info=True)
-        else:
-            t = CpuThrottle(pid, speed, cpus, f"cgroup-v{version}", group=group)
-            with _lock:
-                _live[str(group)] = t
-            return t
-    # duty cycle: run `speed` of each period, stopped for the rest. Only exact for a 1-CPU process.
+            cg.close()
+            raise
+    except (OSError, RuntimeError):
+        if strict:
+            raise
+        log.warning("cgroup set-up failed; falling back to a duty-cycle throttle", exc_info=True)
+        return None
+    return CpuThrottle(pid, speed, cpus, f"cgroup-v{cg.version('cpu')}", group=cg.paths["cpu"], cgroup=cg)
+
+
+def _duty_cycle(pid: int, speed: float, cpus: float, period_s: float | None) -> CpuThrottle:
+    """Run ``speed`` of each period, stopped for the rest. Only exact for a 1-CPU process."""
     period = 0.02 if period_s is None else period_s
-    on_s = speed * period
-    off_s = (1 - speed) * period
-    wd = subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, str(pid), str(os.getpid()), repr(on_s), repr(off_s)],
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    return CpuThrottle(pid, speed, cpus, "duty-cycle", _watchdog=wd)
+    on_s, off_s = speed * period, (1 - speed) * period
+    r, w = os.pipe()
+    try:
+        wd = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _WATCHDOG,
+                WATCHDOG_MARKER,
+                str(pid),
+                str(os.getpid()),
+                repr(on_s),
+                repr(off_s),
+                str(r),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # outliving the creator by a moment, it must not hold its pipes
+            stderr=subprocess.DEVNULL,
+            pass_fds=(r,),
+            start_new_session=True,
+        )
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    return CpuThrottle(pid, speed, cpus, "duty-cycle", _watchdog=wd, _lifeline=w)
 
 
 @atexit.register
 def _close_all() -> None:
+    """Close this process's throttles at exit (a forked child's exit leaves its parent's alone)."""
     with _lock:
-        live = list(_live.values())
+        live = [t for t in _throttles.values() if t.creator == os.getpid()]
     for t in live:
         t.close()
 
