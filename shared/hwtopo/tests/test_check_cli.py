@@ -53,6 +53,13 @@ MALFORMED = [
         "one node",
     ),
     ("numa-huge-range", _numa({"id": 0, "cpus": "0-99999999999"}), "numa_nodes[0].cpus", "e.g. '0-3,8'"),
+    (
+        "numa-cpu-outside-listed-cpus",
+        _numa({"id": 0, "cpus": "8-10,99"}, cpus="8-11"),
+        "numa_nodes[0].cpus",
+        "valid CPU ids are 8-11",
+    ),
+    ("machine-cpus-too-few", _spec(cpus="0-2"), "machines[0].cpus", "one CPU id per hardware thread"),
     ("numa-cpu-twice", _numa({"id": 0, "cpus": [1, 1]}), "numa_nodes[0].cpus", "once"),
     ("numa-negative-cpu", _numa({"id": 0, "cpus": [-1]}), "numa_nodes[0].cpus", "0-65535"),
     ("numa-id-huge", _numa({"id": 70000}), "numa_nodes[0].id", "between 0 and 65535"),
@@ -130,6 +137,10 @@ def test_valid_spec_and_probe_output_pass_check(tmp_path):
     path = tmp_path / "ok.json"
     path.write_text(_numa({"id": 0, "cpus": "0-1", "memory": 0}, {"id": 1, "cpus": [2, 3]}, threads=4))
     assert main(["check", str(path)]) == 0
+    # a container's share of a larger host: its CPU ids are listed, its NUMA node names only those
+    path.write_text(_numa({"id": 1, "cpus": "8-11"}, cpus="8-11"))
+    assert main(["check", str(path)]) == 0
+    assert hwtopo.load(path).machines[0].cpu_ids == (8, 9, 10, 11)
     probed = hwtopo.save(hwtopo.probe_cluster(), tmp_path / "probed.json")
     assert hwtopo.load(probed) == hwtopo.probe_cluster()
 

@@ -49,7 +49,11 @@ class Accelerator:
 
 @dataclass(frozen=True)
 class Machine:
-    """One host. ``speed`` is relative compute speed (1.0 = reference); ``flops`` is measured."""
+    """One host. ``speed`` is relative compute speed (1.0 = reference); ``flops`` is measured.
+
+    ``cpus`` lists the machine's CPU ids (one per hardware thread) where they are not simply
+    ``0..threads-1``, e.g. a container's share of a larger host; ``cpu_ids`` gives them either way.
+    """
 
     name: str
     cores: int = 1
@@ -62,10 +66,16 @@ class Machine:
     disks: tuple[Disk, ...] = ()
     accelerators: tuple[Accelerator, ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
+    cpus: tuple[int, ...] = ()
 
     @property
     def hardware_threads(self) -> int:
         return self.threads if self.threads is not None else self.cores
+
+    @property
+    def cpu_ids(self) -> tuple[int, ...]:
+        """The machine's CPU ids: ``cpus`` when given, else ``0..hardware_threads-1``."""
+        return self.cpus or tuple(range(self.hardware_threads))
 
     @property
     def total_memory_bytes(self) -> float:

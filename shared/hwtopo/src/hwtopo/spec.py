@@ -8,7 +8,7 @@ Every value is range-checked where it is read: quantities are finite, greater th
 zero would be meaningless (memory, bandwidth, compute; a link's latency and a memoryless NUMA node
 may be 0) and at most ``MAX_QUANTITY``; counts and CPU ids lie below ``MAX_CPUS``. A machine is
 checked as a whole too: at least as many threads as cores, its NUMA nodes' CPUs among its own
-hardware threads (ids ``0..threads-1``) and each CPU in one node only.
+(ids ``0..threads-1``, or those listed in its ``cpus``) and each CPU in one node only.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ _MACHINE = _table(
     },
     {
         "name": _str,
+        "cpus": _cpu_ids,
         "cores": _int(1, MAX_CPUS),
         "threads": _int(1, MAX_CPUS),
         "speed": _speed,
@@ -256,21 +257,38 @@ def _machine(v: Any, f: str) -> Machine:
     return m
 
 
+def _cpulist(ids: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3, 8) -> '0-3,8'."""
+    runs: list[list[int]] = []
+    for c in sorted(ids):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def _check_machine(m: Machine, f: str) -> None:
     """Fields that must agree with each other: threads and cores, NUMA CPUs and the machine's CPUs."""
+    n = m.hardware_threads
     if m.threads is not None and m.threads < m.cores:
         raise SpecError(
             f"{f}.threads", f"{m.threads} is fewer than cores ({m.cores}); a machine has at least one thread per core"
         )
-    n = m.hardware_threads
+    if m.cpus and len(m.cpus) != n:
+        raise SpecError(
+            f"{f}.cpus", f"names {len(m.cpus)} CPUs for {n} hardware threads; list one CPU id per hardware thread"
+        )
+    mine = set(m.cpu_ids)
     owner: dict[int, int] = {}
     for i, node in enumerate(m.numa_nodes):
         for cpu in node.cpus:
-            if cpu >= n:
-                hint = "" if m.threads is not None else " (set threads when it has more threads than cores)"
+            if cpu not in mine:
+                hint = "" if m.threads is not None or m.cpus else " (set threads when it has more threads than cores)"
                 raise SpecError(
                     f"{f}.numa_nodes[{i}].cpus",
-                    f"CPU {cpu} is not one of this machine's {n} hardware threads; valid CPU ids are 0-{n - 1}{hint}",
+                    f"CPU {cpu} is not one of this machine's {n} hardware threads; "
+                    f"valid CPU ids are {_cpulist(m.cpu_ids)}{hint}",
                 )
             if cpu in owner:
                 raise SpecError(
