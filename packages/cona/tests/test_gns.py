@@ -232,45 +232,6 @@ def test_micro_batch_jackknife_is_unbiased_and_its_range_covers_the_noise_scale(
         micro_batch_pairs([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], 1.0, 0)
 
 
-def test_per_tensor_efficiency_reduces_to_the_pooled_model_and_departs_from_it_where_tensors_differ():
-    """With every tensor at the same noise scale the per-tensor square-root model is the pooled one at every
-    scaled noise scale; with one signal-dominated and one noise-dominated tensor it is not, and a noise scale
-    other than the estimate scales every tensor's alike (0: sqrt(M0/M), the no-noise limit)."""
-    from cona.gns import batch_efficiency, tensor_progress
-
-    def fed(tensors):
-        g = GradientNoiseScale(reference_batch=8, decay=0.0, per_tensor=True)
-        small = [g2 + tr / 8 for g2, tr in tensors]  # exact expectations at b = 8 and B = 64
-        big = [g2 + tr / 64 for g2, tr in tensors]
-        assert g.update(sum(small), 8, sum(big), 64, tensors=(small, big, [1.0] * len(tensors), [100] * len(tensors)))
-        return g
-
-    same = fed([(1.0, 50.0), (4.0, 200.0)])  # phi 50 in both
-    assert same.noise_scale == pytest.approx(50.0) and same.model == "sqrt-tensor"
-    for batch in (16, 64, 256):
-        for phi in (50.0, 10.0, 400.0):
-            assert same.efficiency(batch, phi) == pytest.approx(batch_efficiency(batch, phi, 8, "sqrt"), rel=1e-9)
-    mixed = fed([(1.0, 5.0), (1.0, 495.0)])  # pooled phi 250, tensors at 5 and 495
-    assert mixed.noise_scale == pytest.approx(250.0)
-    assert mixed.efficiency(256) < batch_efficiency(256, 250.0, 8, "sqrt") - 0.05
-    assert mixed.efficiency(256, 0.0) == pytest.approx(math.sqrt(8 / 256))
-    # a tensor whose noise is not resolved (tr estimate <= 0) takes the pooled noise scale, not zero: at an
-    # enormous noise scale every batch is then equally efficient, as in the pooled model
-    unresolved = fed([(1.0, -3.0), (1.0, 300.0)])
-    assert unresolved.efficiency(256, 1e9) == pytest.approx(1.0, abs=1e-4)
-    # the per-tensor statistics survive a state round trip (copies, not views of the live estimator)
-    state = unresolved.state_dict()
-    back = GradientNoiseScale(reference_batch=8)
-    back.load_state_dict(state)
-    assert back.model == "sqrt-tensor" and back.efficiency(128) == pytest.approx(unresolved.efficiency(128))
-    unresolved.update(1.0, 8, 0.5, 64, tensors=([0.5, 0.5], [0.25, 0.25], [1.0, 1.0], [100, 100]))
-    assert state["tensors"][0] != unresolved.state_dict()["tensors"][0]
-    assert tensor_progress(64, [1.0], [1.0], [1.0], [4]) == pytest.approx(2.0 / math.sqrt(65.0))
-    assert tensor_progress(64, [-1.0], [3.0], [1.0], [4]) == 0.0  # an unresolved tensor adds nothing
-    with pytest.raises(ValueError, match="per_tensor needs lr_scaling 'sqrt'"):
-        GradientNoiseScale(reference_batch=8, lr_scaling="tuned", per_tensor=True)
-
-
 def test_growth_fits_the_noise_scale_trend_and_ahead_carries_the_estimates_along_it():
     gns = GradientNoiseScale(reference_batch=8, decay=0.64)
     rng = np.random.default_rng(0)

@@ -54,6 +54,10 @@ def _worker(rank, world):
             "target": cfg.target_loss, "window": cfg.target_window}  # fmt: skip
 
 
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
 @pytest.fixture(scope="module")
 def out():
     return launch(_worker, 1, timeout_s=400)[0]
@@ -71,20 +75,6 @@ def test_oracle_shortlist_is_every_distinct_global_batch_at_its_fastest_strategy
     assert [s.global_batch for s in oracle_shortlist(cands, lambda s: (tput[s], "probe"), 4)] == [8, 32, 64, 256]
 
 
-def test_held_out_windows_lie_between_the_measuring_ones():
-    from cona.model import TextData, stdlib_tokens
-
-    data = TextData(stdlib_tokens(200_000), 32, 0)
-    val, held = data.validation(16).numpy(), data.validation_between(16).numpy()
-    assert held.shape == (15, 32)
-    rows = {tuple(r) for r in val}
-    assert not any(tuple(r) in rows for r in held)  # no window is shared
-    with pytest.raises(ValueError, match="no windows between"):
-        TextData(stdlib_tokens(200_000), 32, 0).validation_between(10_000)
-    with pytest.raises(ValueError, match="val_samples must be >= 2 x world"):
-        BenchConfig(world=4, val_samples=4, decision_val_samples=4)
-
-
 def test_held_out_split_is_text_after_the_corpus_and_leaves_train_and_validation_as_they_were():
     import torch
 
@@ -94,7 +84,6 @@ def test_held_out_split_is_text_after_the_corpus_and_leaves_train_and_validation
     tokens = stdlib_tokens(260_000)
     plain, data = TextData(tokens[:200_000], 32, 3), TextData(tokens, 32, 3, held_out_tokens=60_000)
     assert torch.equal(plain.validation(16), data.validation(16))  # same train/val split, same windows
-    assert torch.equal(plain.validation_between(16), data.validation_between(16))
     assert torch.equal(plain.samples(0, 8), data.samples(0, 8))  # same sample stream
     held = data.held_out(10).numpy()
     assert held.shape == (10, 32)
@@ -105,8 +94,9 @@ def test_held_out_split_is_text_after_the_corpus_and_leaves_train_and_validation
     for bad in (64, 260_000):
         with pytest.raises(ValueError, match="held_out_tokens must be above 2 x seq_len"):
             TextData(tokens, 32, 0, held_out_tokens=bad)
-    with pytest.raises(ValueError, match="held_out_bytes must be 0"):
-        BenchConfig(held_out_bytes=-1)
+    for bad in (0, 64):
+        with pytest.raises(ValueError, match="held_out_bytes must be above 2 x seq_len"):
+            BenchConfig(held_out_bytes=bad)
     with pytest.raises(ValueError, match="corpus_bytes \\+ held_out_bytes"):
         T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000, held_out_bytes=90_000_000))
 
@@ -216,7 +206,8 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
         # the target (perplexity 1.5) is out of reach: compared at the phase end, the kept branch has the lowest
         # mean of its last losses on the held-out windows; the pick on the measuring windows is only logged
         assert link["compared_at"] is None
-        lowest = min(ended, key=lambda b: sum(v for _, v in b["held"][-w:]))
+        # (only the phase's own evaluations: a branch with fewer than w of them is not compared on the context)
+        lowest = min(ended, key=lambda b: _mean([v for t, v in b["held"] if t > clock][-w:]))
         on_measured = min(ended, key=lambda b: sum(v for _, v in b["trace"][-w:]))
         kept_new += [(round(t, 4), round(v, 5)) for t, v in lowest["trace"][len(context) :]]
         assert link["strategy"] == lowest["strategy"] and link["clock"] == clock
@@ -274,22 +265,20 @@ def test_cona_reads_its_own_quarter_of_the_validation_windows():
             BenchConfig(world=2, decision_val_samples=bad)
     with pytest.raises(ValueError, match="held_out_samples must be >= 2 x world"):
         BenchConfig(world=4, held_out_samples=6)
+    with pytest.raises(ValueError, match="val_samples must be >= 2 x world"):
+        BenchConfig(world=4, val_samples=4, decision_val_samples=4)
     tr = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000))
     val, held, sub = tr.val, tr.held_out, tr.decision_val
     assert torch.equal(held, tr.data.held_out(16))  # the oracle's: 16 windows of the text after the corpus
     assert not any(bool((val[i] == r).all()) for r in held for i in range(len(val)))  # not a measuring window
-    old = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000, held_out_bytes=0)).held_out
-    assert old.shape == (14, val.shape[1])  # held_out_bytes=0: 15 between the measuring windows, a multiple of 2
-    assert torch.equal(old, tr.data.validation_between(16)[:14])
     assert sub.shape == (4, val.shape[1])
     rows = [next(i for i in range(len(val)) if bool((val[i] == r).all())) for r in sub]
     assert rows == [0, 5, 10, 15]  # evenly spaced over the measuring windows, first and last included
     big = T._Trainer(BenchConfig(world=2, val_samples=64, held_out_samples=8, corpus_bytes=200_000))
     assert big.val.shape[0] == 64 and torch.equal(big.held_out, big.data.held_out(8))  # the oracle's count is its own
     assert T._Trainer(BenchConfig(world=2, val_samples=256, corpus_bytes=200_000)).held_out.shape[0] == 128
-    few = T._Trainer(BenchConfig(world=2, val_samples=16, held_out_samples=6, corpus_bytes=200_000, held_out_bytes=0))
-    between = few.data.validation_between(16)  # 15 windows: 6 of them evenly spaced, first and last included
-    assert torch.equal(few.held_out, between[torch.tensor([0, 3, 6, 8, 11, 14])])
+    few = T._Trainer(BenchConfig(world=4, val_samples=16, held_out_samples=10, corpus_bytes=200_000))
+    assert torch.equal(few.held_out, few.data.held_out(10)[:8])  # cut to a multiple of world
 
 
 @pytest.mark.slow
@@ -368,5 +357,3 @@ def test_early_models_latch_at_the_first_growth_fit():
     v = SimpleNamespace(grown=False, tr=SimpleNamespace(cfg=BenchConfig()), gns=GradientNoiseScale(reference_batch=8))
     seq = [T._Variant._running_models(v, fit) for fit in (None, None, (0.6, 0.1), None, (0.5, 0.2))]
     assert seq == [("sqrt", "tuned"), ("sqrt", "tuned"), None, None, None]
-    off = SimpleNamespace(grown=False, tr=SimpleNamespace(cfg=BenchConfig(early_models=False)), gns=v.gns)
-    assert T._Variant._running_models(off, None) is None

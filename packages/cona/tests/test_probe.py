@@ -8,7 +8,7 @@ import pytest
 from cona.dist import launch
 from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest, paired_rates, round_steps, time_steps
 from cona.space import Strategy
-from cona.train import merge_paired, middle_spread
+from cona.train import merge_paired
 
 
 def test_probe_cache_round_trip_and_old_format(tmp_path):
@@ -69,9 +69,8 @@ def _probe_twice(rank, world, cfg_dict):
 @pytest.mark.slow
 def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # spawned ranks inherit it
-    # 2 rounds, then a third for every strategy whose two disagree at all (spread limit 0)
     cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "probe_rounds": 2,
-           "probe_max_rounds": 3, "probe_spread_max": 0.0, "probe_paired_cycles": 3, "seeds": 1}  # fmt: skip
+           "probe_paired_cycles": 3, "seeds": 1}  # fmt: skip
     first, second, table = launch(_probe_twice, 2, cfg, timeout_s=300)[0]
     assert first["measured_now"] and not first["from_cache"]
     assert first["probe_rounds"] == 2 and isinstance(first["round_spread_median"], float)
@@ -79,7 +78,7 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
     (entries,) = entries.values()
     for e in entries.values():  # the lower middle round is the one used (for a contender, before its cycles)
         r = e["rounds"]
-        assert len(r) == (3 if middle_spread(r[:2]) > 0 else 2), r
+        assert len(r) == 2, r
         assert (e["paired"]["rounds_step_s"] if "paired" in e else e["step_s"]) == sorted(r)[(len(r) - 1) // 2]
     # the contenders, the fastest of every global batch, were timed again in cycles, and a second run reuses that
     paired = first["paired"]
@@ -105,13 +104,6 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
         fastest = max((n for n in table if n.endswith(f"-gb{gb}")), key=lambda n: table[n][0])
         assert table[fastest][1] == "probe", fastest
     assert {src for _, src in table.values()} == {"probe", "model"}  # some strategies are still modelled
-
-
-def test_middle_spread_reads_the_rounds_next_to_the_median():
-    assert middle_spread([0.02]) == 0.0
-    assert middle_spread([0.03, 0.02, 0.025]) == pytest.approx(0.01 / 0.025)  # 3 rounds: the whole range
-    # 5 rounds: one wild round each way does not count
-    assert middle_spread([0.09, 0.02, 0.021, 0.022, 0.001]) == pytest.approx(0.002 / 0.021)
 
 
 def test_a_strategy_whose_median_round_fell_in_a_slow_spell_is_still_paired():
@@ -145,13 +137,6 @@ def test_the_paired_level_is_the_rounds_median_not_moved_by_one_slow_median():
     rounds = dict(true, gb256=0.62 * true["gb256"])  # its median round fell in a slow spell
     got = paired_rates(cycles, reference=rounds)
     assert all(got[n] == pytest.approx(true[n]) for n in true)
-
-
-def test_more_probe_rounds_than_the_maximum_are_refused():
-    from cona.train import BenchConfig
-
-    with pytest.raises(ValueError, match="probe_max_rounds must be >= probe_rounds"):
-        BenchConfig(probe_rounds=4, probe_max_rounds=3)
 
 
 def test_a_slow_strategy_is_timed_for_fewer_steps():

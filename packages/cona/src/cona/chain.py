@@ -15,13 +15,10 @@ uses the hysteresis from first principles instead (``switch_gain``): the horizon
 is the remaining time, and the newcomer must win wherever in the noise-scale range the truth lies,
 
     switch  iff  min over phi in range of
-                 goodput_new(phi) (T_rem - switch_cost - adapt(phi)) / (goodput_cur(phi) T_rem)  > 1 + margin
+                 goodput_new(phi) (T_rem - switch_cost) / (goodput_cur(phi) T_rem)  > 1 + margin
 
 i.e. the predicted rate gain times the remaining time exceeds the measured switch cost, with an allowance
 for the ranking's uncertainty (the same worst case over the range that the robust initial choice uses).
-``adapt(phi)`` (with ``Chainer.adam_beta2``) is the time a move to a bigger batch loses while Adam's second
-moment still holds the old batch's noise (``adaptation_steps``): the resharding is paid in seconds of
-wall time, this in the new strategy's shortened steps.
 The statistics behind the range (and the point estimate) describe where training was when their pairs were
 taken, a second or more ago, while the noise scale keeps growing; the bench carries both to the middle of the
 coming decision interval along their fitted growth (``GradientNoiseScale.ahead``) before deciding.
@@ -40,11 +37,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .gns import LR_SCALINGS, GradientNoiseScale, batch_efficiency, efficiency_models
+from .gns import GradientNoiseScale, batch_efficiency, efficiency_models
 from .space import Strategy
 
-__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time",
-           "adaptation_steps"]  # fmt: skip
+__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time"]
 
 log = logging.getLogger(__name__)
 
@@ -113,59 +109,18 @@ def noise_grid(lo: float, hi: float, points: int = 25) -> list[float]:
     return [0.0, *grid] if lo == 0.0 else grid
 
 
-def adaptation_steps(noise_scale: float, old_batch: float, new_batch: float, beta2: float,
-                     tol: float = 1e-4) -> float:  # fmt: skip
-    """Steps of progress at ``new_batch`` that a switch from ``old_batch`` loses while Adam's second moment
-    forgets the old batch's gradient noise (0 for a switch to a smaller batch: no credit is taken for it).
-
-    In the model behind the ``sqrt`` efficiency, Adam's v tracks |G|^2 + tr(Sigma)/M, i.e. 1 + phi/M in units
-    of |G|^2. Right after a switch to a bigger batch, v still holds the old batch's larger noise and decays to
-    the new level as v_k = b^k v_old + (1 - b^k) v_new (``beta2`` = b), so step k moves sqrt(v_new / v_k) of a
-    settled step; the sum of the shortfalls is the progress lost, in steps. With b = 0.95 (the bench's; v settles
-    over ~20 steps) and phi = 150, gb64 -> gb256 loses ~8 steps (~0.5 s on 4 ranks), gb64 -> gb128 ~4 and
-    gb128 -> gb256 ~3 of their shorter steps."""
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"beta2 must be in [0, 1), got {beta2}")
-    if not (old_batch > 0 and new_batch > 0 and noise_scale >= 0):
-        raise ValueError(f"batches must be > 0 and noise_scale >= 0, got old_batch={old_batch}, "
-                         f"new_batch={new_batch}, noise_scale={noise_scale}")  # fmt: skip
-    v_old, v_new = 1.0 + noise_scale / old_batch, 1.0 + noise_scale / new_batch
-    if v_old <= v_new or beta2 == 0.0:
-        return 0.0
-    lost, w = 0.0, 1.0
-    while True:
-        w *= beta2
-        term = 1.0 - math.sqrt(v_new / (w * v_old + (1.0 - w) * v_new))
-        lost += term
-        if term < tol:
-            return lost
-
-
 def switch_gain(new_tput: float, new_batch: int, cur_tput: float, cur_batch: int, noise_scales: Sequence[float],
-                horizon_s: float, switch_cost_s: float, reference_batch: int, lr_scaling: str = "sqrt",
-                efficiency: Callable[[float, float], float] | None = None,
-                adam_beta2: float | None = None) -> float:  # fmt: skip
+                horizon_s: float, switch_cost_s: float, reference_batch: int, lr_scaling: str = "sqrt") -> float:  # fmt: skip
     """Worst case over ``noise_scales`` of the progress a switch makes over ``horizon_s`` (paying
     ``switch_cost_s`` first) relative to staying, minus 1: > 0 means switching wins wherever the noise scale
-    lies in the range; -1 when the switch cost eats the whole horizon. ``efficiency(batch, noise_scale)``, if
-    given, replaces the ``lr_scaling`` model (the estimator's own, e.g. per tensor). ``adam_beta2``: the
-    optimizer is Adam with this beta2, and the steps a switch to a bigger batch loses while its second moment
-    adapts (``adaptation_steps``, at the new strategy's step time) are paid out of the horizon too."""
+    lies in the range; -1 when the switch cost eats the whole horizon."""
     keep = horizon_s - switch_cost_s
     if keep <= 0:  # the switch would not finish paying for itself before the target
         return -1.0
-    if efficiency is None:
-
-        def efficiency(batch: float, phi: float) -> float:
-            return batch_efficiency(batch, phi, reference_batch, lr_scaling)
-
     worst = math.inf
     for phi in noise_scales:
-        lost = 0.0
-        if adam_beta2 is not None and new_tput > 0:
-            lost = adaptation_steps(phi, cur_batch, new_batch, adam_beta2) * new_batch / new_tput
-        new = new_tput * efficiency(new_batch, phi) * max(keep - lost, 0.0)
-        cur = cur_tput * efficiency(cur_batch, phi) * horizon_s
+        new = new_tput * batch_efficiency(new_batch, phi, reference_batch, lr_scaling) * keep
+        cur = cur_tput * batch_efficiency(cur_batch, phi, reference_batch, lr_scaling) * horizon_s
         worst = min(worst, new / cur if cur > 0 else math.inf)
     return worst - 1.0
 
@@ -272,11 +227,8 @@ class Chainer:
     switch_cost_s: float = 0.5
     same_layout_cost_s: float = 0.0
     initial_models: tuple[str, ...] | None = None
-    adam_beta2: float | None = None  # the optimizer's beta2: a switch to a bigger batch also pays the steps its
-    # second moment takes to adapt (``adaptation_steps``); None: not counted (the rule until 2026-12-02)
     decisions: list[Decision] = field(default_factory=list)
     _switch_costs: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})  # by same layout
-    observed: dict[Strategy, float] = field(default_factory=dict)  # samples/s measured in this run's training
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -291,46 +243,11 @@ class Chainer:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)}")
         if self.initial_models is not None:
             self.initial_models = efficiency_models(self.initial_models, "initial_models")
-        if self.adam_beta2 is not None and not 0.0 <= self.adam_beta2 < 1.0:
-            raise ValueError(f"adam_beta2 must be in [0, 1) (or None), got {self.adam_beta2}")
 
     def _table(self, s: Strategy) -> tuple[float, str]:
         if isinstance(self.throughput, Mapping):
             return float(self.throughput[s]), "probe"
         return self.throughput(s)
-
-    def calibration(self) -> float:
-        """How fast training runs against the table: the geometric mean over the strategies observed so far of
-        realised / table samples/s (1.0 before any)."""
-        if not self.observed:
-            return 1.0
-        logs = [math.log(t / self._table(s)[0]) for s, t in self.observed.items()]
-        return math.exp(sum(logs) / len(logs))
-
-    def _throughput(self, s: Strategy) -> tuple[float, str]:
-        """A strategy's samples/s: measured in this run's own training where it has run (``observe_throughput``),
-        else its table figure (probe or cost model) scaled by ``calibration``, so that a rival's figure and the
-        current strategy's realised one are on the same footing: a speed the run's conditions give every
-        strategy alike (load, a warm process) moves no ranking, and only what training measured between
-        strategies it has run does."""
-        if s in self.observed:
-            return self.observed[s], "online"
-        t, src = self._table(s)
-        c = self.calibration()
-        return (t * c, f"{src} x {c:.3f}") if self.observed else (t, src)
-
-    def observe_throughput(self, s: Strategy, samples_per_s: float) -> None:
-        """Record ``s``'s throughput as training realises it; it replaces the probe in every later ranking.
-
-        A short probe of a fresh executor is a noisy stand-in: on 4 ranks (2026-12-01) the probed table put
-        dp2-pp2-gb128 at 1.27x dp2-pp2-gb64's samples/s where the same strategies realised 1.10-1.18x in the
-        bench's training (gb64 ran 11% above its probe, gb128 at it), and at that ratio gb128 wins from a
-        noise scale of ~46 where at the realised one it needs ~150. Once both have run, cona compares two
-        figures measured the same way, under the run's own conditions; until then the ratio is the table's
-        (``calibration``)."""
-        if not (samples_per_s > 0 and math.isfinite(samples_per_s)):
-            raise ValueError(f"samples_per_s must be a positive number, got {samples_per_s}")
-        self.observed[s] = float(samples_per_s)
 
     def expected_switch_cost_s(self, current: Strategy | None = None, new: Strategy | None = None) -> float:
         """Expected seconds of a switch from ``current`` to ``new``: the mean of the measured switches of its kind
@@ -350,7 +267,7 @@ class Chainer:
         phi = self.gns.noise_scale if noise_scale is None else noise_scale
         out = []
         for s in self.candidates:
-            tput, src = self._throughput(s)
+            tput, src = self._table(s)
             eff = self.gns.efficiency(s.global_batch, phi)
             out.append(Estimate(s, tput, eff, tput * eff, src))
         return sorted(out, key=lambda e: (-e.goodput, -e.throughput, e.strategy.name))
@@ -370,12 +287,8 @@ class Chainer:
         switch must win under, each at every noise scale in the range (None: the estimator's own), as the initial
         choice holds under ``initial_models``.
         """
-        if models is not None:  # the estimator's own model (e.g. per tensor) and the pooled ones it can compute
-            models = (models,) if isinstance(models, str) else tuple(models)
-            valid = tuple(dict.fromkeys((self.gns.model, *LR_SCALINGS)))
-            if not models or any(m not in valid for m in models):
-                raise ValueError(f"models must name one or more of {', '.join(valid)}, got "
-                                 f"{','.join(map(str, models)) or 'none'}")  # fmt: skip
+        if models is not None:
+            models = efficiency_models(models, "models")
         phi = self.gns.noise_scale if noise_scale is None else noise_scale
         ranking = tuple(self.rank(phi))
         best = ranking[0]
@@ -433,7 +346,7 @@ class Chainer:
         if initial:
             models = self.initial_models or (self.gns.lr_scaling,)
         elif models is None or remaining_s is None:
-            models = (self.gns.model,)
+            models = (self.gns.lr_scaling,)
         d = replace(d, efficiency_model="+".join(models))  # the model(s) this decision's choice holds under
         self.decisions.append(d)
         log.info("step %d: %s", step, d.reason)
@@ -449,13 +362,11 @@ class Chainer:
         grid = noise_grid(min(lo, phi), max(hi, phi), points=9)
         cur = next(e for e in ranking if e.strategy == current)
         h = max(remaining_s, 0.0)
-        own = self.gns.model  # computed by the estimator itself (per tensor where it is); the others pooled
+        own = self.gns.lr_scaling
 
         def gain(e: Estimate) -> float:
             return min(switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid,
-                                   h, self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch,
-                                   self.gns.lr_scaling if m == own else m, self.gns.efficiency if m == own else None,
-                                   self.adam_beta2)
+                                   h, self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch, m)
                        for m in (models or (own,)))  # fmt: skip
 
         gains = sorted(
@@ -468,10 +379,6 @@ class Chainer:
                  f"estimated, switch {cost:.2f}s")  # fmt: skip
         if models and tuple(models) != (own,):
             where += f", under the {' and '.join(models)} efficiency models"
-        if self.adam_beta2 is not None and gains and gains[0][1].throughput > 0:
-            e = gains[0][1]
-            adapt = adaptation_steps(max(hi, phi), current.global_batch, e.strategy.global_batch, self.adam_beta2)
-            where += f", up to {adapt * e.strategy.global_batch / e.throughput:.2f}s while Adam's v adapts"
         if gains and gains[0][0] > self.margin:
             gain, e = gains[0]
             reason = (f"switch: {e.strategy.name} (goodput {e.goodput:.1f} vs {cur.goodput:.1f}) gains >= {gain:+.4f} "

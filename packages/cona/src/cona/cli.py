@@ -116,7 +116,7 @@ def _run_config(args, quick: bool):
 
     kw = dict(QUICK if quick else FULL)
     for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches", "seeds",
-                 "seed", "efficiency_model", "hysteresis", "initial_models", "range_z", "slice_s"):  # fmt: skip
+                 "seed", "initial_models", "range_z", "slice_s"):  # fmt: skip
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
@@ -126,14 +126,6 @@ def _run_config(args, quick: bool):
         kw["probe_cache"] = False
     if getattr(args, "no_clip", False):
         kw["clip_norm"] = None
-    if getattr(args, "online_throughput", False):
-        kw["online_throughput"] = True
-    if getattr(args, "no_noise_ahead", False):
-        kw["noise_ahead"] = False
-    if getattr(args, "adapt_cost", False):
-        kw["adapt_cost"] = True
-    if getattr(args, "no_early_models", False):
-        kw["early_models"] = False
     sets = _config_sets(getattr(args, "set", None) or [])
     kw |= sets  # last: it wins over the flags above
     try:
@@ -547,35 +539,12 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-probe-cache", action="store_true",
                         help="measure every probe afresh and do not write the probe cache")  # fmt: skip
         sp.add_argument("--no-clip", action="store_true", help="no gradient clipping (default: global norm 1.0)")
-        sp.add_argument("--efficiency-model", choices=("sqrt", "tuned", "sqrt-tensor"),
-                        help="LR rule cona's efficiency model assumes: sqrt (default; the rule every variant trains "
-                             "with), sqrt-tensor (the same rule per parameter tensor, from each tensor's own "
-                             "statistics) or tuned (Pollux: each batch at its own tuned LR, for comparison)")  # fmt: skip
         sp.add_argument("--initial-models", type=_names,
                         help="efficiency models cona's step-0 choice must hold under, comma separated (default "
                              "sqrt,tuned: before any step nothing shows which LR regime training is in)")  # fmt: skip
-        sp.add_argument(
-            "--online-throughput",
-            action="store_true",
-            help="cona ranks a strategy it has trained on by its realised samples/s, the rest by the "
-            "probe table scaled to the run's speed (default: the probe table alone; on a machine "
-            "whose speed swings from second to second the realised figures compare moments)",
-        )
         sp.add_argument("--range-z", type=float,
                         help="standard errors the noise-scale range of a running switch decision spans, around the "
-                             "ratio of its pairs' means and the smoothed estimate (default 1; 2.365 is the two-sided "
-                             "95%% Student-t quantile for its 8 pairs, the rule until 2026-12-02)")  # fmt: skip
-        sp.add_argument("--no-noise-ahead", action="store_true",
-                        help="decide on the noise scale the recent statistics read, not carried along its fitted "
-                             "growth to the middle of the next decision interval (the rule until 2026-12-02)")  # fmt: skip
-        sp.add_argument("--no-early-models", action="store_true",
-                        help="running decisions use the sqrt efficiency model alone from the first one (default: until "
-                             "the noise scale's growth can be fitted, a switch must pay under every initial model, "
-                             "like step 0's choice; the rule until 2026-12-02 was the former). Applies to --hysteresis "
-                             "remaining only: the fixed rule always ranks by the one model")  # fmt: skip
-        sp.add_argument("--adapt-cost", action="store_true",
-                        help="a switch to a bigger batch also pays the steps Adam's second moment takes to forget the "
-                             "old batch's noise (default: resharding only; measured in the README)")  # fmt: skip
+                             "ratio of its pairs' means and the smoothed estimate (default 0.5)")  # fmt: skip
         sp.add_argument("--slice-s", type=float,
                         help="seconds of training clock each variant runs before the next one's turn (default 0.5): "
                              "the variants share the machine's speed swings at longer time scales than this")  # fmt: skip
@@ -583,11 +552,6 @@ def _parser() -> argparse.ArgumentParser:
                         help="any bench setting by its BenchConfig name, e.g. gns_every=16 or trend_window_s=3 "
                              "(repeatable; tuples comma separated, none for an optional one; wins over the flags "
                              "above): for A/B runs, recorded in the JSON's config")  # fmt: skip
-        sp.add_argument("--hysteresis", choices=("remaining", "fixed"),
-                        help="cona's switch rule: remaining (default; the newcomer must win over the estimated time "
-                             "to target, switch cost paid, at every plausible noise scale) or fixed (5%% margin over "
-                             "a 3 s horizon, the previous rule)")  # fmt: skip
-
     b = sub.add_parser("bench", help="cona vs best static, surrogate-at-step-0 static and oracle, side by side")
     b.add_argument(
         "--quick",

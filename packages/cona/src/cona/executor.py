@@ -132,9 +132,6 @@ class StepResult:
     timings: dict = field(default_factory=dict)
     grad_norm: float | None = None  # global L2 norm of the whole (unsharded) gradient, before clipping
     clip_coef: float = 1.0  # the factor the gradients were scaled by (1.0: not clipped)
-    # per tensor of the whole model (``tensor_stats``): |g_b|^2, |g_B|^2 (same metric as sq_small / sq_big),
-    # the tensor's mean sqrt(v) (1.0 in the plain metric) and its size
-    tensors: tuple[list[float], list[float], list[float], list[int]] | None = None
 
 
 class Executor:
@@ -142,7 +139,7 @@ class Executor:
 
     def __init__(self, strategy: Strategy, config, state: FullState, lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 clip_norm: float | None = None, precondition: bool = False, tensor_stats: bool = False) -> None:  # fmt: skip
+                 clip_norm: float | None = None, precondition: bool = False) -> None:  # fmt: skip
         from .model import model_skeleton
 
         if clip_norm is not None and not clip_norm > 0:
@@ -152,7 +149,6 @@ class Executor:
         # preconditioned noise scale for adaptive optimizers); before the first optimizer step v_hat
         # comes from the squared gradients folded in by ``fold_second_moment``
         self.precondition = precondition
-        self.tensor_stats = tensor_stats  # gradient statistics per parameter tensor too (StepResult.tensors)
         self._eps, self._beta2 = eps, betas[1]
         self._v0: dict[nn.Parameter, torch.Tensor] = {}
         self._v0_n = 0
@@ -216,13 +212,7 @@ class Executor:
                     "exp_avg": self._slice(n, state.tensors["exp_avg"][n]).to(self.device, copy=True),
                     "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).to(self.device, copy=True),
                 }
-        owned = [(n, p) for n, p in self.params.items() if shard_dim(n) is not None or self.t == 0]
-        self.owned = [p for _, p in owned]
-        # where each owned tensor sits among the whole model's (per-tensor statistics are summed over ranks)
-        everything = list(self.full_shapes)
-        self._owned_idx = [everything.index(n) for n, _ in owned]
-        self._sizes = [int(torch.Size(self.full_shapes[n]).numel()) for n in everything]
-        self._sqrt_v_sums: torch.Tensor | None = None  # per tensor: sum of sqrt(v) over the owned elements
+        self.owned = [p for n, p in self.params.items() if shard_dim(n) is not None or self.t == 0]
 
     # --- layout ------------------------------------------------------------------------------------
     def same_layout(self, strategy: Strategy) -> bool:
@@ -349,33 +339,25 @@ class Executor:
         torch._foreach_div_(bufs, [vs[i][1] for i in own])
         torch._foreach_maximum_(bufs, [floors[i] for i in own])  # the floor: clamp(min=...)
         torch._foreach_sqrt_(bufs)
-        # with tensor_stats, each tensor's sum of sqrt(v) (as floored), the scale its metric divides out
-        roots = None
-        if self.tensor_stats:
-            roots = torch.zeros(len(self._sizes), dtype=torch.float64, device=self.device)
-            roots[self._owned_idx] = torch.stack([b.sum(dtype=torch.float64) for b in bufs])
         torch._foreach_add_(bufs, self._eps)
         torch._foreach_reciprocal_(bufs)
-        self._sqrt_v_sums = roots
         return bufs
 
     def _sq_norm(self, scale: float = 1.0, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Squared norm of the owned gradients (times ``scale``), in the metric ``weights`` if given, per tensor
-        of the whole model (a float64 vector on the device, 0 where this rank owns nothing; its sum is the
-        whole norm), read by the caller with the step's other reductions: no host sync here, which mid-backward
-        would stall the pipeline on a GPU. The weighted gradients go into a scratch buffer allocated once."""
+        """Squared norm of the owned gradients (times ``scale``), in the metric ``weights`` if given, as a float64
+        scalar on the device, read by the caller with the step's other reductions: no host sync here, which
+        mid-backward would stall the pipeline on a GPU. The weighted gradients go into a scratch buffer allocated
+        once."""
         have = [k for k, p in enumerate(self.owned) if p.grad is not None]
-        idx = [self._owned_idx[k] for k in have]
         grads = [self.owned[k].grad for k in have]
         if weights is not None and grads:  # fused over the tensors, like the preconditioner
             scratch = [self._gns_scratch[k] for k in have]
             torch._foreach_copy_(scratch, grads)
             torch._foreach_mul_(scratch, [weights[k] for k in have])
             grads = scratch
-        out = torch.zeros(len(self._sizes), dtype=torch.float64, device=self.device)
-        if grads:
-            out[idx] = torch.stack(torch._foreach_norm(grads)).double().pow(2) * (scale * scale)
-        return out
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() * (scale * scale)
 
     def _hidden_shape(self, mb: torch.Tensor) -> tuple[int, ...]:
         return (mb.shape[0], mb.shape[1], self.config.hidden_size)
@@ -385,9 +367,7 @@ class Executor:
         """Run all micro-batches; returns (sum of scaled losses, |first micro-batch grad|^2, gns seconds)."""
         accum = len(mbs)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        n = len(self._sizes)
-        loss_sum, gns_s = zero, 0.0  # device tensors: read once, after the step's reduction
-        sq_small = torch.zeros(n, dtype=torch.float64, device=self.device)
+        loss_sum, sq_small, gns_s = zero, zero, 0.0  # device tensors: read once, after the step's reduction
         if self.s.pp == 1:
             for k, ids in enumerate(mbs):
                 loss = self._ce(self._stage(ids), ids) / accum
@@ -469,38 +449,21 @@ class Executor:
         # all-reduce adds them up, and dividing by dp removes the dp identical replicas
         need_norm = want or self.clip_norm is not None
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        n = len(self._sizes)
-        plain = self._sq_norm() if need_norm else torch.zeros(n, dtype=torch.float64, device=self.device)
+        plain = self._sq_norm() if need_norm else zero
         big = self._sq_norm(1.0, weights) if weights is not None else plain
-        per_tensor = want and self.tensor_stats
-        if per_tensor:  # sums of sqrt(v) over the owned elements (the plain metric: 1 each, i.e. their count)
-            if weights is not None and self._sqrt_v_sums is not None:
-                sqrt_v = self._sqrt_v_sums
-            else:
-                sqrt_v = torch.zeros(n, dtype=torch.float64, device=self.device)
-                sqrt_v[self._owned_idx] = torch.tensor([float(p.numel()) for p in self.owned], dtype=torch.float64,
-                                                       device=self.device)  # fmt: skip
         if want:
             gns_s += time.perf_counter() - t1
         loss_part = loss_sum if (self.last and self.t == 0) else zero
-        parts = [torch.stack([loss_part, sq_small.sum(), big.sum(), plain.sum()])]
-        if per_tensor:
-            parts += [sq_small, big, sqrt_v]
-        red = torch.cat(parts)  # the step's one host read, after this
+        red = torch.stack([loss_part, sq_small, big, plain])  # the step's one host read, after this
         dist.all_reduce(red)
-        vals = (red / s.dp).tolist()
-        loss, sq_small_t, sq_big_t, sq_plain = vals[:4]
-        tensors = None
-        if per_tensor:  # sums of sqrt(v) over the whole tensor, divided by its size: the mean
-            t_small, t_big, t_sqrt = vals[4 : 4 + n], vals[4 + n : 4 + 2 * n], vals[4 + 2 * n :]
-            tensors = (t_small, t_big, [x / k for x, k in zip(t_sqrt, self._sizes)], list(self._sizes))
+        loss, sq_small_t, sq_big_t, sq_plain = (red / s.dp).tolist()
         norm = sq_plain**0.5 if need_norm else None
         coef = self._clip(norm)
         compute_s = time.perf_counter() - t0 - gns_s
         b_small = mbs[0].shape[0] if want else s.micro_batch
         return StepResult(
             loss, sq_small_t, b_small, sq_big_t if want else 0.0, s.global_batch, compute_s, gns_s,
-            {"split": len(mbs) != s.accum}, norm, coef, tensors,
+            {"split": len(mbs) != s.accum}, norm, coef,
         )  # fmt: skip
 
     def micro_batch_stats(self, batches: Sequence[torch.Tensor]) -> tuple[int, list[float], list[float], float]:

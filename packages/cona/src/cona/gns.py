@@ -39,13 +39,10 @@ __all__ = [
     "GradientNoiseScale",
     "GnsSnapshot",
     "t_quantile_975",
-    "EFFICIENCY_MODELS",
-    "tensor_progress",
     "micro_batch_pairs",
 ]
 
 LR_SCALINGS = ("sqrt", "tuned")
-EFFICIENCY_MODELS = (*LR_SCALINGS, "sqrt-tensor")  # "sqrt-tensor": the sqrt rule per parameter tensor
 
 
 def unbiased_estimates(sq_small: float, b_small: float, sq_big: float, b_big: float) -> tuple[float, float]:
@@ -106,29 +103,6 @@ def batch_efficiency(batch: float, noise_scale: float, reference_batch: float, l
         raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {lr_scaling!r}")
     ratio = (noise_scale + reference_batch) / (noise_scale + batch)
     return math.sqrt(ratio) if lr_scaling == "sqrt" else ratio
-
-
-def tensor_progress(batch: float, g2: Sequence[float], tr: Sequence[float], scale: Sequence[float],
-                    size: Sequence[int], k: float = 1.0) -> float:  # fmt: skip
-    """Progress per sample at global batch ``batch`` (up to a constant) under the square-root rule applied per
-    parameter tensor: sum over tensors j of s_j sqrt(n_j) |G_j| / sqrt(batch + k phi_j), with |G_j|^2 and
-    phi_j = tr(Sigma_j) / |G_j|^2 the tensor's statistics in Adam's metric, s_j its mean sqrt(v) (the scale
-    the metric divided out) and n_j its size; ``k`` scales every phi_j alike (a noise-scale range). A tensor
-    whose |G_j|^2 estimate is not positive (its gradient not resolved from the noise) adds nothing; one whose
-    tr(Sigma_j) estimate is not positive (its noise not resolved) takes the pooled noise scale of all tensors,
-    so that no tensor passes for noise-free on a noisy estimate (at a large ``k`` such tensors would otherwise
-    dominate and read a noise-dominated run as a noise-free one).
-
-    Adam divides every coordinate by its own sqrt(v); taking each tensor as homogeneous in that metric, one
-    step's first-order progress in it is lr s_j sqrt(n_j) |G_j|^2 / sqrt(|G_j|^2 + tr(Sigma_j)/M), and per
-    sample with lr ~ sqrt(M) the form above. With one tensor it is the pooled ``sqrt`` model."""
-    pos = sum(g for g in g2 if g > 0)
-    pooled = max(sum(tr), 0.0) / pos if pos > 0 else 0.0
-    total = 0.0
-    for g, t, sc, n in zip(g2, tr, scale, size):
-        if g > 0:
-            total += sc * math.sqrt(n * g) / math.sqrt(batch + k * (t / g if t > 0 else pooled))
-    return total
 
 
 @dataclass(frozen=True)
@@ -200,10 +174,8 @@ class GradientNoiseScale:
 
     ``decay`` is the EMA factor per update (0.9: about the last 10 steps). ``reference_batch`` is
     M0, the batch size at which the learning rate was tuned; ``lr_scaling`` how the learning rate follows
-    the batch from there (``"sqrt"`` or ``"tuned"``), which sets the efficiency model. ``per_tensor``: with
-    ``"sqrt"``, the efficiency comes from each parameter tensor's own statistics (``tensor_progress``, fed by
-    ``update(tensors=...)``) instead of the pooled noise scale. The estimator belongs to the training run,
-    not to a strategy, so it survives strategy switches.
+    the batch from there (``"sqrt"`` or ``"tuned"``), which sets the efficiency model. The estimator belongs to
+    the training run, not to a strategy, so it survives strategy switches.
     """
 
     reference_batch: int
@@ -219,11 +191,6 @@ class GradientNoiseScale:
     at: list[float | None] = field(default_factory=list)  # where each raw pair was taken (samples trained so far)
     _at: float = 0.0  # EMA of the positions (the position the smoothed estimate describes); None-free runs only
     _at_known: bool = True
-    per_tensor: bool = False
-    _tg2: list[float] = field(default_factory=list)  # per tensor: EMAs of |G_j|^2, tr(Sigma_j), mean sqrt(v_j)
-    _ttr: list[float] = field(default_factory=list)
-    _tscale: list[float] = field(default_factory=list)
-    _tsize: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.reference_batch <= 0:
@@ -232,23 +199,12 @@ class GradientNoiseScale:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
         if self.lr_scaling not in LR_SCALINGS:
             raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
-        if self.per_tensor and self.lr_scaling != "sqrt":
-            raise ValueError(f"per_tensor needs lr_scaling 'sqrt' (the per-tensor model is the square-root rule's), "
-                             f"got {self.lr_scaling!r}")  # fmt: skip
-
-    @property
-    def model(self) -> str:
-        """The efficiency model's name: ``lr_scaling``, or ``"sqrt-tensor"`` per tensor."""
-        return "sqrt-tensor" if self.per_tensor else self.lr_scaling
 
     def update(self, sq_small: float, b_small: float, sq_big: float, b_big: float, step: int = -1,
-               tensors: tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[int]] | None = None,
                at: float | None = None) -> bool:  # fmt: skip
         """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small.
-        ``tensors``: the same pair per parameter tensor (|g_b|^2, |g_B|^2, mean sqrt(v), size), folded into the
-        per-tensor statistics when ``per_tensor``. ``at``: where in training the pair was taken, in samples
-        trained before the step whose weights the gradients were taken at (0: the initial weights; ``growth`` and
-        ``ahead`` read it)."""
+        ``at``: where in training the pair was taken, in samples trained before the step whose weights the
+        gradients were taken at (0: the initial weights; ``growth`` and ``ahead`` read it)."""
         if b_big <= b_small or not (math.isfinite(sq_small) and math.isfinite(sq_big)):
             return False
         if at is not None and not (math.isfinite(at) and at >= 0):
@@ -262,17 +218,6 @@ class GradientNoiseScale:
         self._at = d * self._at + (1 - d) * (at or 0.0)
         self._g2 = d * self._g2 + (1 - d) * g2
         self._s = d * self._s + (1 - d) * s
-        if self.per_tensor and tensors is not None:
-            small, big, scale, size = tensors
-            if len(self._tg2) != len(small):  # first per-tensor pair; these EMAs are not bias-corrected: a common
-                # factor on all of them cancels in every efficiency ratio
-                self._tg2, self._ttr = [0.0] * len(small), [0.0] * len(small)
-                self._tscale, self._tsize = [0.0] * len(small), list(size)
-            for j, (a, b, sc) in enumerate(zip(small, big, scale)):
-                gj, sj = unbiased_estimates(a, b_small, b, b_big)
-                self._tg2[j] = d * self._tg2[j] + (1 - d) * gj
-                self._ttr[j] = d * self._ttr[j] + (1 - d) * sj
-                self._tscale[j] = d * self._tscale[j] + (1 - d) * sc
         self._w = d * self._w + (1 - d)
         self.updates += 1
         self.history.append(GnsSnapshot(step, self.grad_sq, self.variance, self.noise_scale, self.updates))
@@ -391,12 +336,6 @@ class GradientNoiseScale:
         """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)
         under this run's learning-rate rule (``lr_scaling``)."""
         phi = self.noise_scale if noise_scale is None else noise_scale
-        if self.per_tensor and self._tg2 and self.noise_scale > 0:
-            k = phi / self.noise_scale  # a noise scale other than the estimate: every tensor's phi scaled alike
-            stats = (self._tg2, self._ttr, self._tscale, self._tsize)
-            ref = tensor_progress(self.reference_batch, *stats, k=k)
-            if ref > 0:
-                return tensor_progress(batch, *stats, k=k) / ref
         return batch_efficiency(batch, phi, self.reference_batch, self.lr_scaling)
 
     def gain(self, batch: float, noise_scale: float | None = None) -> float:
@@ -409,9 +348,8 @@ class GradientNoiseScale:
 
     def state_dict(self) -> dict:
         return {"reference_batch": self.reference_batch, "decay": self.decay, "g2": self._g2, "s": self._s,
-                "w": self._w, "updates": self.updates, "lr_scaling": self.lr_scaling, "per_tensor": self.per_tensor,
-                "tensors": [list(self._tg2), list(self._ttr), list(self._tscale), list(self._tsize)],
-                "at": self._at, "at_known": self._at_known}  # fmt: skip
+                "w": self._w, "updates": self.updates, "lr_scaling": self.lr_scaling, "at": self._at,
+                "at_known": self._at_known}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.reference_batch = int(state["reference_batch"])
@@ -421,7 +359,3 @@ class GradientNoiseScale:
         # a state saved before positions were kept: unknown if it had updates, else every later one sets them
         self._at, self._at_known = float(state.get("at", 0.0)), bool(state.get("at_known", self._w == 0))
         self.lr_scaling = str(state.get("lr_scaling", self.lr_scaling))
-        self.per_tensor = bool(state.get("per_tensor", self.per_tensor))
-        t = state.get("tensors") or [[], [], [], []]
-        self._tg2, self._ttr, self._tscale = (list(map(float, x)) for x in t[:3])
-        self._tsize = [int(x) for x in t[3]]

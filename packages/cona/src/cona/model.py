@@ -130,17 +130,6 @@ class TextData:
             raise ValueError("this TextData has no held-out split (held_out_tokens=0)")
         return self._windows(np.linspace(self._end, len(self.tokens) - self.seq_len, count))
 
-    def validation_between(self, count: int) -> torch.Tensor:
-        """The ``count - 1`` windows halfway between consecutive windows of ``validation(count)``: disjoint from
-        them, for decisions that must not read the windows a result is measured on."""
-        idx = np.linspace(self._split, self._end - self.seq_len, count)
-        if count < 2 or idx[1] - idx[0] < 2 * self.seq_len:
-            raise ValueError(
-                f"validation split of {self._end - self._split} tokens holds no windows between {count} "
-                f"windows of {self.seq_len} (need count >= 2 and a spacing of at least {2 * self.seq_len})"
-            )
-        return self._windows((idx[:-1] + idx[1:]) / 2)
-
     def _windows(self, idx: np.ndarray) -> torch.Tensor:
         rows = np.stack([self.tokens[i : i + self.seq_len] for i in idx.astype(np.int64)])
         return torch.from_numpy(rows.astype(np.int64))

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from . import dist as cdist
 from .chain import Chainer, remaining_time
 from .executor import Executor, FullState, initial_state, load_state, save_state
-from .gns import EFFICIENCY_MODELS, GradientNoiseScale, efficiency_models, fieller_interval, micro_batch_pairs
+from .gns import GradientNoiseScale, efficiency_models, fieller_interval, micro_batch_pairs
 from .model import TextData, stdlib_tokens, tiny_llama_config
 from .probe import CostModel, ProbeCache, code_digest, paired_rates, probe_key, probe_plan, round_steps, time_steps
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
@@ -59,7 +59,6 @@ __all__ = [
     "oracle_shortlist",
     "pick_branch",
     "step0_range",
-    "middle_spread",
     "pair_contenders",
     "merge_paired",
 ]
@@ -114,9 +113,6 @@ class BenchConfig:
     # ~0 beyond) is 0.4-1 s of progress near the quick bench's target, and the oracle keeps the first of its
     # branches to dip below it: selection on that noise
     decide_every_s: float = 1.0  # the noise scale grows ~10x in the first seconds: re-rank often (switches are cheap)
-    switch_horizon_s: float = 3.0  # how long a switch is expected to pay off (decoupled from decide_every_s)
-    efficiency_model: str = "sqrt"  # the LR rule the surrogate's efficiency assumes: "sqrt" is the one every
-    # variant trains with (lr_for); "tuned" is Pollux's (each batch at its own tuned LR), kept for comparison
     initial_models: tuple[str, ...] = ("sqrt", "tuned")  # the step-0 choice must hold under each: before any
     # step nothing shows whether progress per step still grows with the square-root LR (sqrt) or is already
     # capped per step (tuned's form); trained from scratch gb128 needed 1.4-1.6x gb64's samples and gb256
@@ -126,11 +122,6 @@ class BenchConfig:
     # a long EMA lags it (2 ranks, step 100: 0.95 read 29 while the last updates gave 74-97); 0.64 per update
     # every 8 steps is the 0.8 per 4 steps the chain was tuned with (~0.3 s at gb64)
     step0_warm_batches: int = 1  # step 0: batches whose squared gradients stand in for Adam's v
-    step0_trains: bool = True  # when the step-0 choice runs step 0's global batch (gb64 in every 4-rank seed of
-    # 2026-12-02), the first warm batch's gradient (stream samples 0-63 at the initial weights, clipped) is the run's
-    # first step instead of being thrown away: the statistics keep their metric and weights, and cona's and
-    # surrogate_static's clocks lose a wasted forward and backward (the warm batch was 64 ms of step 0's ~175 ms on 4
-    # ranks). Steps taken before the statistics (tried 2026-12-01) had left them a sign-like step's noise scale
     step0_batches: int = 1  # step 0: global batches whose micro-batches (8 of 8 samples at gb64) bound the initial
     # noise scale (``gns.micro_batch_pairs``). Offline at the initial weights (8 seeds, 12 gb64 batches each, against
     # the estimate from the batches a range did not read): one batch's range covered it 91 times in 96, median width
@@ -146,11 +137,6 @@ class BenchConfig:
     # harness's evaluations are excluded from every clock; cona's own stay at decision_val_samples
     held_out_samples: int | None = None  # the oracle's picking windows; None: as many as val_samples, at most 128
     # (what it picked on before val_samples grew: the same oracle)
-    margin: float = 0.05  # hysteresis "fixed" only: the newcomer must be 5% better over switch_horizon_s
-    hysteresis: str = "remaining"  # "remaining": the horizon is the time to target estimated from cona's
-    # validation-loss trend over the last trend_window_s, and a newcomer must win (switch cost paid) at every
-    # noise scale the last range_window statistics pairs support (+- range_z standard errors); "fixed": the
-    # fixed switch_horizon_s and margin (the previous rule)
     trend_window_s: float = 5.0  # over cona's charged evaluations (>= 2 s apart): 5 s holds >= 3 of them
     decision_eval_every_s: float = 2.0  # cona's decisions read (and pay for) evaluations at least this far apart.
     # 1.0 over a 3 s window until 2026-12-04: the evaluations took 0.9-1.0% of cona's clock on 4 ranks (session 20)
@@ -161,30 +147,13 @@ class BenchConfig:
     # time-left trend is their only reader, and reading all 128 cost 2.1% (2 ranks) and 3.2% (4 ranks) of its
     # clock at 04:08-04:39 UTC 2026-12-01, against gaps to the oracle of 5-8%
     range_window: int = 8  # ~the pairs the EMA (0.64 per update) weighs: 0.64^8 = 0.03
-    noise_ahead: bool = True  # carry the range and the point estimate from where their pairs were taken (the last
-    # range_window pairs span ~1.5 s of training on 4 ranks, the EMA's mean lag is ~2 pairs) to the middle of the
-    # coming decision interval, along the noise scale's growth with samples trained (``GradientNoiseScale.ahead``).
-    # Without it (until 2026-12-02) cona left gb64 at 4.2-5.2 s where the oracle had left it at 3 s, and took
-    # gb256 at 8-9 s or never, where the oracle took it at 6 s (4 ranks, 14:39-14:49 UTC, gap 0.076)
-    adapt_cost: bool = False  # True: a switch to a bigger batch also pays the progress its steps lose while Adam's
-    # second moment forgets the old batch's noise (``chain.adaptation_steps``; v settles over ~20 steps at beta2 0.95). Measured on 4
-    # ranks (2026-12-02 15:03-15:14 UTC, one probe table, with noise_ahead): it stopped the early jumps from gb64
-    # straight to gb256 that noise_ahead alone made in two seeds of 5, but it also held back every later move (gap
-    # 0.075, switches 0, against 0.041 and 1 without it): paid on top of the square-root model, which already rates
-    # gb256 too low near the target, no move paid off. Off by default until the late efficiency is calibrated
-    early_models: bool = True  # (hysteresis "remaining" only) running decisions taken before the noise scale's growth has first been fitted (at
-    # least 9 statistics pairs, ~2-3 s on 4 ranks) must hold under every one of initial_models, like step 0's
-    # choice. Without it (until 2026-12-02) cona left gb64 for gb128 at 1.1-1.2 s in 3 seeds of 10 on 4 ranks
-    # (gaps +0.092, +0.106, +0.055), where the sqrt model read gb128 +3% ahead at a noise scale of ~40-55, while the
-    # oracle kept gb64 (or gb32) over gb128 from 0 to 3 s in all 10 seeds: early on a bigger batch gains less than
-    # the sqrt model says (trained from scratch gb128 needed 1.4-1.6x gb64's samples, experiments/step_curvature.py)
     adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW's, for every variant
     growth_pairs: int = 24  # the growth exponent is fitted over the last 24 pairs in 3 groups (~4.5 s at gb64); the
     # range's ends are carried at the exponent -+ range_z (1 when None) of its standard errors, clipped to +-1. With the point
     # exponent alone, clipped to +-1.5 (15:14-15:26 UTC), one seed fitted 1.42 at 4.2 s through a dip of the noise scale
     # at 2 s (19, read from [8, 29]), carried [96, 144] to [152, 226] and jumped from gb64 to gb256, 0.14 behind the
     # oracle (gb128 at 3 s, gb256 at 6 s); two seeds of 5 did so in each of two runs (gaps 0.041 and 0.023)
-    range_z: float | None = 0.5  # standard errors the running range spans (None: the two-sided 95% Student-t
+    range_z: float = 0.5  # standard errors the running range spans (None: the two-sided 95% Student-t
     # quantile for the pairs in the window, 2.36 for 8, the default until 2026-12-02). A switch is reversible a
     # second later for its switch cost (0.01-0.05 s here), while holding back costs the goodput difference until
     # the range's far end crosses over: on 4 ranks (2026-12-02 02:11-02:40 UTC, one probe table, 5 seeds each) the
@@ -193,16 +162,9 @@ class BenchConfig:
     # branches showed gb128 ahead of gb64 from 3 s (phase 3-6 s: -0.0042 nats, sd 0.0053, 10 seeds, 512 windows),
     # where one standard error held cona on gb64 to 4.2-5.2 s; half of one moved it at 3.1-4.2 s and cona ran 3.6%
     # ahead of surrogate_static (median per seed), against 2.6% (4 ranks, 10 seeds each, 09:22 and 09:57 UTC)
-    remaining_margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
+    margin: float = 0.01  # hysteresis "remaining": a small allowance on top of the noise-scale range
     # (the throughput table's own spread, now kept as each probe's rounds, is not used by the rule yet: the
     # range covers noise-scale uncertainty only)
-    online_throughput: bool = False  # True: cona ranks a strategy it has trained on by its realised samples/s
-    # (the median of its last 15 plain steps) and the rest by the table scaled to the run's speed
-    # (Chainer.observe_throughput). Off by default here: on this VM the realised rate of one strategy swung by
-    # +-25% from one second to the next (2 ranks, 11:14-11:25 UTC 2026-12-01), so figures taken seconds apart
-    # compared the machine's moments, not the strategies (docs/measurements.md); the interleaved probe rounds
-    # compare them at the same moments
-    online_min_steps: int = 5  # plain steps of the current strategy before its realised rate is used
     gns_every: int = 8  # a statistics step every 8 (was 4): ~6 pairs per 1 s decision at gb64, half the overhead
     seed: int = 0
     seeds: int = 3  # repeats with seeds seed, seed+1, ...: the headline is their median (with the spread)
@@ -220,12 +182,6 @@ class BenchConfig:
     probe_rounds: int = 3  # interleaved rounds per probed strategy, median kept: (history, when a probe timed 5
     # steps) one probe per strategy on 4 ranks over 2 cores read gb128/gb64 1.15 at 01:53 UTC 2026-12-01 where
     # training in the same run realised ~1.23
-    probe_max_rounds: int = 3  # more rounds, past probe_rounds, for a strategy whose middle rounds spread by more
-    probe_spread_max: float = 0.10  # than this (middle_spread): on this VM one 2-rank probe at 11:08 UTC
-    # 2026-12-01 read gb256's rounds 0.093, 0.063, 0.087 s and put gb128 ahead of it, where every other probe
-    # and the bench's training put gb256 ahead by 5-30%. Off by default since the paired cycles below time every
-    # global batch's leaders again (up to 6 rounds had been the default: 10-25 s of a 2-rank probe, and the
-    # contenders' ratios still moved by 10-25% from one table to the next)
     probe_paired_cycles: int = 32  # the contenders (the fastest strategy of every global batch, which cona, the
     # oracle and best static choose among) are timed again in this many cycles of alternating blocks, their
     # ratios read cycle by cycle (``paired_rates``); 0: off. Their rounds alone moved gb64 / gb32 from 1.26 to 1.61
@@ -248,7 +204,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         self.global_batches = tuple(self.global_batches)
         self.micro_batches = tuple(self.micro_batches)
-        for name in ("budget_s", "eval_every_s", "decide_every_s", "switch_horizon_s", "oracle_phase_s", "target_ppl",
+        for name in ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl",
                      "lr", "slice_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -256,11 +212,6 @@ class BenchConfig:
             raise ValueError(f"target_ppl must be > 1, got {self.target_ppl}")
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
-        if self.hysteresis not in ("remaining", "fixed"):
-            raise ValueError(f"hysteresis must be one of remaining, fixed, got {self.hysteresis!r}")
-        if self.efficiency_model not in EFFICIENCY_MODELS:
-            raise ValueError(f"efficiency_model must be one of {', '.join(EFFICIENCY_MODELS)}, got "
-                             f"{self.efficiency_model!r}")  # fmt: skip
         self.initial_models = efficiency_models(self.initial_models, "initial_models")
         if self.decision_val_samples is None:
             self.decision_val_samples = max(self.world, min(self.val_samples // 4, 32) // self.world * self.world)
@@ -274,9 +225,9 @@ class BenchConfig:
             raise ValueError(f"held_out_samples must be >= 2 x world ({2 * self.world}): the oracle picks on as "
                              f"many held-out windows, cut to a multiple of world (or None: up to 128), got "
                              f"{self.held_out_samples}")  # fmt: skip
-        if self.held_out_bytes < 0 or 0 < self.held_out_bytes <= 2 * self.seq_len:
-            raise ValueError(f"held_out_bytes must be 0 (the oracle picks on the windows between the measuring ones) "
-                             f"or above 2 x seq_len ({2 * self.seq_len}), got {self.held_out_bytes}")  # fmt: skip
+        if self.held_out_bytes <= 2 * self.seq_len:
+            raise ValueError(f"held_out_bytes must be above 2 x seq_len ({2 * self.seq_len}): the oracle picks on "
+                             f"windows of that text, got {self.held_out_bytes}")  # fmt: skip
         if self.target_window < 1:
             raise ValueError(f"target_window must be >= 1 (evaluations averaged), got {self.target_window}")
         if self.oracle_branches is not None and self.oracle_branches < 1:
@@ -284,7 +235,7 @@ class BenchConfig:
         if self.step0_batches < 1 or self.step0_warm_batches < 0:
             raise ValueError(f"step0_batches must be >= 1 and step0_warm_batches >= 0, got {self.step0_batches} and "
                              f"{self.step0_warm_batches}")  # fmt: skip
-        for name in ("probe_rounds", "probe_steps", "gns_every", "reference_batch", "seq_len", "online_min_steps"):
+        for name in ("probe_rounds", "probe_steps", "gns_every", "reference_batch", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.probe_round_s is not None and not self.probe_round_s > 0:
@@ -295,9 +246,6 @@ class BenchConfig:
             raise ValueError(f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}")
         if not self.probe_paired_block_s > 0:
             raise ValueError(f"probe_paired_block_s must be > 0 seconds, got {self.probe_paired_block_s}")
-        if self.probe_max_rounds < self.probe_rounds:
-            raise ValueError(f"probe_max_rounds must be >= probe_rounds ({self.probe_rounds}), got "
-                             f"{self.probe_max_rounds}")  # fmt: skip
         betas = self.adam_betas
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
                 isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):  # fmt: skip
@@ -310,7 +258,7 @@ class BenchConfig:
             raise ValueError(f"range_window must be a whole number of statistics pairs >= 2, got {self.range_window!r}")
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
-        if self.range_z is not None and not (math.isfinite(self.range_z) and self.range_z >= 0):
+        if not (isinstance(self.range_z, (int, float)) and math.isfinite(self.range_z) and self.range_z >= 0):
             raise ValueError(f"range_z must be a number of standard errors >= 0, got {self.range_z}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {self.clip_norm}")
@@ -324,24 +272,12 @@ class BenchConfig:
         return math.log(self.target_ppl)
 
     def noise_scale_estimator(self) -> GradientNoiseScale:
-        """A fresh estimator for this run's efficiency model ("sqrt-tensor": the sqrt rule per tensor)."""
-        per_tensor = self.efficiency_model == "sqrt-tensor"
-        return GradientNoiseScale(self.reference_batch, decay=self.gns_decay, per_tensor=per_tensor,
-                                  lr_scaling="sqrt" if per_tensor else self.efficiency_model)  # fmt: skip
+        """A fresh estimator for the square-root learning-rate rule every variant trains with."""
+        return GradientNoiseScale(self.reference_batch, decay=self.gns_decay)
 
     def lr_for(self, global_batch: int) -> float:
         """Square-root learning-rate scaling from the reference batch (the same rule for every variant)."""
         return self.lr * math.sqrt(global_batch / self.reference_batch)
-
-
-def middle_spread(rounds: list[float]) -> float:
-    """How far the rounds next to the (low) median lie apart, relative to it: the whole range for 3 rounds,
-    the second-lowest to the second-highest for 5 (0 for fewer than 2 rounds)."""
-    t = sorted(rounds)
-    if len(t) < 2:
-        return 0.0
-    m = (len(t) - 1) // 2
-    return (t[min(m + 1, len(t) - 1)] - t[max(m - 1, 0)]) / t[m]
 
 
 def pair_contenders(candidates: Sequence[Strategy], step_s: Mapping[Strategy, float],
@@ -435,7 +371,7 @@ class _Variant:
         self.next_decide = run.clock + cfg.decide_every_s
         # cona's remaining-time rule reads validation loss: only evaluations >= decision_eval_every_s apart,
         # each charged to its clock (the harness's frequent ones, which define time to target, stay uncharged)
-        self.charge = chainer is not None and cfg.hysteresis == "remaining"
+        self.charge = chainer is not None
         # the untrained model's loss (~ln 256) is the start of a transient, not a point of the decelerating
         # trend ``remaining_time`` fits: with it in the window the fitted slope was ~3x too steep and read
         # 0.38 s left at 3.2 s where 5 s remained (4 ranks, 21:51 UTC), blocking a switch. Not read, not charged
@@ -476,7 +412,7 @@ class _Variant:
             run.samples += s.global_batch
             if want_gns:  # taken at the weights before this step: stamped with the samples trained before it (until
                 # 2026-12-03 with those after it, one batch late: ~1% of the position at 6 s on 4 ranks)
-                gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps, tensors=r.tensors,
+                gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps,
                            at=run.samples - s.global_batch)  # fmt: skip
             if run.clock >= self.next_eval:
                 self._evaluate()
@@ -518,54 +454,37 @@ class _Variant:
         yet shows which regime training is in (``early_models``). A latch: a later fit that fails, e.g. on a group's
         noisy |G|^2, does not reopen it. None: the estimator's own model alone."""
         self.grown = self.grown or fit is not None
-        if self.tr.cfg.early_models and not self.grown:
-            return tuple(dict.fromkeys((self.gns.model, *self.tr.cfg.initial_models)))
+        if not self.grown:
+            return tuple(dict.fromkeys((self.gns.lr_scaling, *self.tr.cfg.initial_models)))
         return None
 
     def _decide(self) -> None:
-        tr, run, s = self.tr, self.run, self.s
+        tr, run, s, cfg, gns = self.tr, self.run, self.s, self.tr.cfg, self.gns
         t_decide = time.perf_counter()
-        self.next_decide = run.clock + tr.cfg.decide_every_s
-        # A strategy cona has trained on is ranked by its realised rate (``online_throughput``), the others by
-        # the probed table. (Until 2026-12-01 the probes alone: the realised rate of the current strategy set
-        # against probes measured under other load made the chain thrash on a then-shared machine. A rival is
-        # still ranked by its probe until cona has run it; from then both figures are its own training's.)
+        self.next_decide = run.clock + cfg.decide_every_s
         online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
-        cfg = tr.cfg
-        if cfg.online_throughput and online is not None and len(self.plain_times) >= cfg.online_min_steps:
-            self.chainer.observe_throughput(s, online)
-        extra: dict = {}
-        if cfg.hysteresis == "remaining":
-            left = cfg.budget_s - run.clock
-            # validation loss (the training loss runs below it here: it read "at the target" 6 s early), from
-            # the charged evaluations >= decision_eval_every_s apart only, never the harness's uncharged ones
-            rem = remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0))
-            lo, hi = self.gns.interval(z=cfg.range_z, window=cfg.range_window)
-            phi, extra = self.gns.noise_scale, {}
-            fit = self.gns.growth(cfg.growth_pairs) if cfg.noise_ahead or cfg.early_models else None
-            models = self._running_models(fit)
-            f_lo = f_point = f_hi = 1.0
-            if cfg.noise_ahead:  # carried from where the pairs were taken to the middle of the next interval
-                rate = online if online is not None else tr.cost.throughput(s)[0]
-                to = run.samples + rate * cfg.decide_every_s / 2
-                z = cfg.range_z if cfg.range_z is not None else 1.0
-                f_lo, _, f_hi, _ = self.gns.ahead(to, window=cfg.range_window, pairs=cfg.growth_pairs, z=z, fit=fit)
-                _, f_point, _, _ = self.gns.ahead(to, pairs=cfg.growth_pairs, fit=fit)  # same fit, EMA's position
-            # rank 0's inputs on every rank in one broadcast (until 2026-12-03 one each, six: on 4 ranks on 2 cores a
-            # decision took ~8 ms with them, README "Headline")
-            rem, lo, hi, f_lo, f_hi, f_point = _bcast_all(
-                rem, lo, hi if math.isfinite(hi) else 1e9, f_lo, f_hi, f_point
-            )
-            if cfg.noise_ahead:
-                extra = {"noise_range_read": [lo, hi], "noise_scale_read": phi, "noise_growth": fit and list(fit),
-                         "carried_to_samples": to, "carry": [f_lo, f_point, f_hi]}  # fmt: skip
-                lo, hi, phi = lo * f_lo, min(hi * f_hi, 1e9), min(phi * f_point, 1e9)
-            d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem,
-                                    noise_scale=phi, models=models)  # fmt: skip
-            pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in self.gns.raw[-cfg.range_window :]]
-            extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
-        else:
-            d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock)
+        left = cfg.budget_s - run.clock
+        # validation loss (the training loss runs below it here: it read "at the target" 6 s early), from
+        # the charged evaluations >= decision_eval_every_s apart only, never the harness's uncharged ones
+        rem = remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, max(left, 0.0))
+        lo, hi = gns.interval(z=cfg.range_z, window=cfg.range_window)
+        phi = gns.noise_scale
+        fit = gns.growth(cfg.growth_pairs)
+        models = self._running_models(fit)
+        # carried from where the pairs were taken to the middle of the next interval
+        rate = online if online is not None else tr.cost.throughput(s)[0]
+        to = run.samples + rate * cfg.decide_every_s / 2
+        f_lo, _, f_hi, _ = gns.ahead(to, window=cfg.range_window, pairs=cfg.growth_pairs, z=cfg.range_z, fit=fit)
+        _, f_point, _, _ = gns.ahead(to, pairs=cfg.growth_pairs, fit=fit)  # same fit, EMA's position
+        # rank 0's inputs on every rank in one broadcast
+        rem, lo, hi, f_lo, f_hi, f_point = _bcast_all(rem, lo, hi if math.isfinite(hi) else 1e9, f_lo, f_hi, f_point)
+        extra = {"noise_range_read": [lo, hi], "noise_scale_read": phi, "noise_growth": fit and list(fit),
+                 "carried_to_samples": to, "carry": [f_lo, f_point, f_hi]}  # fmt: skip
+        lo, hi, phi = lo * f_lo, min(hi * f_hi, 1e9), min(phi * f_point, 1e9)
+        d = self.chainer.decide(s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem,
+                                noise_scale=phi, models=models)  # fmt: skip
+        pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in gns.raw[-cfg.range_window :]]
+        extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
         dt = _bcast(time.perf_counter() - t_decide)  # rank 0's, as every step time; until 2026-12-03 not charged
         run.clock += dt
@@ -597,20 +516,15 @@ class _Trainer:
         tokens = stdlib_tokens(want)
         if len(tokens) < want:
             raise ValueError(f"corpus_bytes + held_out_bytes ({want}) exceed the {len(tokens)} bytes of standard "
-                             f"library sources found: lower held_out_bytes (0: no separate text)")  # fmt: skip
+                             f"library sources found: lower corpus_bytes or held_out_bytes")  # fmt: skip
         self.data = TextData(tokens, cfg.seq_len, self.seed, held_out_tokens=cfg.held_out_bytes)
         self.val = self.data.validation(cfg.val_samples)  # the windows time to target is measured on
-        # The oracle picks its branches on other windows, as many as split over every dp degree, so that it does
-        # not select on the noise of the windows that measure the result: of the text after the corpus, or
-        # (held_out_bytes=0) halfway between the measuring windows
+        # The oracle picks its branches on windows of the text after the corpus, as many as split over every dp
+        # degree, so that it does not select on the noise of the windows that measure the result
         self.held_out = None
         if cfg.oracle:
             n = min(cfg.val_samples, 128) if cfg.held_out_samples is None else cfg.held_out_samples
-            if cfg.held_out_bytes:
-                held = self.data.held_out(n)
-            else:  # between the measuring windows: n of them, evenly spaced
-                held = self.data.validation_between(cfg.val_samples)
-                held = held[torch.linspace(0, len(held) - 1, min(n, len(held))).round().long()]
+            held = self.data.held_out(n)
             self.held_out = held[: len(held) // cfg.world * cfg.world]
         # cona's own evaluations: evenly spaced measuring windows. Its time-left trend compares their level with
         # the target, and the held-out windows' loss runs 0.05-0.09 nats lower (other text); it selects nothing
@@ -628,8 +542,7 @@ class _Trainer:
     def executor(self, s: Strategy, state: FullState) -> Executor:
         return Executor(s, self.model_cfg, state, lr=self.cfg.lr_for(s.global_batch), clip_norm=self.cfg.clip_norm,
                         betas=self.cfg.adam_betas,
-                        precondition=self.cfg.gns_precondition,
-                        tensor_stats=self.cfg.efficiency_model == "sqrt-tensor")  # fmt: skip
+                        precondition=self.cfg.gns_precondition)  # fmt: skip
 
     # --- throughput --------------------------------------------------------------------------------
     def probe_key(self) -> str:
@@ -637,7 +550,7 @@ class _Trainer:
         return probe_key(world=c.world, model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
                          seq_len=c.seq_len, backend=cdist.backend(), clip=c.clip_norm is not None,
                          probe_steps=c.probe_steps, probe_rounds=c.probe_rounds, code=code_digest(),
-                         rounds_to=[c.probe_max_rounds, c.probe_spread_max], round_s=c.probe_round_s,
+                         round_s=c.probe_round_s,
                          paired=[c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band],
                          contenders="fastest-rounds, median level")  # fmt: skip
 
@@ -655,17 +568,15 @@ class _Trainer:
 
         def get(todo: list[Strategy]) -> None:
             """Time the strategies not measured yet in ``probe_rounds`` interleaved rounds (each round builds and
-            times every strategy once), then further rounds (to ``probe_max_rounds``) of those whose middle rounds
-            still spread by more than ``probe_spread_max``, and keep each one's median round (the lower middle one
-            for an even count, so always a measured round): a drift in the machine's speed then lands on every
-            strategy of the batch alike instead of on whichever was probed during it."""
+            times every strategy once) and keep each one's median round (the lower middle one for an even count, so
+            always a measured round): a drift in the machine's speed then lands on every strategy of the batch alike
+            instead of on whichever was probed during it."""
             nonlocal cost_now
             fresh = [s for s in dict.fromkeys(todo) if s not in self.cost.measured]
             times: dict[Strategy, list[float]] = {s: [] for s in fresh}
             costs = dict.fromkeys(fresh, 0.0)
-            rnd, todo = 0, list(fresh)
-            while todo:
-                for s in todo:
+            for _ in range(cfg.probe_rounds):
+                for s in fresh:
                     tp = time.perf_counter()
                     ex = self.executor(s, self.state0)
                     batch = self.data.samples(0, s.global_batch)
@@ -676,13 +587,6 @@ class _Trainer:
                     times[s].append(secs)
                     costs[s] += cost
                     del ex
-                rnd += 1
-                # past the minimum, only the strategies whose middle rounds still disagree are timed again
-                todo = (
-                    []
-                    if rnd >= cfg.probe_max_rounds
-                    else [s for s in fresh if rnd < cfg.probe_rounds or middle_spread(times[s]) > cfg.probe_spread_max]
-                )
             for s in fresh:
                 secs = statistics.median_low(times[s])
                 self.cost.add(s, secs)
@@ -704,10 +608,8 @@ class _Trainer:
         plan = probe_plan(self.candidates)
         fresh = [s for s in plan if s.name not in cached]
         if fresh:
-            rounds = (f"{cfg.probe_rounds}" if cfg.probe_max_rounds == cfg.probe_rounds
-                      else f"{cfg.probe_rounds}-{cfg.probe_max_rounds}")  # fmt: skip
-            progress.info("probing %d strategies: %s interleaved rounds of %d steps each%s (%s)",
-                          len(fresh), rounds, cfg.probe_steps,
+            progress.info("probing %d strategies: %d interleaved rounds of %d steps each%s (%s)",
+                          len(fresh), cfg.probe_rounds, cfg.probe_steps,
                           f", fewer past {cfg.probe_round_s:g} s" if cfg.probe_round_s else "",
                           "cached for later runs" if cfg.probe_cache else "not cached")  # fmt: skip
         get(plan)
@@ -842,7 +744,7 @@ class _Trainer:
         for _ in range(cfg.step0_warm_batches if cfg.gns_precondition else 0):
             tw = time.perf_counter()
             ex.compute_grads(self.data.samples(k * s.global_batch, s.global_batch), gns=False)
-            if k == 0 and cfg.step0_trains:
+            if k == 0:
                 warm, warm_s = ex.grads(), time.perf_counter() - tw
             ex.fold_second_moment()
             k += 1
@@ -859,7 +761,7 @@ class _Trainer:
         already computed on its first batch at the initial weights (the step ``train_step`` would take there, up to
         floating-point order), and the seconds the step and the hand-over of the state took."""
         if step0.ex is None or step0.warm is None:
-            raise ValueError("step 0 kept no gradient to step with (step0_trains off, or no warm batch)")
+            raise ValueError("step 0 kept no gradient to step with (no warm batch, or already spent)")
         t0 = time.perf_counter()
         step0.ex.step_with(step0.warm, lr=self.cfg.lr_for(step0.strategy.global_batch))
         state = step0.ex.full_state()
@@ -1103,10 +1005,8 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, the initial weights)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = cfg.noise_scale_estimator()
-    margin = cfg.margin if cfg.hysteresis == "fixed" else cfg.remaining_margin
-    chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, horizon_s=cfg.switch_horizon_s, margin=margin,
-                      switch_cost_s=reshard_s, initial_models=cfg.initial_models,
-                      adam_beta2=cfg.adam_betas[1] if cfg.adapt_cost else None)  # fmt: skip
+    chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, margin=cfg.margin, switch_cost_s=reshard_s,
+                      initial_models=cfg.initial_models)  # fmt: skip
     t_decide = time.perf_counter()
     first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
     decision0_s = _bcast(time.perf_counter() - t_decide)  # charged to both runs that start on its choice
