@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from hwtopo import console
+
 from .calibrate import calibrate
 from .compressed import compressed_modules
 from .data import sequences
@@ -55,33 +57,9 @@ def text_ids(info: dict, vocab: int, n_cal: int, n_eval: int, seq_len: int, seed
     return cal, ev
 
 
-def run_bench(
-    quick: bool = True,
-    model_path: str | Path | None = None,
-    ratios: tuple[float, ...] = RATIOS,
-    base: str = "aligned",
-    seq_len: int = 128,
-    calib_seqs: int | None = None,
-    eval_seqs: int | None = None,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict:
-    """Compress with every method and ratio, measure perplexity and expert bytes side by side."""
-    from tqdm import tqdm
-
-    t0 = time.perf_counter()
-    model, info = load_model(model_path, progress)
-    t_model = time.perf_counter() - t0
-    vocab = model.config.vocab_size
-    n_cal = calib_seqs or (48 if quick else 192)
-    n_eval = eval_seqs or (48 if quick else 256)
-    cal_ids, eval_ids = text_ids(info, vocab, n_cal, n_eval, seq_len, seed)
-    t1 = time.perf_counter()
-    calib = calibrate(model, cal_ids.split(8), seed=seed)
-    plan = prepare(model, calib, base)
-    t_prep = time.perf_counter() - t1
+def _compare(model, plan, eval_ids, ppl_full: float, ratios, progress: bool) -> dict:
+    """Every method at every keep ratio (structured units and unstructured entries) on ``eval_ids``."""
     original = plan.original_bytes()
-    ppl_full = perplexity(model, eval_ids)
     results: dict = {
         "uncompressed": {"ppl": ppl_full, "gap": 0.0, "expert_bytes": original, "memory_reduction": 0.0},
     }
@@ -97,8 +75,7 @@ def run_bench(
     del base_only
     jobs = [(m, r, True) for r in ratios for m in (*METHODS, "parser_plain")]
     jobs += [(m, r, False) for r in ratios for m in UNSTRUCTURED]
-    bar = tqdm(jobs, desc="compress+eval", disable=not progress, leave=False)
-    for method, ratio, structured in bar:
+    for method, ratio, structured in console.progress(jobs, desc="compress+eval", quiet=not progress):
         keep = ratio if structured else entry_ratio_for(ratio, plan.layers[0].hidden, 4)
         cm = compress_model(model, plan, method, keep, structured=structured)
         nbytes = sum(m.nbytes() for m in compressed_modules(cm).values())
@@ -114,7 +91,11 @@ def run_bench(
             "memory_reduction": 1 - nbytes / original,
         }
         del cm
-    bar.close()
+    return results
+
+
+def _headline(results: dict, ratios) -> dict:
+    """The headline keys at keep ratio 0.2 (or the middle ratio given)."""
     h = HEADLINE_RATIO if HEADLINE_RATIO in ratios else ratios[len(ratios) // 2]
     par = results[f"parser@{h}"]
 
@@ -124,18 +105,44 @@ def run_bench(
         return other["gap"] / par["gap"] if par["gap"] > 0 else None
 
     mem = {results[f"{m}@{h}"]["expert_bytes"] for m in METHODS}
-    headline = {
+    return {
         "gap_ratio_vs_magnitude": gap_ratio("magnitude"),
         "gap_ratio_vs_wanda": gap_ratio("wanda"),
         "gap_ratio_vs_reconstruction": gap_ratio("reconstruction"),
         "memory_reduction": par["memory_reduction"],
         "memory_equal_across_methods": len(mem) == 1,
-        "ppl_full": ppl_full,
+        "ppl_full": results["uncompressed"]["ppl"],
         "ppl_parser": par["ppl"],
         "ppl_magnitude": results[f"magnitude@{h}"]["ppl"],
         "ppl_wanda": results[f"wanda@{h}"]["ppl"],
         "keep_ratio": h,
     }
+
+
+def run_bench(
+    quick: bool = True,
+    model_path: str | Path | None = None,
+    ratios: tuple[float, ...] = RATIOS,
+    base: str = "aligned",
+    seq_len: int = 128,
+    calib_seqs: int | None = None,
+    eval_seqs: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Compress with every method and ratio, measure perplexity and expert bytes side by side."""
+    t0 = time.perf_counter()
+    model, info = load_model(model_path, progress)
+    t_model = time.perf_counter() - t0
+    vocab = model.config.vocab_size
+    n_cal = calib_seqs or (48 if quick else 192)
+    n_eval = eval_seqs or (48 if quick else 256)
+    cal_ids, eval_ids = text_ids(info, vocab, n_cal, n_eval, seq_len, seed)
+    t1 = time.perf_counter()
+    calib = calibrate(model, cal_ids.split(8), seed=seed)
+    plan = prepare(model, calib, base)
+    t_prep = time.perf_counter() - t1
+    results = _compare(model, plan, eval_ids, perplexity(model, eval_ids), ratios, progress)
     layers = plan.layers
     config = {
         "quick": quick,
@@ -158,4 +165,4 @@ def run_bench(
         "seconds": {"model": t_model, "calibrate_and_decompose": t_prep, "total": time.perf_counter() - t0},
         "torch_threads": torch.get_num_threads(),
     }
-    return {"config": config, "results": results, "headline": headline}
+    return {"config": config, "results": results, "headline": _headline(results, ratios)}

@@ -1,104 +1,128 @@
-"""parser-moe command line: demo, bench, compress."""
+"""parser-moe command line: demo, bench, compress.
+
+Arguments and output paths are checked before torch is imported or a model is loaded; exit codes
+and common options are hwtopo.console's.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import math
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from hwtopo import console
 
 from . import __version__
 
-
-class UsageError(Exception):
-    """Bad command-line input (exit 2)."""
-
-
-def _keep_ratio(text: str) -> float:
-    try:
-        r = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"keep ratio must be a number in (0, 1], got {text!r}") from None
-    if not (0.0 < r <= 1.0) or math.isnan(r):
-        raise argparse.ArgumentTypeError(f"keep ratio must be in (0, 1], got {text}")
-    return r
+METHOD_CHOICES = ("parser", "magnitude", "reconstruction", "wanda")
+MAX_THREADS = 1024
 
 
 def _ratios(text: str) -> tuple[float, ...]:
-    parts = [p for p in text.split(",") if p.strip()]
+    keep = console.positive_float("--ratios", 1.0)
+    parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError("--ratios needs at least one keep ratio in (0, 1], e.g. 0.1,0.2,0.3")
-    return tuple(_keep_ratio(p.strip()) for p in parts)
+    return tuple(keep(p) for p in parts)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        raise UsageError(f"{self.prog}: {message}")
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v < 2**32:
+        raise argparse.ArgumentTypeError(f"--seed must be an integer >= 0 and < 2**32, not {text!r}")
+    return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="parser-moe", description="Compress MoE experts by output-importance residual sparsification.")
-    p.add_argument("--version", action="version", version=f"parser-moe {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-
-    def common(sp):
-        sp.add_argument("--model", default=None, help="local transformers MoE checkpoint dir (default: the tiny MoE)")
-        sp.add_argument("--base", choices=("aligned", "mean"), default="aligned", help="shared base of the experts")
-        sp.add_argument("--seed", type=int, default=0, help="seed of calibration/eval windows")
-        sp.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-        sp.add_argument("--quiet", action="store_true", help="no progress bars")
-        sp.add_argument("--debug", action="store_true", help="tracebacks on errors")
-
-    sd = sub.add_parser("demo", help="compress the tiny MoE with every method; table, report.md and plot")
-    sd.add_argument("--out", default="demo-output/parser-moe", help="output directory")
-    sd.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.3), help="keep ratios, comma separated")
-    common(sd)
-
-    sb = sub.add_parser("bench", help="PARSER vs baselines at equal expert memory, side by side")
-    sb.add_argument("--quick", action="store_true", help="fewer calibration/eval tokens (< 3 min once cached)")
-    sb.add_argument("--json", default=None, help="write the results JSON here")
-    sb.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.3), help="keep ratios, comma separated")
-    common(sb)
-
-    sc = sub.add_parser("compress", help="compress one model and save it (safetensors + config)")
-    sc.add_argument("--out", required=True, help="directory to write the compressed model to")
-    sc.add_argument("--method", choices=("parser", "magnitude", "reconstruction", "wanda"), default="parser")
-    sc.add_argument("--keep", type=_keep_ratio, default=0.2, help="fraction of residual units kept, in (0, 1]")
-    sc.add_argument("--unstructured", action="store_true", help="keep residual entries at the same bytes")
-    common(sc)
+def _checkpoint(text: str) -> Path:
+    """argparse type: a transformers checkpoint directory (one with config.json)."""
+    p = Path(text)
+    if not (p / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"--model {text!r}: no config.json there; pass a transformers checkpoint directory"
+        )
     return p
 
 
-def _table(results: dict) -> list[str]:
-    rows = ["| variant | keep | ppl | gap to full | expert MiB | memory reduction |", "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        keep = r.get("keep_ratio", 1.0)
-        rows.append(
-            f"| {name.split('@')[0]} | {keep:g} | {r['ppl']:.4f} | {r['gap']:+.4f} | "
-            f"{r['expert_bytes'] / 2**20:.3f} | {r['memory_reduction']:.3f} |"
-        )
-    return rows
+def _new_dir(path: str, field: str) -> Path:
+    """A directory that will be written whole (renamed into place): an existing writable directory,
+    or a name whose parent exists and is writable. Creates nothing."""
+    p = Path(path)
+    return console.output_dir(p, field) if p.exists() else console.output_file(p, field)
 
 
-def _headline_rows(h: dict) -> list[str]:
-    out = ["| headline key | value |", "|---|---|"]
-    for k, v in h.items():
-        out.append(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |")
-    return out
+def _common(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--model", type=_checkpoint, help="local transformers MoE checkpoint dir (default: the tiny MoE)")
+    sp.add_argument("--base", choices=("aligned", "mean"), default="aligned", help="shared base of the experts")
+    sp.add_argument("--seed", type=_seed, default=0, help="seed of calibration/eval windows")
+    sp.add_argument(
+        "--threads", type=console.positive_int("--threads", MAX_THREADS), help="torch threads (default: torch's choice)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p, sub = console.parser(
+        "parser-moe", "Compress MoE experts by output-importance residual sparsification.", __version__
+    )
+    sd = console.command(sub, "demo", "compress the tiny MoE with every method; table, report.md and plot")
+    sd.add_argument("--out", default="demo-output/parser-moe", help="output directory (its parent must exist)")
+    sd.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.3), help="keep ratios, comma separated")
+    _common(sd)
+
+    sb = console.command(sub, "bench", "PARSER vs baselines at equal expert memory, side by side")
+    sb.add_argument("--quick", action="store_true", help="fewer calibration/eval tokens (< 3 min once cached)")
+    sb.add_argument("--json", help="write the results JSON here")
+    sb.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.3), help="keep ratios, comma separated")
+    _common(sb)
+
+    sc = console.command(sub, "compress", "compress one model and save it (safetensors + config)")
+    sc.add_argument("--out", required=True, help="directory to write the compressed model to (replaced whole)")
+    sc.add_argument("--method", choices=METHOD_CHOICES, default="parser", help="what decides the kept units")
+    sc.add_argument(
+        "--keep",
+        type=console.positive_float("--keep", 1.0),
+        default=0.2,
+        help="fraction of residual units kept, in (0, 1]",
+    )
+    sc.add_argument("--unstructured", action="store_true", help="keep residual entries at the same bytes")
+    _common(sc)
+    return p
+
+
+def _prepare(args) -> None:
+    """Thread count and progress output, once the arguments have passed."""
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def _table(results: dict) -> str:
+    rows = [
+        [name.split("@")[0], r.get("keep_ratio", 1.0), r["ppl"], r["gap"], r["expert_bytes"] / 2**20]
+        + [r["memory_reduction"]]
+        for name, r in results.items()
+    ]
+    return console.table(rows, ["variant", "keep", "ppl", "gap to full", "expert MiB", "memory reduction"])
+
+
+def _headline_table(h: dict) -> str:
+    return console.table([[f"`{k}`", v] for k, v in h.items()], ["headline key", "value"])
 
 
 def _plot(results: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            "parser-moe: matplotlib is not installed (pip install 'parser-moe[plot]'); no plot written", file=sys.stderr
-        )
+    plt = console.pyplot("parser-moe")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict = {}
@@ -121,6 +145,7 @@ def _plot(results: dict, path: Path) -> bool:
 
 
 def _run_bench(args, quick: bool) -> dict:
+    _prepare(args)
     from .bench import run_bench
 
     return run_bench(
@@ -129,9 +154,10 @@ def _run_bench(args, quick: bool) -> dict:
 
 
 def cmd_bench(args) -> int:
+    json_path = console.output_file(args.json, "--json") if args.json else None
+    res = _run_bench(args, args.quick)
     import hwtopo
 
-    res = _run_bench(args, args.quick)
     doc = {
         "package": "parser-moe",
         "version": __version__,
@@ -141,49 +167,49 @@ def cmd_bench(args) -> int:
         "headline": res["headline"],
         "emulated": False,
     }
-    print("\n".join(_table(res["results"])))
+    print(_table(res["results"]))
     print()
-    print("\n".join(_headline_rows(res["headline"])))
-    if args.json:
-        hwtopo.atomic_write_text(args.json, json.dumps(doc, indent=2, allow_nan=False) + "\n")
-        print(f"wrote {args.json}")
+    print(_headline_table(res["headline"]))
+    if json_path:
+        hwtopo.atomic_write_text(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        print(f"wrote {json_path}")
     return 0
 
 
-def cmd_demo(args) -> int:
+def _round_trip(args, out: Path, ratios: tuple[float, ...]) -> str:
+    """Compress at keep 0.2, save, reload with transformers, and compare: what a user would ship."""
     import torch
 
-    import hwtopo
-
-    from .compressed import load_compressed, save_compressed
-    from .evaluate import perplexity
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = _run_bench(args, quick=True)
-    table, head = _table(res["results"]), _headline_rows(res["headline"])
-    print("\n".join(table))
-    print()
-    print("\n".join(head))
-    plotted = _plot(res["results"], out / "gap_vs_memory.png")
-    # the compressed model goes through save/load, as a user would ship it
     from .bench import load_model, text_ids
     from .calibrate import calibrate
+    from .compressed import load_compressed, save_compressed
+    from .evaluate import perplexity
     from .pipeline import compress_model, prepare
 
     model, info = load_model(args.model, progress=not args.quiet)
     cal, ev = text_ids(info, model.config.vocab_size, 48, 16, 128, args.seed)
     plan = prepare(model, calibrate(model, cal.split(8), seed=args.seed), args.base)
-    keep = 0.2 if 0.2 in args.ratios else args.ratios[0]
+    keep = 0.2 if 0.2 in ratios else ratios[0]
     cm = compress_model(model, plan, "parser", keep)
     saved = save_compressed(cm, out / f"parser-keep{keep:g}")
     loaded = load_compressed(saved)
     with torch.no_grad():
         same = torch.equal(loaded(input_ids=ev[:2]).logits, cm(input_ids=ev[:2]).logits)
-    rt = (
+    return (
         f"saved to {saved.name}/ and reloaded with transformers: outputs identical = {same}, "
         f"ppl {perplexity(loaded, ev):.4f} on {ev.numel()} held-out tokens"
     )
+
+
+def cmd_demo(args) -> int:
+    out = console.output_dir(args.out, "--out")
+    res = _run_bench(args, quick=True)
+    import hwtopo
+
+    table, head = _table(res["results"]), _headline_table(res["headline"])
+    print(table, head, sep="\n\n")
+    plotted = _plot(res["results"], out / "gap_vs_memory.png")
+    rt = _round_trip(args, out, args.ratios)
     print(rt)
     cfg = res["config"]
     lines = [
@@ -194,9 +220,9 @@ def cmd_demo(args) -> int:
         f"calibration {cfg['calib_tokens']} tokens, perplexity on {cfg['eval_tokens']} held-out tokens; base "
         f"`{cfg['base']}`. Every method keeps the same number of residual units (same bytes).",
         "",
-        *table,
+        table,
         "",
-        *head,
+        head,
         "",
         f"Save/load: {rt}.",
         "",
@@ -210,6 +236,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_compress(args) -> int:
+    out = _new_dir(args.out, "--out")
+    _prepare(args)
     from .bench import load_model, text_ids
     from .calibrate import calibrate
     from .compressed import compressed_modules, save_compressed
@@ -222,50 +250,20 @@ def cmd_compress(args) -> int:
     keep = entry_ratio_for(args.keep, plan.layers[0].hidden, 4) if args.unstructured else args.keep
     cm = compress_model(model, plan, args.method, keep, structured=not args.unstructured)
     nbytes = sum(m.nbytes() for m in compressed_modules(cm).values())
-    save_compressed(cm, args.out)
+    save_compressed(cm, out)
     print(
         f"{args.method} keep {args.keep:g}: expert bytes {plan.original_bytes()} -> {nbytes} "
         f"({1 - nbytes / plan.original_bytes():.3f} reduction); ppl {perplexity(model, ev):.4f} -> "
-        f"{perplexity(cm, ev):.4f}; wrote {args.out}"
+        f"{perplexity(cm, ev):.4f}; wrote {out}"
     )
     return 0
 
 
+HANDLERS: dict[str, Callable] = {"bench": cmd_bench, "demo": cmd_demo, "compress": cmd_compress}
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv
-    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        args = build_parser().parse_args(argv)
-        if args.threads is not None:
-            if args.threads < 1:
-                raise UsageError(f"--threads must be >= 1, got {args.threads}")
-            import torch
-
-            torch.set_num_threads(args.threads)
-        if args.quiet:
-            import os
-
-            os.environ["TQDM_DISABLE"] = "1"
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        return {"bench": cmd_bench, "demo": cmd_demo, "compress": cmd_compress}[args.cmd](args)
-    except UsageError as e:
-        if debug:
-            raise
-        print(str(e), file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as e:
-        if debug:
-            raise
-        print(f"parser-moe: {e}", file=sys.stderr)
-        return 2 if isinstance(e, FileNotFoundError) else 1
-    except Exception as e:  # runtime failure: one line
-        if debug:
-            raise
-        print(f"parser-moe: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    return console.run(build_parser(), HANDLERS, argv)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .cache import atomic_dir
+from .atomic import atomic_dir
 from .models import MoELayer, module_bytes, set_submodule
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .cache import atomic_dir, cache_root
+from hwtopo import console
+
+from .atomic import atomic_dir
 from .data import VOCAB_SIZE, encode, split_text
 
 log = logging.getLogger(__name__)
@@ -98,11 +100,7 @@ def train(cfg: TinyMoEConfig, progress: bool = True) -> tuple[torch.nn.Module, d
         return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, cfg.steps - warm)))
 
     losses = []
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, desc="training tiny MoE", leave=False)
+    bar = console.progress(total=cfg.steps, desc="training tiny MoE", quiet=not progress)
     model.train()
     t0 = time.perf_counter()
     for step in range(cfg.steps):
@@ -116,11 +114,9 @@ def train(cfg: TinyMoEConfig, progress: bool = True) -> tuple[torch.nn.Module, d
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(out.loss.detach()))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
     model.eval()
     info = {
         "steps": cfg.steps,
@@ -140,7 +136,7 @@ def load_or_train(
     from transformers import AutoModelForCausalLM
 
     cfg = cfg or TinyMoEConfig()
-    path = Path(cache_dir or cache_root()) / cfg.key()
+    path = Path(cache_dir or console.cache_dir("parser-moe")) / cfg.key()
     if (path / "model.safetensors").is_file() and (path / "train.json").is_file():
         model = AutoModelForCausalLM.from_pretrained(str(path))
         model.eval()

@@ -1,4 +1,4 @@
-"""User cache directory and atomic directory writes."""
+"""Atomic directory writes: fill a temporary sibling, then rename it into place."""
 
 from __future__ import annotations
 
@@ -7,12 +7,6 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/mlsyskit/parser-moe`` or ``~/.cache/mlsyskit/parser-moe``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlsyskit" / "parser-moe"
 
 
 def atomic_dir(target: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
