@@ -65,8 +65,9 @@ def test_initial_choice_holds_under_every_efficiency_model():
     assert pick == gb[64] and 0.95 < worst < 1.0
     gns = GradientNoiseScale(reference_batch=8)
     ch = Chainer(list(tput), tput, gns, horizon_s=3.0, initial_models=("sqrt", "tuned"))
-    d = ch.decide(None, noise_range=(19.0, 31.0))
+    d = ch.decide(None, noise_range=(19.0, 31.0))  # no current strategy: the initial choice
     assert d.chosen == gb[64] and "sqrt and tuned" in d.reason and d.efficiency_model == "sqrt+tuned"
+    assert ch.initial((19.0, 31.0)) == d and ch.decisions[-2:] == [d, d]
     _set_phi(gns, 25.0)
     assert ch.rank()[0].strategy == gb[128]  # running rankings: the estimator's own (sqrt) model only
     assert ch.decide(gb[64], step=1).efficiency_model == "sqrt"
@@ -137,7 +138,7 @@ def test_hysteresis_and_switch_cost_prevent_thrashing():
     _set_phi(gns, 1000.0)
     ch2 = Chainer([SMALL, BIG], TPUT, gns, horizon_s=10.0, margin=0.05, switch_cost_s=6.0, same_layout_cost_s=6.0)
     d = ch2.decide(SMALL)
-    assert not d.switched and "switch" in d.reason
+    assert not d.switched and "switch 6.00s" in d.reason and "a 10.00s horizon" in d.reason
     # measured switch costs replace the prior of their kind (SMALL and BIG share the dp2 layout)
     ch2.observe_switch(0.1, same_layout=True)
     assert ch2.expected_switch_cost_s(SMALL, BIG) == pytest.approx(0.1)
@@ -211,11 +212,11 @@ def _late_chainer(phi: float, margin: float = 0.05) -> Chainer:
     return Chainer(list(LATE), LATE, gns, horizon_s=3.0, margin=margin, switch_cost_s=0.015, same_layout_cost_s=0.015)
 
 
-def test_remaining_time_hysteresis_switches_where_the_fixed_margin_stays():
+def test_remaining_time_hysteresis_switches_where_a_short_horizon_stays():
     """gb128 beats gb64 by 2.5-4% everywhere in a noise-scale range of 200..300 (the late phase of the
     perplexity-5.8 run): over ~5 s left to the target a 0.015 s switch pays for itself many times, so the
-    rule from first principles switches; the old fixed 5% margin stays on gb64 however long is left."""
-    assert not _late_chainer(230.0).decide(GB64, step=1).switched  # the old rule: inside the 5% margin
+    rule switches; with no time left given, a 5% margin over the 3 s horizon keeps gb64."""
+    assert not _late_chainer(230.0).decide(GB64, step=1).switched  # inside the 5% margin
     ch = _late_chainer(230.0, margin=0.0)
     d = ch.decide(GB64, step=1, noise_range=(200.0, 300.0), remaining_s=5.0)
     assert d.switched and d.chosen == GB128
@@ -224,8 +225,8 @@ def test_remaining_time_hysteresis_switches_where_the_fixed_margin_stays():
 
 def test_remaining_time_hysteresis_needs_a_win_across_the_noise_range():
     """A point estimate (400) where bigger batches win by > 5% but a range (40..400) where they lose at its
-    low end: the old rule switches on the point estimate, the new one stays and says which rival came closest."""
-    assert _late_chainer(400.0).decide(GB64, step=1).switched  # the old rule follows the point estimate
+    low end: the point estimate alone switches, the range stays and says which rival came closest."""
+    assert _late_chainer(400.0).decide(GB64, step=1).switched  # no range: the point estimate alone
     d = _late_chainer(400.0, margin=0.0).decide(GB64, step=1, noise_range=(40.0, 400.0), remaining_s=5.0)
     assert not d.switched and d.chosen == GB64 and "worst noise scale" in d.reason
 

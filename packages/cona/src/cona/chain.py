@@ -1,31 +1,23 @@
 """Surrogate and chaining, the paper's core: rank strategies by expected loss decrease per second.
 
-The surrogate of a strategy is its goodput: measured (or cost-model) throughput in samples/s times
-the statistical efficiency of its global batch under the current gradient noise scale and the
-learning-rate rule training actually uses (``gns.batch_efficiency``: square-root scaling for Adam by
-default, Pollux's "tuned" model on request), i.e. the reference-batch-equivalent samples it processes
-per second; the expected validation-loss decrease per second is proportional to it. The chainer re-ranks the candidates during training and switches
-only when the best one beats the current one by a hysteresis margin after paying the switch cost:
+The surrogate of a strategy is its goodput: measured (or cost-model) throughput in samples/s times the
+statistical efficiency of its global batch under the current gradient noise scale and the learning-rate rule
+training uses (``gns.batch_efficiency``: square-root scaling for Adam by default, Pollux's "tuned" model on
+request), i.e. the reference-batch-equivalent samples it processes per second; the expected validation-loss
+decrease per second is proportional to it.
 
-    switch  iff  goodput_best * (horizon - switch_cost) > goodput_current * horizon * (1 + margin)
+The initial choice (``Chainer.initial``) takes, for a noise scale known only to lie in a range, the strategy whose
+goodput stays closest to the best anywhere in the range and under every efficiency model named
+(``robust_choice``): before any step nothing shows which learning-rate regime training is in. A running decision
+(``Chainer.decide``) switches only to a rival that wins over the time left to the target ``T`` (estimated from the
+loss trend, ``remaining_time``), its switch cost ``c`` paid, wherever in the noise-scale range the truth lies:
 
-With ``remaining_s`` (an estimate of the training time left to the target, from the observed loss
-trend) and ``noise_range`` (the noise scales the recent gradient statistics support) a running decision
-uses the hysteresis from first principles instead (``switch_gain``): the horizon a switch pays off over
-is the remaining time, and the newcomer must win wherever in the noise-scale range the truth lies,
+    switch  iff  min over phi in range of  goodput_new(phi) (T - c) / (goodput_cur(phi) T)  > 1 + margin
 
-    switch  iff  min over phi in range of
-                 goodput_new(phi) (T_rem - switch_cost) / (goodput_cur(phi) T_rem)  > 1 + margin
-
-i.e. the predicted rate gain times the remaining time exceeds the measured switch cost, with an allowance
-for the ranking's uncertainty (the same worst case over the range that the robust initial choice uses).
-The statistics behind the range (and the point estimate) describe where training was when their pairs were
-taken, a second or more ago, while the noise scale keeps growing; the bench carries both to the middle of the
-coming decision interval along their fitted growth (``GradientNoiseScale.ahead``) before deciding.
-The initial choice also takes the worst case over ``Chainer.initial_models`` (by default the estimator's
-model alone; the bench asks for both ``sqrt`` and ``tuned``: before any step nothing shows which learning-rate
-regime training is in); running decisions use the estimator's model, or with ``decide(models=...)`` the worst
-case over the models named (the bench names both until the noise scale's growth has first been fitted).
+(``switch_gain``): the predicted rate gain times the time left exceeds the measured switch cost, with an
+allowance for the ranking's uncertainty. The statistics behind the range describe where training was when their
+pairs were taken, while the noise scale keeps growing; the bench carries the range to the middle of the coming
+decision interval along its fitted growth (``GradientNoiseScale.ahead``) before deciding.
 
 Every decision (switch or stay) is logged with the ranking and the reason.
 """
@@ -212,17 +204,17 @@ class Chainer:
     ``switch_cost_s`` is the prior for a switch that reshards (another dp x tp x pp layout) and
     ``same_layout_cost_s`` for one that keeps the layout (only micro-batch and global batch change: no state
     moves, ``Executor.retarget``); measured ones are fed back via ``observe_switch`` and replace the prior of
-    their kind (``expected_switch_cost_s``). ``horizon_s`` is how long a choice is expected to last (the time until the
-    next decision); ``margin`` is the hysteresis (0.05: the newcomer must be 5% better).
-    ``initial_models``: the efficiency models the initial choice under a noise-scale range must hold
-    under (None: only the estimator's ``lr_scaling``). Running decisions use the estimator's model unless
-    ``decide(models=...)`` names others.
+    their kind (``expected_switch_cost_s``). ``horizon_s`` is the time a switch must pay off over when no
+    estimate of the time left is given; ``margin`` is the hysteresis (0.05: the newcomer must be 5% better), and
+    for the initial choice the tolerance within which two strategies are level. ``initial_models``: the
+    efficiency models the initial choice under a noise-scale range must hold under (None: only the estimator's
+    ``lr_scaling``). Running decisions use the estimator's model unless ``decide(models=...)`` names others.
     """
 
     candidates: Sequence[Strategy]
     throughput: ThroughputFn | Mapping[Strategy, float]
     gns: GradientNoiseScale
-    horizon_s: float = 10.0  # how long a new choice is expected to pay off (not the re-ranking interval)
+    horizon_s: float = 10.0
     margin: float = 0.05
     switch_cost_s: float = 0.5
     same_layout_cost_s: float = 0.0
@@ -272,116 +264,93 @@ class Chainer:
             out.append(Estimate(s, tput, eff, tput * eff, src))
         return sorted(out, key=lambda e: (-e.goodput, -e.throughput, e.strategy.name))
 
+    def initial(
+        self, noise_range: tuple[float, float] | None = None, step: int = 0, elapsed_s: float = 0.0
+    ) -> Decision:
+        """The strategy to start with. With ``noise_range`` (the noise scale only known to lie in it, as after step
+        0): the one whose goodput stays closest to the best anywhere in the range under every one of
+        ``initial_models`` (``robust_choice``; level within ``margin``, the larger batch). Without: the best
+        goodput at the estimator's noise scale."""
+        phi = self.gns.noise_scale
+        ranking = tuple(self.rank(phi))
+        if noise_range is None:
+            best = ranking[0]
+            reason = (
+                f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
+                f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})"
+            )
+            return self._record(Decision(step, elapsed_s, None, best.strategy, True, reason, phi, 0.0, ranking,
+                                         self.gns.lr_scaling))  # fmt: skip
+        lo, hi = noise_range
+        tputs = {e.strategy: e.throughput for e in ranking}
+        models = self.initial_models or (self.gns.lr_scaling,)
+        ratios = worst_ratios(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)  # once, read twice
+        pick, alone = take_level(ratios, tputs, self.margin), take_level(ratios, tputs, 0.0)
+        under = f" under the {' and '.join(models)} efficiency models" if len(models) > 1 else ""
+        level = (f" (level with {alone.name}'s {ratios[alone]:.3f} within the {self.margin:g} margin: the larger "
+                 f"global batch, as the noise scale grows from here)" if alone != pick else "")  # fmt: skip
+        reason = (f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
+                  f">= {ratios[pick]:.3f} of the best goodput anywhere in that range{under}{level}")  # fmt: skip
+        return self._record(Decision(step, elapsed_s, None, pick, True, reason, phi, 0.0, ranking, "+".join(models)))
+
     def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0,
                noise_range: tuple[float, float] | None = None, remaining_s: float | None = None,
-               noise_scale: float | None = None, models: Sequence[str] | None = None) -> Decision:  # fmt: skip
-        """Choose the strategy for the next horizon; logged and appended to ``decisions``.
-
-        ``noise_range``: the noise scale is only known to lie in this range (few gradient samples). For the
-        initial choice, take the strategy with the best worst-case goodput ratio over it; for a running
-        decision with ``remaining_s`` (estimated training time left to the target), switch only to a
-        strategy that beats the current one over the remaining time, switch cost paid, at every noise
-        scale in the range (``switch_gain``). Without ``remaining_s`` the fixed horizon and margin apply.
+               noise_scale: float | None = None, models: Sequence[str] | str | None = None) -> Decision:  # fmt: skip
+        """The running decision: switch from ``current`` only to a strategy whose progress over ``remaining_s``
+        (the estimated training time left; ``horizon_s`` when not given), its switch cost paid, beats staying by
+        more than ``margin`` at every noise scale in ``noise_range`` (the point estimate alone when not given) and
+        under every efficiency model in ``models`` (the estimator's own when None): ``switch_gain``.
         ``noise_scale``: the point estimate to rank by, in place of the estimator's (e.g. carried to where the
-        decision applies, ``GradientNoiseScale.ahead``). ``models``: with ``remaining_s``, the efficiency models a
-        switch must win under, each at every noise scale in the range (None: the estimator's own), as the initial
-        choice holds under ``initial_models``.
-        """
-        if models is not None:
-            models = efficiency_models(models, "models")
+        decision applies, ``GradientNoiseScale.ahead``). ``current`` None: the initial choice (``initial``)."""
+        if current is None:
+            return self.initial(noise_range, step, elapsed_s)
+        models = (self.gns.lr_scaling,) if models is None else efficiency_models(models, "models")
         phi = self.gns.noise_scale if noise_scale is None else noise_scale
         ranking = tuple(self.rank(phi))
-        best = ranking[0]
-        cost = self.expected_switch_cost_s(current, best.strategy)  # to the best; per rival in _decide_remaining
-        if current is not None and all(e.strategy != current for e in ranking):
+        cur = next((e for e in ranking if e.strategy == current), None)
+        if cur is None:
             raise ValueError(f"current strategy {current.name} is not among the candidates")
-        if current is None and noise_range is not None:
-            lo, hi = noise_range
-            tputs = {e.strategy: e.throughput for e in ranking}
-            models = self.initial_models or (self.gns.lr_scaling,)
-            ratios = worst_ratios(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)  # once, read twice
-            pick, alone = take_level(ratios, tputs, self.margin), take_level(ratios, tputs, 0.0)
-            worst, alone_worst = ratios[pick], ratios[alone]
-            under = f" under the {' and '.join(models)} efficiency models" if len(models) > 1 else ""
-            level = (f" (level with {alone.name}'s {alone_worst:.3f} within the {self.margin:g} margin: the larger "
-                     f"global batch, as the noise scale grows from here)" if alone != pick else "")  # fmt: skip
-            d = Decision(step, elapsed_s, None, pick, True,
-                         f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
-                         f">= {worst:.3f} of the best goodput anywhere in that range{under}{level}", phi, 0.0,
-                         ranking)  # fmt: skip
-        elif current is not None and not self.gns.ready:
-            d = Decision(step, elapsed_s, current, current, False,
-                         f"stay: no gradient statistics yet for {current.name}", phi, cost, ranking)  # fmt: skip
-        elif current is None:
-            d = Decision(step, elapsed_s, None, best.strategy, True,
-                         f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
-                         f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})", phi, 0.0, ranking)  # fmt: skip
-        elif remaining_s is not None:
-            d = self._decide_remaining(current, ranking, step, elapsed_s, phi, remaining_s, noise_range, models)
+        if self.gns.ready:
+            d = self._running(cur, ranking, step, elapsed_s, phi, remaining_s, noise_range, models)
         else:
-            cur = next((e for e in ranking if e.strategy == current), None)
-            if cur is None:
-                raise ValueError(f"current strategy {current.name} is not among the candidates")
-            keep = max(self.horizon_s - cost, 0.0)
-            new_progress = best.goodput * keep
-            cur_progress = cur.goodput * self.horizon_s * (1 + self.margin)
-            if best.strategy != current and new_progress > cur_progress:
-                reason = (
-                    f"switch: {best.strategy.name} goodput {best.goodput:.1f} x ({self.horizon_s:.1f}s - "
-                    f"{cost:.2f}s switch) = {new_progress:.0f} > {current.name} {cur.goodput:.1f} x "
-                    f"{self.horizon_s:.1f}s x (1+{self.margin:g}) = {cur_progress:.0f} (noise scale {phi:.1f})"
-                )
-                d = Decision(step, elapsed_s, current, best.strategy, True, reason, phi, cost, ranking)
-            else:
-                if best.strategy == current:
-                    reason = f"stay: {current.name} is still best (goodput {cur.goodput:.1f}, noise scale {phi:.1f})"
-                else:
-                    reason = (
-                        f"stay: best {best.strategy.name} goodput {best.goodput:.1f} does not beat "
-                        f"{current.name} {cur.goodput:.1f} by the {self.margin:g} margin after a {cost:.2f}s switch "
-                        f"over {self.horizon_s:.1f}s (noise scale {phi:.1f})"
-                    )
-                d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
-        initial = current is None and noise_range is not None
-        if initial:
-            models = self.initial_models or (self.gns.lr_scaling,)
-        elif models is None or remaining_s is None:
-            models = (self.gns.lr_scaling,)
-        d = replace(d, efficiency_model="+".join(models))  # the model(s) this decision's choice holds under
+            cost = self.expected_switch_cost_s(current, ranking[0].strategy)
+            reason = f"stay: no gradient statistics yet for {current.name}"
+            d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
+        return self._record(replace(d, efficiency_model="+".join(models)))
+
+    def _record(self, d: Decision) -> Decision:
         self.decisions.append(d)
-        log.info("step %d: %s", step, d.reason)
+        log.info("step %d: %s", d.step, d.reason)
         return d
 
-    def _decide_remaining(self, current: Strategy, ranking: tuple[Estimate, ...], step: int, elapsed_s: float,
-                          phi: float, remaining_s: float,
-                          noise_range: tuple[float, float] | None,
-                          models: tuple[str, ...] | None = None) -> Decision:  # fmt: skip
-        """Hysteresis from the remaining time, the switch cost and the noise-scale range (see the module); with
-        ``models``, the worst case over those efficiency models too (the estimator's own as it computes it)."""
+    def _running(self, cur: Estimate, ranking: tuple[Estimate, ...], step: int, elapsed_s: float, phi: float,
+                 remaining_s: float | None, noise_range: tuple[float, float] | None,
+                 models: tuple[str, ...]) -> Decision:  # fmt: skip
+        """``decide`` once the estimator has statistics: each rival's worst-case gain over the noise-scale range
+        and the models (``switch_gain``, at its own kind of switch cost), the most robust one against ``margin``."""
+        current = cur.strategy
         lo, hi = noise_range if noise_range is not None else (phi, phi)
         grid = noise_grid(min(lo, phi), max(hi, phi), points=9)
-        cur = next(e for e in ranking if e.strategy == current)
-        h = max(remaining_s, 0.0)
-        own = self.gns.lr_scaling
+        h = self.horizon_s if remaining_s is None else max(remaining_s, 0.0)
 
         def gain(e: Estimate) -> float:
+            cost = self.expected_switch_cost_s(current, e.strategy)
             return min(switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid,
-                                   h, self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch, m)
-                       for m in (models or (own,)))  # fmt: skip
+                                   h, cost, self.gns.reference_batch, m) for m in models)  # fmt: skip
 
         gains = sorted(
             ((gain(e), e) for e in ranking if e.strategy != current),
             key=lambda ge: (-ge[0], -ge[1].goodput, ge[1].strategy.name),
-        )  # fmt: skip
+        )
         # the cost logged is that of a switch to the most robust rival (same layout: no state moves)
         cost = self.expected_switch_cost_s(current, gains[0][1].strategy) if gains else 0.0
-        where = (f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {h:.2f}s to target "
-                 f"estimated, switch {cost:.2f}s")  # fmt: skip
-        if models and tuple(models) != (own,):
+        left = f"{h:.2f}s to target estimated" if remaining_s is not None else f"a {h:.2f}s horizon"
+        where = f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {left}, switch {cost:.2f}s"
+        if models != (self.gns.lr_scaling,):
             where += f", under the {' and '.join(models)} efficiency models"
         if gains and gains[0][0] > self.margin:
-            gain, e = gains[0]
-            reason = (f"switch: {e.strategy.name} (goodput {e.goodput:.1f} vs {cur.goodput:.1f}) gains >= {gain:+.4f} "
+            g, e = gains[0]
+            reason = (f"switch: {e.strategy.name} (goodput {e.goodput:.1f} vs {cur.goodput:.1f}) gains >= {g:+.4f} "
                       f"of {current.name}'s progress over the remaining time at every noise scale in the range "
                       f"(margin {self.margin:g}; {where})")  # fmt: skip
             return Decision(step, elapsed_s, current, e.strategy, True, reason, phi, cost, ranking)
@@ -389,8 +358,8 @@ class Chainer:
         if best.strategy == current:
             reason = f"stay: {current.name} is still best (goodput {cur.goodput:.1f}; {where})"
         else:
-            gain, e = gains[0]
+            g, e = gains[0]
             reason = (f"stay: best {best.strategy.name} goodput {best.goodput:.1f} vs {current.name} {cur.goodput:.1f}, "
-                      f"but the most robust rival {e.strategy.name} gains only {gain:+.4f} of the remaining progress "
+                      f"but the most robust rival {e.strategy.name} gains only {g:+.4f} of the remaining progress "
                       f"at the worst noise scale in the range (margin {self.margin:g}; {where})")  # fmt: skip
         return Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)

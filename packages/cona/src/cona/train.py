@@ -1008,7 +1008,7 @@ def _run_seed(tr: _Trainer, best_static: Strategy, reshard_s: float) -> dict:
     chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, margin=cfg.margin, switch_cost_s=reshard_s,
                       initial_models=cfg.initial_models)  # fmt: skip
     t_decide = time.perf_counter()
-    first = chainer.decide(None, 0, gns0_s, noise_range=(lo, hi))
+    first = chainer.initial((lo, hi), 0, gns0_s)
     decision0_s = _bcast(time.perf_counter() - t_decide)  # charged to both runs that start on its choice
     surrogate0 = first.chosen
     # on step 0's global batch, its first warm batch's gradient is the run's first step: that forward and backward
