@@ -7,9 +7,9 @@ from dist_helpers import small_cfg
 
 
 def train_with_fault(rank, world, ckpt_dir, steps, fail_step, how):
-    """``_finetune_worker`` (even TP, a checkpoint every 2 steps); rank 1's write of step ``fail_step``
+    """``finetune_rank`` (even TP, a checkpoint every 2 steps); rank 1's write of step ``fail_step``
     either kills the process before writing ("kill") or fails with a full disk ("enospc")."""
-    from xronos.runner import _finetune_worker
+    from xronos.runner import finetune_rank
     from xronos.train import TPTrainer
 
     if rank == 1 and fail_step is not None:
@@ -23,4 +23,4 @@ def train_with_fault(rank, world, ckpt_dir, steps, fail_step, how):
             return save(self, directory)
 
         TPTrainer.save = faulty
-    return _finetune_worker(rank, world, small_cfg(steps=steps).to_dict(), "tp", ckpt_dir, 2, None, None)
+    return finetune_rank(rank, world, small_cfg(steps=steps).to_dict(), "tp", ckpt_dir, 2, None, None)

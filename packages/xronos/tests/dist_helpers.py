@@ -60,6 +60,21 @@ def fail_on_rank1(rank, world):
     return rank
 
 
+def killed_between_layers(rank, world):
+    """A Megatron pair twice; rank 1 is SIGKILLed after the first, leaving rank 0 in the second's all-reduce."""
+    import os
+    import signal
+
+    torch.manual_seed(0)
+    col = ColumnParallelLinear.from_linear(nn.Linear(8, 16), [8, 8], rank)
+    row = RowParallelLinear.from_linear(nn.Linear(16, 8), [8, 8], rank)
+    x = torch.randn(2, 8)
+    y = row(torch.relu(col(x)))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"y": row(torch.relu(col(y)))}
+
+
 def hf_parity(rank, world, families, attn_units, mlp_units, save_dir):
     return {f: _hf_parity(rank, f, attn_units, mlp_units, f"{save_dir}/{f}") for f in families}
 
@@ -209,12 +224,10 @@ def reshard_checks(rank, world):
 
 def runner_checks(rank, world, ckpt_dir):
     """xronos train's worker twice in one group: even TP for 2 steps, then resume under Xronos and save."""
-    from xronos.runner import _finetune_worker
+    from xronos.runner import finetune_rank
 
-    first = _finetune_worker(rank, world, small_cfg(steps=2).to_dict(), "tp", ckpt_dir, 1, None, None)
-    second = _finetune_worker(
-        rank, world, small_cfg(steps=3).to_dict(), "xronos", ckpt_dir, 0, ckpt_dir + "/model", None
-    )
+    first = finetune_rank(rank, world, small_cfg(steps=2).to_dict(), "tp", ckpt_dir, 1, None, None)
+    second = finetune_rank(rank, world, small_cfg(steps=3).to_dict(), "xronos", ckpt_dir, 0, ckpt_dir + "/model", None)
     return {"first": first, "second": second, "model": ckpt_dir + "/model"}
 
 

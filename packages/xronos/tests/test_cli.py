@@ -52,7 +52,7 @@ def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_partition", boom)
     assert cli.main(["partition"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "xronos: error: KeyError: 'rank3'"
+    assert err == "xronos: error: 'rank3'"
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ def test_torchrun_env_rendezvous_trains_like_the_reference(tmp_path):
     --torchrun` on 2 ranks; the eval loss equals a single-process run of the same steps."""
     from dist_helpers import small_cfg
 
-    from xronos.launch import free_port
+    from hwtopo.launch import free_port
     from xronos.train import TPTrainer
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--node-rank=0"]
@@ -99,6 +99,41 @@ def test_cli_defaults_are_train_config_defaults_and_partition_takes_model_option
         cfg = _cfg(build_parser().parse_args(cmd))
         want = dataclasses.replace(TrainConfig(), steps=cfg.steps, lora_r=cfg.lora_r)
         assert cfg == want, cmd
-    with pytest.raises(SystemExit) as e:
-        main(["partition", "--batch", "4"])
-    assert e.value.code == 2 and "--batch" in capsys.readouterr().err
+    assert main(["partition", "--batch", "4"]) == 2
+    assert "--batch" in capsys.readouterr().err
+
+
+def test_output_paths_and_numeric_ranges_fail_before_any_work(tmp_path, monkeypatch, capsys):
+    import xronos.cli as cli
+    import xronos.runner as runner
+
+    def started(*args, **kwargs):
+        raise AssertionError("work started before the input was checked")
+
+    monkeypatch.setattr(cli, "_run_compare", started)
+    monkeypatch.setattr(runner, "finetune", started)
+    assert main(["bench", "--quick", "--json", str(tmp_path / "no" / "r.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "a" / "b")]) == 2
+    assert "--out" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main(["train", "--ckpt-dir", str(tmp_path / "c" / "d")]) == 2
+    assert "--ckpt-dir" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    (tmp_path / "file").write_text("x")
+    assert main(["train", "--save", str(tmp_path / "file")]) == 2
+    assert "--save" in capsys.readouterr().err
+    bad = {
+        "--hidden": ["partition", "--hidden", "1e30"],
+        "--steps": ["bench", "--steps", "99999999999"],
+        "--lr": ["bench", "--lr", "nan"],
+        "--seed": ["train", "--seed", "-1"],
+        "--memory": ["partition", "--memory", "1e400GiB,1MiB"],
+    }
+    for field, argv in bad.items():
+        assert main(argv) == 2, argv
+        assert field in capsys.readouterr().err
+
+
+def test_version_and_common_options_in_either_place(capsys):
+    assert main(["--version"]) == 0
+    assert f"xronos {__import__('xronos').__version__}" in capsys.readouterr().out
+    assert main(["--quiet", "partition"]) == 0 and main(["partition", "--debug"]) == 0

@@ -1,6 +1,8 @@
+import signal
+
 import pytest
 import torch
-from dist_helpers import fail_on_rank1, layer_parity_both
+from dist_helpers import fail_on_rank1, killed_between_layers, layer_parity_both
 from torch import nn
 
 from xronos.launch import WorkerError, spawn
@@ -61,8 +63,17 @@ def test_single_process_layers_equal_linear():
 
 
 def test_dead_rank_is_named_not_a_hang():
-    with pytest.raises(WorkerError, match="rank 1 failed: ValueError: boom on purpose"):
+    with pytest.raises(WorkerError, match="rank 1 .*failed: ValueError: boom on purpose") as info:
         spawn(fail_on_rank1, 2, timeout_s=120, pg_timeout_s=20)
+    assert info.value.rank == 1
+
+
+def test_a_killed_rank_is_blamed_not_the_survivor_left_in_its_all_reduce():
+    # rank 1 (emulated at half speed) is SIGKILLed between two tensor-parallel layers; rank 0 then
+    # fails in the all-reduce it waits in, and that consequence must not be reported as the cause
+    with pytest.raises(WorkerError, match="rank 1 .*killed by SIGKILL") as info:
+        spawn(killed_between_layers, 2, speeds=[1.0, 0.5], timeout_s=120, pg_timeout_s=20)
+    assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
-"""Command line: ``xronos demo | bench | train | partition``."""
+"""Command line: ``xronos demo | bench | train | partition`` (the mlsyskit convention, hwtopo.console)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -10,13 +11,42 @@ import sys
 import time
 from pathlib import Path
 
+from hwtopo import console
+from hwtopo.console import UsageError
+
 from . import __version__
 
 log = logging.getLogger("xronos")
 
+# Bounds of the numeric options: far above any CPU run, low enough that a typo fails before allocating.
+MAX_WIDTH = 1 << 16
+MAX_COUNT = 1 << 24
+MAX_SEED = (1 << 63) - 1
 
-class UsageError(Exception):
-    """Bad command-line input (exit 2)."""
+
+def _count(field: str, maximum: int):
+    """argparse type: an integer in [0, ``maximum``] (0 means off or none)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = -1
+        if not 0 <= v <= maximum:
+            raise argparse.ArgumentTypeError(f"{field} must be an integer >= 0 and <= {maximum}, not {text!r}")
+        return v
+
+    return parse
+
+
+def _cpu_share_arg(text: str) -> str | float:
+    """argparse type for --cpu-share: 'auto' or a number in (0, 1]."""
+    if text == "auto":
+        return text
+    try:
+        return console.positive_float("--cpu-share", 1.0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"--cpu-share must be 'auto' or a number in (0, 1], not {text!r}") from None
 
 
 def _speeds(text: str) -> list[float]:
@@ -60,12 +90,10 @@ def _cfg(args, **extra):
         cfg.shape()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if cfg.family not in ("llama", "qwen2"):
-        raise UsageError(f"--family must be llama or qwen2, not {cfg.family!r}")
     return cfg
 
 
-def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: bool = True) -> None:
+def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: bool = True, min_steps: int = 1):
     """Model (and, with ``training``, data/optimisation) options; defaults come from :class:`TrainConfig`.
 
     One source of defaults: the CLI shows and uses ``TrainConfig``'s, except ``--steps`` where a
@@ -74,37 +102,38 @@ def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: 
     from .train import TrainConfig
 
     d = TrainConfig()
+    width = functools.partial(console.positive_int, maximum=MAX_WIDTH)
     g = p.add_argument_group("model and data" if training else "model")
-    g.add_argument("--family", default=d.family, help=f"llama or qwen2 (tiny config built locally; default {d.family})")
-    g.add_argument("--hidden", type=int, default=d.hidden, help=f"hidden size (default {d.hidden})")
-    g.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers})")
-    g.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
+    g.add_argument("--family", default=d.family, choices=("llama", "qwen2"), help="tiny config built locally")
+    g.add_argument("--hidden", type=width("--hidden"), default=d.hidden, help="hidden size")
+    g.add_argument("--layers", type=width("--layers"), default=d.layers, help="decoder layers")
+    g.add_argument("--heads", type=width("--heads"), default=d.heads, help="attention heads")
     g.add_argument(
         "--kv-heads",
-        type=int,
+        type=width("--kv-heads"),
         default=d.kv_heads,
-        help=f"KV heads (default {d.kv_heads}; a KV group is the attention unit, so fewer groups make the "
-        "attention split coarser)",
+        help="KV heads (a KV group is the attention unit, so fewer groups make the attention split coarser)",
     )
-    g.add_argument("--intermediate", type=int, default=d.intermediate, help=f"MLP width (default {d.intermediate})")
-    g.add_argument(
-        "--mlp-block", type=int, default=d.mlp_block, help=f"MLP columns per partition unit (default {d.mlp_block})"
-    )
+    g.add_argument("--intermediate", type=width("--intermediate"), default=d.intermediate, help="MLP width")
+    g.add_argument("--mlp-block", type=width("--mlp-block"), default=d.mlp_block, help="MLP columns per partition unit")
     if not training:
         return
-    g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
-    g.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
-    g.add_argument("--micro-batches", type=int, help=f"pipeline micro-batches (default {d.micro_batches}, or --batch)")
-    g.add_argument("--steps", type=int, default=d.steps if steps is None else steps)
+    g.add_argument("--seq-len", type=width("--seq-len"), default=d.seq_len, help="tokens per sequence")
+    g.add_argument("--batch", type=width("--batch"), default=d.batch, help="sequences per step")
+    g.add_argument(
+        "--micro-batches", type=width("--micro-batches"), help=f"pipeline micro-batches ({d.micro_batches} or --batch)"
+    )
+    steps_type = console.positive_int("--steps", MAX_COUNT) if min_steps else _count("--steps", MAX_COUNT)
+    g.add_argument("--steps", type=steps_type, default=d.steps if steps is None else steps, help="training steps")
     g.add_argument(
         "--vocab-parallel",
         choices=("none", "head", "both"),
         default=d.vocab_parallel,
         help="split the LM head (head), or the LM head and the input embedding (both), by vocabulary across "
-        f"ranks in proportion to their MLP shards; none: replicated (default: {d.vocab_parallel})",
+        "ranks in proportion to their MLP shards; none: replicated",
     )
-    g.add_argument("--lr", type=float, default=d.lr, help=f"AdamW learning rate (default {d.lr:g})")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--lr", type=console.positive_float("--lr", 10.0), default=d.lr, help="AdamW learning rate")
+    g.add_argument("--seed", type=_count("--seed", MAX_SEED), default=d.seed, help="model, data and profile seed")
 
 
 def _emulate_arg(p: argparse.ArgumentParser, default: str | None = "dilate", note: str = "", **kw) -> None:
@@ -112,7 +141,7 @@ def _emulate_arg(p: argparse.ArgumentParser, default: str | None = "dilate", not
         "--emulate",
         choices=("dilate", "cgroup"),
         default=default,
-        help="how an emulated slower rank is slowed: dilate (default; computes at full speed and sleeps "
+        help="how an emulated slower rank is slowed: dilate (computes at full speed and sleeps "
         "(1/speed - 1) x its CPU time at every synchronisation, hwtopo.dilate: steady at ms scale) or cgroup "
         "(a CPU quota, hwtopo.throttle: short compute segments of a throttled rank vary by 20-35 %%)" + note,
         **kw,
@@ -123,21 +152,23 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
     _emulate_arg(p)
     p.add_argument(
         "--cpu-share",
+        type=_cpu_share_arg,
         default="auto",
         help="CPUs of the fastest emulated rank (rank r gets speed[r] x this), or 'auto': 1.0 on a quiet machine, "
         "0.5 or 0.3 when other programs (CPU use sampled for 1 s) would keep the CPU quotas from binding",
     )
     p.add_argument(
         "--rebalance-every",
-        type=int,
+        type=_count("--rebalance-every", MAX_COUNT),
         default=2,
         help="Xronos re-profiles from measured step times every N steps and reshards when the median of the "
         "last 3 such windows says it pays (0: off)",
     )
 
 
-def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
-    rows = [["variant", "step time (s)", "idle ratio (max rank)", "compute stall", "eval loss", "shards / stages"]]
+def _rows(summary: dict) -> list[dict]:
+    """One table row per variant: step time, idle, stall, loss and how the model was split."""
+    rows = []
     for name, s in summary.items():
         if name == "machine_load":
             continue
@@ -151,63 +182,35 @@ def _table(summary: dict, speeds: list[float]) -> list[list[str]]:
         else:
             shards = "1 process, full model"
         rows.append(
-            [
-                name,
-                f"{s['step_time_s']:.3f}",
-                f"{s['idle_ratio']:.3f}" if "idle_ratio" in s else "-",
-                f"{s['compute_stall_ratio']:.3f}" if "compute_stall_ratio" in s else "-",
-                f"{s['eval_loss']:.5f}",
-                shards,
-            ]
+            {
+                "variant": name,
+                "step time (s)": f"{s['step_time_s']:.3f}",
+                "idle ratio (max rank)": f"{s['idle_ratio']:.3f}" if "idle_ratio" in s else "-",
+                "compute stall": f"{s['compute_stall_ratio']:.3f}" if "compute_stall_ratio" in s else "-",
+                "eval loss": f"{s['eval_loss']:.5f}",
+                "shards / stages": shards,
+            }
         )
     return rows
 
 
-def _busy_cpus(window_s: float = 1.0) -> float:
-    """CPUs busy with other programs right now (from /proc/stat over ``window_s``; load average elsewhere).
+def _cpu_share(value: str | float, speeds: list[float], emulate: str) -> tuple[float, float | None]:
+    """(share, CPUs busy before the run or None). Auto: a share the loaded machine can still give each
+    rank, lowered (in steps of 0.05) until every rank can be pinned to a CPU without oversubscribing it
+    (3 ranks at 1.0/0.7/0.4 on 2 cores: 0.9), so no rank's quota is eaten by another rank's threads.
+    Under compute dilation no quota has to bind (a rank's speed is relative to the CPU time it gets), so
+    auto starts from 1.0 whatever the load (still sampled and recorded) and is lowered only for the
+    pinning."""
+    if value != "auto":
+        return float(value), None
+    from .launch import busy_cpus, pin_ranks
 
-    The 1-minute load average lags: right after other programs stop it still reads high, so it is used
-    only where /proc/stat is missing.
-    """
-
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(window_s)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return os.getloadavg()[0]
-    dt = total1 - total0
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / dt) if dt > 0 else 0.0
-
-
-def _cpu_share(text: str, speeds: list[float] | None = None, emulate: str = "cgroup") -> float:
-    """'auto' or a number in (0, 1]. Auto: a share the loaded machine can still give each rank, lowered
-    (in steps of 0.05) until every rank can be pinned to a CPU without oversubscribing it (3 ranks at
-    1.0/0.7/0.4 on 2 cores: 0.9), so no rank's quota is eaten by another rank's threads. Under compute
-    dilation no quota has to bind (a rank's speed is relative to the CPU time it gets), so auto starts
-    from 1.0 whatever the load (still sampled and recorded) and is lowered only for the pinning."""
-    if text == "auto":
-        from .launch import pin_ranks
-
-        busy = _busy_cpus()
-        per_cpu = busy / (os.cpu_count() or 1)
-        _cpu_share.busy_cpus = busy
-        share = 1.0 if per_cpu < 0.25 or emulate == "dilate" else 0.5 if per_cpu < 0.75 else 0.3
-        while speeds and share > 0.1 and pin_ranks([s * share for s in speeds]) is None:
-            share = round(share - 0.05, 2)
-        return share
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 < v <= 1:
-        raise UsageError(f"--cpu-share must be 'auto' or a number in (0, 1], not {text!r}")
-    return v
+    busy = busy_cpus()
+    per_cpu = busy / (os.cpu_count() or 1)
+    share = 1.0 if per_cpu < 0.25 or emulate == "dilate" else 0.5 if per_cpu < 0.75 else 0.3
+    while speeds and share > 0.1 and pin_ranks([s * share for s in speeds]) is None:
+        share = round(share - 0.05, 2)
+    return share, busy
 
 
 def _load_line(summary: dict) -> str:
@@ -232,26 +235,10 @@ def _load_line(summary: dict) -> str:
     return " ".join(parts)
 
 
-def _fmt_table(rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-        out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-        return "\n".join(out)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
-
-
 def _timeline_plot(results: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed (pip install 'xronos[plot]'); no plot written")
-        return False
+    plt = console.pyplot("xronos")
     names = [n for n in ("xronos", "tp") if n in results[0]["timelines"]]
-    if not names:
+    if plt is None or not names:
         return False
     fig, axes = plt.subplots(len(names), 1, figsize=(9, 1.6 + 1.1 * len(results) * len(names)), squeeze=False)
     for ax, name in zip(axes[:, 0], names):
@@ -275,16 +262,13 @@ def _timeline_plot(results: list[dict], path: Path) -> bool:
 
 def _run_compare(args, cfg, speeds, variants):
     from .bench import headline, run_comparison, summarize
-
-    t0 = time.perf_counter()
-    args.cpu_share = _cpu_share(args.cpu_share, speeds, args.emulate)
-    if args.rebalance_every < 0:
-        raise UsageError(f"--rebalance-every must be >= 0 (0 disables), not {args.rebalance_every}")
     from .launch import emulation_label
 
+    t0 = time.perf_counter()
+    share, busy = _cpu_share(args.cpu_share, speeds, args.emulate)
     load0 = os.getloadavg()[0]
     results = run_comparison(
-        cfg, speeds, variants, rebalance_every=args.rebalance_every, cpu_share=args.cpu_share, emulate=args.emulate
+        cfg, speeds, variants, rebalance_every=args.rebalance_every, cpu_share=share, emulate=args.emulate
     )
     summary = summarize(results)
     summary["machine_load"] = {
@@ -292,43 +276,30 @@ def _run_compare(args, cfg, speeds, variants):
         "loadavg_1min_start": load0,
         "loadavg_1min_end": os.getloadavg()[0],
         "cpus": os.cpu_count(),
-        "cpu_share": args.cpu_share,
-        "busy_cpus_before": getattr(_cpu_share, "busy_cpus", None),
+        "cpu_share": share,
+        "busy_cpus_before": busy,
     }
     return results, summary, headline(summary), time.perf_counter() - t0
 
 
-def cmd_demo(args) -> int:
-    speeds = _speeds(args.speeds)
-    cfg = _cfg(args, lora_r=8)
-    if cfg.steps < 1:
-        raise UsageError(f"--steps must be >= 1 to compare step times, not {cfg.steps}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if not args.quiet:
-        print(
-            f"xronos demo: LoRA fine-tune on {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps",
-            file=sys.stderr,
-        )
-    results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp"])
-    rows = _table(summary, speeds)
-    print(_fmt_table(rows, False))
-    print(_load_line(summary))
-    print(json.dumps(head, indent=2))
-    for r in results:
-        r["emulated"] = summary["machine_load"]["emulated"]
-    plotted = _timeline_plot(results, out / "timeline.png")
-    import hwtopo
+def _out_dir(out: str | None) -> Path:
+    """``--out`` checked (only the directory named is ever created), or the documented default
+    ``demo-output/xronos`` when none was given."""
+    if out is None:
+        Path("demo-output").mkdir(exist_ok=True)
+        out = "demo-output/xronos"
+    return console.output_dir(out, "--out")
 
+
+def _demo_report(cfg, speeds, summary, head, rows, plotted: bool) -> str:
     md = [
         f"# xronos demo ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"LoRA (r=8) fine-tuning of a tiny {cfg.family} ({cfg.layers} layers, hidden {cfg.hidden}) on Python "
         f"stdlib sources, {cfg.steps} steps, {len(speeds)} ranks at **emulated** relative speeds {speeds} "
-        f"(emulated: {summary['machine_load']['emulated']}, on one shared machine; measured on a loaded 2-core "
-        "machine).",
+        f"(emulated: {summary['machine_load']['emulated']}, on one shared machine).",
         "",
-        _fmt_table(rows, True),
+        console.table(rows),
         "",
         "Headline: " + ", ".join(f"`{k}` = {v:.4g}" for k, v in head.items()),
         "",
@@ -337,7 +308,29 @@ def cmd_demo(args) -> int:
     ]
     if plotted:
         md.append("- timeline.png: one step per rank, computing vs waiting at all-reduces, Xronos vs even TP")
-    hwtopo.atomic_write_text(out / "report.md", "\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
+
+
+def cmd_demo(args) -> int:
+    import hwtopo
+
+    speeds = _speeds(args.speeds)
+    cfg = _cfg(args, lora_r=8)
+    out = _out_dir(args.out)
+    if not args.quiet:
+        print(
+            f"xronos demo: LoRA fine-tune on {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps",
+            file=sys.stderr,
+        )
+    results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp"])
+    rows = _rows(summary)
+    print(console.table(rows))
+    print(_load_line(summary))
+    print(json.dumps(head, indent=2))
+    for r in results:
+        r["emulated"] = summary["machine_load"]["emulated"]
+    plotted = _timeline_plot(results, out / "timeline.png")
+    hwtopo.atomic_write_text(out / "report.md", _demo_report(cfg, speeds, summary, head, rows, plotted))
     hwtopo.atomic_write_text(out / "results.json", json.dumps({"summary": summary, "headline": head}, indent=2))
     if not args.quiet:
         print(f"wrote {out / 'report.md'} in {wall:.0f}s", file=sys.stderr)
@@ -352,12 +345,11 @@ def cmd_bench(args) -> int:
 
     speeds = _speeds(args.speeds) if args.speeds else ([1.0, 0.5] if args.quick else [1.0, 0.7, 0.4])
     cfg = _cfg(args, lora_r=args.lora_r)
-    if cfg.steps < 1:
-        raise UsageError(f"--steps must be >= 1 to compare step times, not {cfg.steps}")
+    json_path = console.output_file(args.json, "--json") if args.json else None
     if not args.quiet:
         print(f"xronos bench: {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps", file=sys.stderr)
     results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp", "pp"])
-    print(_fmt_table(_table(summary, speeds), False))
+    print(console.table(_rows(summary)))
     print(_load_line(summary))
     print(json.dumps(head, indent=2))
     doc = {
@@ -376,13 +368,32 @@ def cmd_bench(args) -> int:
         "results": {**summary, "profiles": [r["profile"] for r in results]},
         "headline": head,
         "emulated": {
-            **emulation_info(speeds, args.cpu_share, args.emulate),
+            **emulation_info(speeds, summary["machine_load"]["cpu_share"], args.emulate),
             "dilation_per_rank": [r.get("dilation") for r in results],
         },
     }
-    if args.json:
-        hwtopo.atomic_write_text(Path(args.json), json.dumps(doc, indent=2, default=str) + "\n")
+    if json_path is not None:
+        hwtopo.atomic_write_text(json_path, json.dumps(doc, indent=2, default=str) + "\n")
     return 0
+
+
+def _save_target(text: str) -> Path:
+    """--save: a directory that save_pretrained replaces whole, in a directory that exists already."""
+    p = Path(text)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--save {text!r} exists and is not a directory")
+    return console.output_file(p, "--save") if not p.is_dir() else console.output_dir(p, "--save")
+
+
+def _train_paths(args) -> dict:
+    """The output and input paths of ``xronos train``, checked before any rank starts."""
+    if args.data and not Path(args.data).is_file():
+        raise UsageError(f"--data: {args.data} is not a readable file")
+    return {
+        "ckpt_dir": None if args.ckpt_dir is None else str(console.output_dir(args.ckpt_dir, "--ckpt-dir")),
+        "save_dir": None if args.save is None else str(_save_target(args.save)),
+        "memory_bytes": None if args.memory is None else _bytes(args.memory),
+    }
 
 
 def cmd_train(args) -> int:
@@ -391,89 +402,63 @@ def cmd_train(args) -> int:
 
     speeds = _speeds(args.speeds)
     cfg = _cfg(args, lora_r=args.lora_r)
-    if args.data and not Path(args.data).is_file():
-        raise UsageError(f"--data: {args.data} is not a readable file")
+    paths = _train_paths(args)
     if args.torchrun:
-        return _train_torchrun(args, cfg, speeds)
-    res = finetune(
-        cfg,
-        speeds,
-        args.mode,
-        args.ckpt_dir,
-        args.ckpt_every,
-        args.save,
-        None if args.memory is None else _bytes(args.memory),
-        emulate=args.emulate or "dilate",
-    )
+        return _train_torchrun(args, cfg, speeds, paths)
+    res = finetune(cfg, speeds, args.mode, ckpt_every=args.ckpt_every, emulate=args.emulate or "dilate", **paths)
     r0 = res[0]
-    print(
-        json.dumps(
-            {
-                "partition": r0["partition"],
-                "resumed_from": r0["resumed_from"],
-                "final_train_loss": r0["losses"][-1] if r0["losses"] else None,
-                "eval_loss": r0["eval_loss"],
-                "perplexity": r0["perplexity"],
-                "saved": r0["saved"],
-                "emulated_speeds": speeds,
-                "emulated": emulation_label(args.emulate or "dilate") if min(speeds) < 1 else None,
-            },
-            indent=2,
-        )
-    )
+    report = {
+        "partition": r0["partition"],
+        "resumed_from": r0["resumed_from"],
+        "final_train_loss": r0["losses"][-1] if r0["losses"] else None,
+        "eval_loss": r0["eval_loss"],
+        "perplexity": r0["perplexity"],
+        "saved": r0["saved"],
+        "emulated_speeds": speeds,
+        "emulated": emulation_label(args.emulate or "dilate") if min(speeds) < 1 else None,
+    }
+    print(json.dumps(report, indent=2))
     return 0
 
 
-def _train_torchrun(args, cfg, speeds) -> int:
+def _train_torchrun(args, cfg, speeds, paths) -> int:
     """One rank of a torchrun / multi-node launch (env rendezvous); rank 0 prints the report."""
-    import torch
-    import torch.distributed as dist
+    from .launch import emulation_label
+    from .runner import finetune_torchrun
 
-    from .launch import emulate_speed, emulation_label, init_from_env
-    from .runner import _finetune_worker, cache_dir
-
-    torch.set_num_threads(int(args.threads))
-    rank, world = init_from_env(timeout_s=300)
-    if len(speeds) not in (1, world):
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and len(speeds) not in (1, int(world)):
         raise UsageError(f"--speeds lists {len(speeds)} ranks but WORLD_SIZE is {world}")
-    speed = speeds[rank] if len(speeds) == world else speeds[0]
-    throttle = emulate_speed(speed, args.emulate) if args.emulate else None
-    try:
-        ckpt = args.ckpt_dir or str(cache_dir() / f"{cfg.family}-{args.mode}-{world}r-seed{cfg.seed}")
-        Path(ckpt).mkdir(parents=True, exist_ok=True)
-        mem = None if args.memory is None else _bytes(args.memory)
-        r = _finetune_worker(rank, world, cfg.to_dict(), args.mode, ckpt, args.ckpt_every, args.save, mem)
-        if rank == 0:
-            out = {k: r[k] for k in ("partition", "resumed_from", "eval_loss", "perplexity", "saved")}
-            # every output says whether this rank's speed was emulated, and how
-            out["emulated"] = emulation_label(args.emulate) if args.emulate else False
-            out["speeds"] = list(speeds)
-            if args.emulate == "dilate" and args.threads > 1:
-                out["emulation_note"] = "dilation counts the main thread's CPU only; intra-op threads run undilated"
-            print(json.dumps(out, indent=2), flush=True)
-        # no rank tears its process group down while another still talks to it: a rank that exited with
-        # its gloo group alive aborted ("terminate called without an active exception") in 2 of 20
-        # torchrun runs under load (00:30 UTC), failing a launch whose training had finished
-        dist.barrier()
-    finally:
-        if throttle is not None:
-            throttle.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    r = finetune_torchrun(
+        cfg, speeds, args.mode, ckpt_every=args.ckpt_every, emulate=args.emulate, threads=args.threads, **paths
+    )
+    if r is not None:
+        out = {k: r[k] for k in ("partition", "resumed_from", "eval_loss", "perplexity", "saved")}
+        # every output says whether this rank's speed was emulated, and how
+        out["emulated"] = emulation_label(args.emulate) if args.emulate else False
+        out["speeds"] = list(speeds)
+        if args.emulate == "dilate" and args.threads > 1:
+            out["emulation_note"] = "dilation counts the main thread's CPU only; intra-op threads run undilated"
+        print(json.dumps(out, indent=2), flush=True)
     return 0
 
 
 def _bytes(text: str) -> float:
+    import math
+
     import hwtopo
 
     try:
-        return float(hwtopo.parse_bytes(text))
+        v = float(hwtopo.parse_bytes(text))
     except (hwtopo.SpecError, ValueError):
-        raise UsageError(f"--memory: {text!r} is not a size; use e.g. 512MiB") from None
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise UsageError(f"--memory: {text!r} is not a positive size; use e.g. 512MiB")
+    return v
 
 
 def cmd_partition(args) -> int:
-    from .partition import costs_from_speeds, even_partition, partition
+    from .partition import costs_from_speeds, even_partition, partition, segment_objective
 
     cfg = _cfg(args)
     shape = cfg.shape()
@@ -495,52 +480,20 @@ def cmd_partition(args) -> int:
         costs = costs_from_speeds(speeds, shape, memory_bytes=mem)
     p = partition(shape, costs)
     e = even_partition(shape, len(costs))
-    from .partition import segment_objective
-
-    print(
-        json.dumps(
-            {
-                "xronos": p.describe(),
-                "even": e.describe(),
-                "predicted_speedup_vs_even": segment_objective(costs, e.attn_units, e.mlp_units) / p.predicted_layer_s,
-            },
-            indent=2,
-        )
-    )
+    speedup = segment_objective(costs, e.attn_units, e.mlp_units) / p.predicted_layer_s
+    print(json.dumps({"xronos": p.describe(), "even": e.describe(), "predicted_speedup_vs_even": speedup}, indent=2))
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="xronos", description="Heterogeneity-aware tensor parallelism on CPUs.")
-    ap.add_argument("--version", action="version", version=f"xronos {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    def common(p):
-        p.add_argument("--quiet", action="store_true", help="no progress output")
-        p.add_argument("--debug", action="store_true", help="show tracebacks")
-
-    d = sub.add_parser("demo", help="short LoRA fine-tune on an emulated heterogeneous pair, table + timeline plot")
-    d.add_argument("--out", default="demo-output/xronos", help="output directory (report.md, timeline.png)")
-    d.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
-    _model_args(d, steps=10)
-    _emulation_args(d)
-    common(d)
-    b = sub.add_parser("bench", help="Xronos vs even TP vs GPipe PP vs single-process reference, side by side")
-    b.add_argument("--quick", action="store_true", help="2 ranks at speeds 1.0,0.5 (under 3 minutes)")
-    b.add_argument("--json", help="write the results JSON here")
-    b.add_argument("--speeds", help="emulated relative speed per rank (default 1.0,0.5 quick; 1.0,0.7,0.4 full)")
-    b.add_argument("--lora-r", type=int, default=0, help="LoRA rank for every variant, PP included (0: full)")
-    _model_args(b)
-    _emulation_args(b)
-    common(b)
-    t = sub.add_parser("train", help="fine-tune with checkpoints (resumes), evaluate, optionally save_pretrained")
-    t.add_argument("--speeds", default="1.0,0.5")
+def _train_parser(sub) -> None:
+    t = console.command(sub, "train", "fine-tune with checkpoints (resumes), evaluate, optionally save_pretrained")
+    t.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
     t.add_argument("--mode", default="xronos", choices=["xronos", "tp"])
-    t.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    t.add_argument("--lora-r", type=_count("--lora-r", MAX_WIDTH), default=0, help="LoRA rank (0: full fine-tuning)")
     t.add_argument("--data", help="a text file (default: the Python standard library's sources)")
-    t.add_argument("--ckpt-dir", help="checkpoint directory (default under ~/.cache/mlsyskit/xronos)")
-    t.add_argument("--ckpt-every", type=int, default=10)
-    t.add_argument("--save", help="write the gathered full model here (save_pretrained)")
+    t.add_argument("--ckpt-dir", help="checkpoint directory (default: in the user cache directory)")
+    t.add_argument("--ckpt-every", type=_count("--ckpt-every", MAX_COUNT), default=10, help="0: at the end only")
+    t.add_argument("--save", help="write the gathered full model to this directory (save_pretrained)")
     t.add_argument("--memory", help="memory per rank for shards, e.g. 64MiB")
     t.add_argument(
         "--torchrun",
@@ -554,43 +507,51 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="dilate",
     )
-    t.add_argument("--threads", type=int, default=1, help="with --torchrun: torch threads per rank")
-    _model_args(t)
-    common(t)
-    p = sub.add_parser("partition", help="print the partition for given speeds (or an hwtopo cluster spec)")
-    p.add_argument("--speeds", default="1.0,0.5")
+    t.add_argument("--threads", type=console.positive_int("--threads", 1024), default=1, help="with --torchrun")
+    _model_args(t, min_steps=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap, sub = console.parser("xronos", "Heterogeneity-aware tensor parallelism on CPUs.", __version__)
+    d = console.command(sub, "demo", "short LoRA fine-tune on an emulated heterogeneous pair, table + timeline plot")
+    d.add_argument("--out", help="output directory for report.md and timeline.png (default: demo-output/xronos)")
+    d.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
+    _model_args(d, steps=10)
+    _emulation_args(d)
+    b = console.command(sub, "bench", "Xronos vs even TP vs GPipe PP vs single-process reference, side by side")
+    b.add_argument("--quick", action="store_true", help="2 ranks at speeds 1.0,0.5 (under 3 minutes)")
+    b.add_argument("--json", help="write the results JSON here")
+    b.add_argument("--speeds", help="emulated relative speed per rank (1.0,0.5 with --quick; else 1.0,0.7,0.4)")
+    b.add_argument("--lora-r", type=_count("--lora-r", MAX_WIDTH), default=0, help="LoRA rank (0: full)")
+    _model_args(b)
+    _emulation_args(b)
+    _train_parser(sub)
+    p = console.command(sub, "partition", "print the partition for given speeds (or an hwtopo cluster spec)")
+    p.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
     p.add_argument("--memory", help="comma-separated memory per rank for shards, e.g. 8MiB,64MiB")
     p.add_argument("--cluster", help="hwtopo cluster spec (name or file) instead of --speeds")
     _model_args(p, training=False)
-    common(p)
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    handlers = {"demo": cmd_demo, "bench": cmd_bench, "train": cmd_train, "partition": cmd_partition}
-    from .launch import WorkerError
-    from .partition import PartitionError
+def _input_errors(handler):
+    """A model that cannot be split as asked (PartitionError) is bad input: exit 2, not a failure."""
 
-    try:
-        return handlers[args.cmd](args)
-    except (UsageError, PartitionError) as e:
-        if args.debug:
-            raise
-        print(f"xronos: error: {e}", file=sys.stderr)
-        return 2
-    except (WorkerError, RuntimeError, OSError, ValueError) as e:
-        if args.debug:
-            raise
-        print(f"xronos: error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - anything else is a runtime failure too: one line unless --debug
-        if args.debug:
-            raise
-        print(f"xronos: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    @functools.wraps(handler)
+    def run(args):
+        from .partition import PartitionError
+
+        try:
+            return handler(args)
+        except PartitionError as e:
+            raise UsageError(str(e)) from None
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    handlers = {"demo": cmd_demo, "bench": cmd_bench, "train": cmd_train, "partition": cmd_partition}
+    return console.run(build_parser(), {k: _input_errors(v) for k, v in handlers.items()}, argv)
 
 
 if __name__ == "__main__":

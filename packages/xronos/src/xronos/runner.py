@@ -1,6 +1,6 @@
 """A real fine-tuning run (``xronos train``): profile, partition, train with checkpoints, evaluate, save.
 
-Checkpoints go to ``ckpt_dir`` (default: ``$XDG_CACHE_HOME/mlsyskit/xronos/<run>``), one directory per
+Checkpoints go to ``ckpt_dir`` (default: ``<cache_dir()>/<run>``, ``~/.cache/mlsyskit/xronos`` on Linux), one directory per
 step: every rank writes ``step-<N>/rank<r>.pt`` atomically, the ranks confirm to each other that all
 writes succeeded, and only then rank 0 writes ``step-<N>/COMMITTED``. A rerun with the same directory
 resumes from the newest committed step whose rank files every rank still has, so the ranks always
@@ -21,16 +21,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hwtopo import atomic_write_text, resume_point, sync_point
+from hwtopo import atomic_write_text, console, resume_point, sync_point
 
-from .launch import spawn
+from .launch import emulate_speed, init_from_env, spawn
 from .partition import Partition, PartitionError, even_partition, partition
 from .profile import profile_group
 from .rebalance import repartition
 from .shard import save_full
 from .train import CheckpointError, TPTrainer, TrainConfig, make_corpus, read_checkpoint
 
-__all__ = ["cache_dir", "finetune", "committed_steps", "choose_resume_step", "resume_step", "step_dir"]
+__all__ = [
+    "cache_dir",
+    "finetune",
+    "finetune_rank",
+    "finetune_torchrun",
+    "committed_steps",
+    "choose_resume_step",
+    "resume_step",
+    "step_dir",
+]
 
 log = logging.getLogger(__name__)
 COMMIT_MARKER = "COMMITTED"
@@ -38,8 +47,12 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlsyskit" / "xronos"
+    """Where runs keep their checkpoints by default (``$MLSYSKIT_CACHE_DIR``/``$XDG_CACHE_HOME`` respected)."""
+    return console.cache_dir("xronos")
+
+
+def _default_ckpt_dir(cfg: TrainConfig, mode: str, world: int) -> Path:
+    return cache_dir() / f"{cfg.family}-{mode}-{world}r-seed{cfg.seed}"
 
 
 def step_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
@@ -194,7 +207,9 @@ def _resume(ckpt_dir, rank: int, world: int) -> int | None:
     return step
 
 
-def _finetune_worker(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir, memory_bytes):
+def finetune_rank(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir, memory_bytes) -> dict:
+    """One rank of ``xronos train`` in a joined process group: profile, partition, resume, train with
+    committed checkpoints, evaluate and optionally save; the rank's report (plain data)."""
     cfg = TrainConfig(**cfg_dict)
     shape = cfg.shape()
     corpus = make_corpus(cfg)
@@ -276,10 +291,10 @@ def finetune(
             f"the model's {shape.num_heads} heads in {shape.num_kv_heads} KV groups cannot be split across "
             f"{len(speeds)} ranks"
         )
-    ckpt = Path(ckpt_dir) if ckpt_dir else cache_dir() / f"{cfg.family}-{mode}-{len(speeds)}r-seed{cfg.seed}"
+    ckpt = Path(ckpt_dir) if ckpt_dir else _default_ckpt_dir(cfg, mode, len(speeds))
     ckpt.mkdir(parents=True, exist_ok=True)
     return spawn(
-        _finetune_worker,
+        finetune_rank,
         len(speeds),
         (cfg.to_dict(), mode, str(ckpt), ckpt_every, None if save_dir is None else str(save_dir), memory_bytes),
         speeds=speeds,
@@ -287,3 +302,42 @@ def finetune(
         pg_timeout_s=300,
         emulate=emulate,
     )
+
+
+def finetune_torchrun(
+    cfg: TrainConfig,
+    speeds: list[float],
+    mode: str = "xronos",
+    ckpt_dir: str | os.PathLike | None = None,
+    ckpt_every: int = 10,
+    save_dir: str | os.PathLike | None = None,
+    memory_bytes: float | None = None,
+    emulate: str | None = None,
+    threads: int = 1,
+) -> dict | None:
+    """This process as one rank of a ``torchrun`` launch: join from the environment, fine-tune, leave
+    the group once every rank is done; rank 0's report, None on the other ranks.
+
+    ``speeds``: one per rank, or one for all; a rank is slowed to its speed only with ``emulate``
+    ("dilate" or "cgroup"). ``threads``: torch threads of this rank.
+    """
+    torch.set_num_threads(threads)
+    rank, world = init_from_env(timeout_s=300)
+    if len(speeds) not in (1, world):
+        raise ValueError(f"speeds lists {len(speeds)} ranks but WORLD_SIZE is {world}")
+    speed = speeds[rank] if len(speeds) == world else speeds[0]
+    throttle = emulate_speed(speed, emulate) if emulate else None
+    try:
+        ckpt = Path(ckpt_dir) if ckpt_dir else _default_ckpt_dir(cfg, mode, world)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        save = None if save_dir is None else str(save_dir)
+        report = finetune_rank(rank, world, cfg.to_dict(), mode, str(ckpt), ckpt_every, save, memory_bytes)
+        # no rank tears its process group down while another still talks to it: a rank that exited with
+        # its gloo group alive could abort in a C++ destructor after its work was done
+        _collective(dist.barrier)
+    finally:
+        if throttle is not None:
+            throttle.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return report if rank == 0 else None
