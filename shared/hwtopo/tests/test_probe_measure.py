@@ -1,6 +1,11 @@
 import importlib
 import json
 import os
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 import hwtopo
 from hwtopo import cli
@@ -71,3 +76,16 @@ def test_measure_emulation_reports_asked_and_achieved():
     for c in res["cpu"]:
         assert c["asked_speed"] == 0.5 and c["achieved_speed"] > 0
     assert res["link"]["asked_bandwidth_bytes_per_s"] == 10e6 and res["link"]["achieved_bandwidth_bytes_per_s"] > 0
+
+
+@pytest.mark.skipif(
+    shutil.which("taskset") is None or 1 not in os.sched_getaffinity(0), reason="needs taskset and CPU 1"
+)
+def test_probe_under_a_cpu_mask_lists_only_usable_cpus_and_passes_check(tmp_path):
+    """A process pinned to CPU 1 probes a machine of one thread whose CPU id is 1, in node and machine."""
+    code = "import hwtopo; hwtopo.save(hwtopo.probe_cluster(), __import__('sys').argv[1])"
+    path = tmp_path / "masked.json"
+    subprocess.run(["taskset", "-c", "1", sys.executable, "-c", code, str(path)], check=True)
+    m = hwtopo.load(path).machines[0]
+    assert m.threads == 1 and m.cpu_ids == (1,)
+    assert all(set(n.cpus) <= {1} for n in m.numa_nodes)

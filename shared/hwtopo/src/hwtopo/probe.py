@@ -66,7 +66,7 @@ def _meminfo_bytes(text: str, key: str) -> float | None:
     return None
 
 
-def _numa_nodes(notes: list[str]) -> tuple[NumaNode, ...]:
+def _numa_nodes(usable: set[int], notes: list[str]) -> tuple[NumaNode, ...]:
     base = SYS / "devices/system/node"
     if not base.is_dir():
         notes.append("no /sys/devices/system/node: NUMA layout unknown")
@@ -76,7 +76,8 @@ def _numa_nodes(notes: list[str]) -> tuple[NumaNode, ...]:
         cpus = _read(d / "cpulist")
         mem = _read(d / "meminfo")
         try:
-            cpu_ids = tuple(parse_cpulist(cpus)) if cpus else ()
+            # only the CPUs this process may use: the machine is what the caller can run on
+            cpu_ids = tuple(c for c in parse_cpulist(cpus) if c in usable) if cpus else ()
         except ValueError:
             cpu_ids = ()
         mem_b = _meminfo_bytes(mem, "MemTotal") if mem else None
@@ -190,7 +191,8 @@ def probe(name: str | None = None, gpus: bool = True) -> Machine:
         cores=cores,
         threads=threads,
         memory_bytes=memory or 0.0,
-        numa_nodes=_numa_nodes(notes),
+        cpus=() if cpus == list(range(threads)) else tuple(cpus),
+        numa_nodes=_numa_nodes(set(cpus), notes),
         disks=_disks(notes),
         accelerators=_accelerators(notes) if gpus else (),
         notes=tuple(notes),
