@@ -15,6 +15,32 @@ def test_usage_errors_exit_2(capsys, monkeypatch):
 
 
 def test_runtime_error_is_one_line_exit_1(tmp_path, capsys):
-    code = main(["calibrate", "--checkpoint", str(tmp_path / "missing"), "--quiet"])
+    assert main(["calibrate", "--checkpoint", str(tmp_path / "missing"), "--quiet"]) == 2  # no such directory
+    assert "--checkpoint" in capsys.readouterr().err
+    code = main(["calibrate", "--checkpoint", str(tmp_path), "--quiet"])  # a directory without a checkpoint
     err = capsys.readouterr().err
     assert code == 1 and "holds no bicache checkpoint" in err and "Traceback" not in err
+
+
+def test_demo_writes_report_and_drift_plot(tmp_path, capsys, monkeypatch):
+    # the demo's own layer (tables, report, plot) on a fixed bench result; the bench has its own tests
+    import types
+
+    import bicache.bench
+    import bicache.cli
+
+    drift = [[0.0, 0.01], [0.02, 0.05]]
+    cal = {"fractions": [0.5, 0.9], "kv": drift, "hidden": drift, "drift": drift, "drift_max": drift}
+    res = {
+        "results": {"none": {"0.5": {"accuracy": 0.9, "tokens_per_cpu_s": 120.0}}},
+        "headline": {"speedup": 1.9},
+        "calibration": {**cal, "samples": 4, "num_layers": 2},
+        "config": {"drift_bound": 0.03},
+        "policy": [{"fraction": 0.5, "depth": 2, "reason": "under the bound"}],
+    }
+    monkeypatch.setattr(bicache.cli, "_model", lambda args: types.SimpleNamespace(num_layers=2))
+    monkeypatch.setattr(bicache.bench, "run_bench", lambda dlm, **kw: res)
+    assert main(["demo", "--out", str(tmp_path / "d"), "--quiet"]) == 0
+    report = (tmp_path / "d" / "report.md").read_text()
+    assert "| none " in report and "| under the bound " in report and "drift.png" in report
+    assert (tmp_path / "d" / "drift.png").stat().st_size > 0

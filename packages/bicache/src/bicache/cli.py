@@ -4,20 +4,45 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import math
 import sys
 from pathlib import Path
 
+from hwtopo import console
+
 from . import __version__
 
-log = logging.getLogger("bicache")
+SERVE_MODES = ("none", "naive", "bicache", "block", "bicache+block")
+MAX_BATCH = 4096
+MAX_BOUND = 10.0  # a relative L2 drift; far above any measured one, so "reuse everywhere"
 
 
-class UsageError(Exception):
-    """Bad command-line input (exit code 2)."""
+def _bound(text: str) -> float:
+    """argparse type: a drift bound, a finite number in [0, MAX_BOUND]."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0.0 <= v <= MAX_BOUND:
+        raise argparse.ArgumentTypeError(f"--bound must be a number >= 0 and <= {MAX_BOUND:g}, not {text!r}")
+    return v
+
+
+def _checkpoint(text: str) -> Path:
+    p = Path(text)
+    if not p.is_dir():
+        raise argparse.ArgumentTypeError(f"--checkpoint {text!r} is not a directory")
+    return p
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _model(args):
+    _one_thread()
     from .train import Recipe, load_or_train
 
     if getattr(args, "checkpoint", None):
@@ -36,6 +61,7 @@ def _policy(dlm, args):
 
 
 def cmd_train(args) -> int:
+    _one_thread()
     from .train import Recipe, cache_dir, load_or_train
 
     dlm = load_or_train(Recipe(), progress=not args.quiet)
@@ -48,41 +74,37 @@ def cmd_train(args) -> int:
 def cmd_calibrate(args) -> int:
     from . import depth
 
+    json_path = console.output_file(args.json, "--json") if args.json else None
     dlm = _model(args)
     cal = depth.calibrate(dlm)
     bound = args.bound if args.bound is not None else depth.choose_bound(dlm, cal)[0]
     policy = depth.DepthPolicy(cal, bound)
     rows = policy.table()
-    if args.json:
-        _write_json(args.json, {"calibration": cal.to_dict(), "bound": bound, "policy": rows})
+    if json_path:
+        _write_json(json_path, {"calibration": cal.to_dict(), "bound": bound, "policy": rows})
     print(f"drift bound {bound:.4g} ({dlm.num_layers} layers)")
-    print("| shared fraction | depth | drift by depth | reason |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['fraction']:.3f} | {r['depth']} | {r['drift_by_depth']} | {r['reason']} |")
+    keys = ("fraction", "depth", "drift_by_depth", "reason")
+    print(console.table([[r[k] for k in keys] for r in rows], ["shared fraction", "depth", "drift by depth", "reason"]))
     return 0
 
 
-def _write_json(path: str, obj: dict) -> None:
+def _write_json(path: Path, obj: dict) -> None:
     import hwtopo
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     hwtopo.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _table(results: dict, fractions: list[str]) -> str:
-    head = (
-        "| variant | "
-        + " | ".join(f"acc@{f}" for f in fractions)
-        + " | "
-        + " | ".join(f"tok/s@{f}" for f in fractions)
-        + " |"
-    )
-    lines = [head, "|" + "---|" * (1 + 2 * len(fractions))]
-    for name, per in results.items():
-        accs = " | ".join(f"{per[f]['accuracy']:.3f}" for f in fractions)
-        tps = " | ".join(f"{per[f]['tokens_per_cpu_s']:.0f}" for f in fractions)
-        lines.append(f"| {name} | {accs} | {tps} |")
-    return "\n".join(lines)
+    headers = ["variant", *(f"acc@{f}" for f in fractions), *(f"tok/s@{f}" for f in fractions)]
+    rows = [
+        [
+            name,
+            *(round(per[f]["accuracy"], 3) for f in fractions),
+            *(round(per[f]["tokens_per_cpu_s"]) for f in fractions),
+        ]
+        for name, per in results.items()
+    ]
+    return console.table(rows, headers)
 
 
 def cmd_bench(args) -> int:
@@ -90,6 +112,7 @@ def cmd_bench(args) -> int:
 
     from .bench import run_bench
 
+    json_path = console.output_file(args.json, "--json") if args.json else None
     dlm = _model(args)
     out = run_bench(dlm, quick=args.quick, progress=not args.quiet, bound=args.bound)
     doc = {
@@ -106,8 +129,8 @@ def cmd_bench(args) -> int:
         "note": "CPU time of the decoding thread (and wall-clock, *_wall), variants interleaved in rounds of one "
         "run; the machine may be shared/loaded",
     }
-    if args.json:
-        _write_json(args.json, doc)
+    if json_path:
+        _write_json(json_path, doc)
     fr = list(next(iter(out["results"].values())).keys())
     print(_table(out["results"], fr))
     print(json.dumps(out["headline"], indent=2))
@@ -118,8 +141,7 @@ def cmd_demo(args) -> int:
     from . import depth
     from .bench import run_bench
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = console.output_dir(args.out, "--out")
     dlm = _model(args)
     res = run_bench(dlm, quick=True, repeats=1, progress=not args.quiet)
     fr = list(next(iter(res["results"].values())).keys())
@@ -135,10 +157,10 @@ def cmd_demo(args) -> int:
         "",
         "Headline: `" + json.dumps(res["headline"]) + "`",
         "",
-        "| shared fraction | depth | reason |",
-        "|---|---|---|",
+        console.table(
+            [[r["fraction"], r["depth"], r["reason"]] for r in res["policy"]], ["shared fraction", "depth", "reason"]
+        ),
     ]
-    lines += [f"| {r['fraction']:.3f} | {r['depth']} | {r['reason']} |" for r in res["policy"]]
     plots = _plot_drift(cal, res["config"]["drift_bound"], out_dir)
     lines += [
         "",
@@ -154,13 +176,8 @@ def cmd_demo(args) -> int:
 
 
 def _plot_drift(cal, bound: float, out_dir: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib missing (pip install 'bicache[plot]'); no plot written")
+    plt = console.pyplot("bicache")
+    if plt is None:
         return []
     fig, ax = plt.subplots(figsize=(6, 4))
     for f, row in zip(cal.fractions, cal.drift):
@@ -180,6 +197,13 @@ def _plot_drift(cal, bound: float, out_dir: Path) -> list[Path]:
 
 
 def cmd_serve(args) -> int:
+    from hwtopo.httpguard import check_bind, token_from_env
+
+    args.token = args.token or token_from_env("BICACHE_TOKEN")
+    try:
+        check_bind(args.host, args.token)  # before the model loads: a refused bind costs nothing
+    except ValueError as exc:
+        raise console.UsageError(str(exc)) from None
     from .engine import Engine, keep_heap
     from .server import serve
 
@@ -192,80 +216,51 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    c = console.command(sub, name, help)
+    c.add_argument(
+        "--checkpoint", type=_checkpoint, help="a bicache checkpoint directory (default: train or load the cached one)"
+    )
+    return c
+
+
+def _bound_arg(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--bound", type=_bound, help="drift bound (default: chosen from calibration requests)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bicache", description="Shared-prefix KV caching for diffusion LMs (BiCache).")
-    p.add_argument("--version", action="version", version=f"bicache {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--quiet", action="store_true", help="no progress bars")
-    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    common.add_argument("--checkpoint", help="a bicache checkpoint directory (default: train or load the cached one)")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("train", parents=[common], help="train (or load) the tiny DLM checkpoint")
-    c = sub.add_parser("calibrate", parents=[common], help="measure drift and print the fraction -> depth policy")
-    c.add_argument("--bound", type=float, help="drift bound (default: chosen from calibration requests)")
+    p, sub = console.parser("bicache", "Shared-prefix KV caching for diffusion LMs (BiCache).", __version__)
+    _command(sub, "train", "train (or load) the tiny DLM checkpoint")
+    c = _command(sub, "calibrate", "measure drift and print the fraction -> depth policy")
+    _bound_arg(c)
     c.add_argument("--json", help="write calibration + policy JSON here")
-    d = sub.add_parser("demo", parents=[common], help="train/load, serve shared-prefix bursts, table + drift plot")
-    d.add_argument("--out", default="demo-output/bicache", help="output directory (default demo-output/bicache)")
-    b = sub.add_parser("bench", parents=[common], help="all cache modes side by side")
+    d = _command(sub, "demo", "train/load, serve shared-prefix bursts, table + drift plot")
+    d.add_argument("--out", default="demo-output/bicache", help="output directory (its parent must exist)")
+    b = _command(sub, "bench", "all cache modes side by side")
     b.add_argument("--quick", action="store_true", help="small workload (< 3 minutes once trained)")
     b.add_argument("--json", help="write the JSON report here")
-    b.add_argument("--bound", type=float, help="drift bound (default: chosen from calibration requests)")
-    s = sub.add_parser("serve", parents=[common], help="HTTP JSON completion server (aiohttp)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    _bound_arg(b)
+    s = _command(sub, "serve", "HTTP JSON completion server (aiohttp)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=console.positive_int("--port", 65535), default=8000, help="TCP port")
     s.add_argument(
         "--token",
         help="bearer token every request must carry (default: $BICACHE_TOKEN, else none); "
         "required when --host is beyond loopback",
     )
-    s.add_argument("--mode", default="bicache", choices=["none", "naive", "bicache", "block", "bicache+block"])
-    s.add_argument("--max-batch", type=int, default=16)
-    s.add_argument("--bound", type=float, help="drift bound (default: chosen from calibration requests)")
+    s.add_argument("--mode", default="bicache", choices=SERVE_MODES, help="prefix cache mode")
+    s.add_argument(
+        "--max-batch", type=console.positive_int("--max-batch", MAX_BATCH), default=16, help="requests per step"
+    )
+    _bound_arg(s)
     return p
 
 
+HANDLERS = {"train": cmd_train, "calibrate": cmd_calibrate, "demo": cmd_demo, "bench": cmd_bench, "serve": cmd_serve}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)  # argparse exits 2 on usage errors
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
-    for name, lo in (("port", 1), ("max_batch", 1)):
-        v = getattr(args, name, None)
-        if v is not None and v < lo:
-            print(f"bicache: error: --{name.replace('_', '-')} must be >= {lo}", file=sys.stderr)
-            return 2
-    if getattr(args, "bound", None) is not None and args.bound < 0:
-        print("bicache: error: --bound must be >= 0", file=sys.stderr)
-        return 2
-    if args.cmd == "serve":
-        from hwtopo.httpguard import check_bind, token_from_env
-
-        args.token = args.token or token_from_env("BICACHE_TOKEN")
-        try:
-            check_bind(args.host, args.token)  # before the model loads: a refused bind costs nothing
-        except ValueError as exc:
-            print(f"bicache: error: {exc}", file=sys.stderr)
-            return 2
-    import torch
-
-    torch.set_num_threads(1)
-    handler = {
-        "train": cmd_train,
-        "calibrate": cmd_calibrate,
-        "demo": cmd_demo,
-        "bench": cmd_bench,
-        "serve": cmd_serve,
-    }[args.cmd]
-    try:
-        return handler(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:  # one line unless --debug
-        if args.debug:
-            raise
-        print(f"bicache: error: {exc}", file=sys.stderr)
-        return 1
+    return console.run(build_parser(), HANDLERS, argv)
 
 
 if __name__ == "__main__":
