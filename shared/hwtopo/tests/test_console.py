@@ -128,3 +128,18 @@ def test_cache_dir_overrides(monkeypatch, tmp_path):
     monkeypatch.delenv("KVPOOL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert console.cache_dir("kvpool") == tmp_path / "xdg" / "mlsyskit" / "kvpool"
+
+
+def test_atomic_file_appears_whole_or_not_at_all(tmp_path):
+    import hwtopo
+
+    target = tmp_path / "w.bin"
+    hwtopo.atomic_write_bytes(target, b"old")
+    with pytest.raises(RuntimeError):
+        with hwtopo.atomic_file(target, "wb") as fh:
+            fh.write(b"half of the new")
+            raise RuntimeError("crash mid-write")
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["w.bin"]
+    with hwtopo.atomic_file(target) as fh:
+        fh.write(b"new")
+    assert target.read_bytes() == b"new"

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import logging
 import os
 import subprocess
 import sys
 import tempfile
 import time
 
-from . import __version__
+from . import __version__, console
 from .emulate import LinkShaper, ShapedWriter, cgroup_available, throttle
 from .measure import disk_bandwidth, matmul_flops, memcpy_bandwidth
 from .model import Cluster, Machine
@@ -156,21 +155,16 @@ def _print_measure(res: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hwtopo", description="Describe, check, measure and emulate hardware for mlsyskit."
-    )
-    p.add_argument("--version", action="version", version=f"hwtopo {__version__}")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("probe", help="describe this machine")
+    p, sub = console.parser("hwtopo", "Describe, check, measure and emulate hardware for mlsyskit.", __version__)
+    sp = console.command(sub, "probe", "describe this machine")
     sp.add_argument("--json", action="store_true", help="print the machine as a JSON cluster spec")
     sp.add_argument("--name", help="machine name (default: host name)")
-    ss = sub.add_parser("show", help="print a spec in human units")
+    ss = console.command(sub, "show", "print a spec in human units")
     ss.add_argument("spec", help="a .json/.toml spec file or a bundled example name (e.g. edge-home)")
     ss.add_argument("--json", action="store_true", help="print the normalized spec as JSON")
-    sc = sub.add_parser("check", help="validate a spec; exit 2 with the error on a bad one")
+    sc = console.command(sub, "check", "validate a spec; exit 2 with the error on a bad one")
     sc.add_argument("spec", help="a .json/.toml spec file or a bundled example name")
-    sm = sub.add_parser("measure", help="run the light microbenchmarks on this machine")
+    sm = console.command(sub, "measure", "run the light microbenchmarks on this machine")
     sm.add_argument("--quick", action="store_true", help="smaller sizes, a few seconds in all")
     sm.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
     sm.add_argument("--disk", metavar="DIR", help="directory on the disk to measure (default: the temp dir)")
@@ -180,47 +174,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+def _load(spec: str) -> Cluster:
+    """A spec, with a bad or missing file as a usage error (exit 2)."""
     try:
-        if args.cmd == "probe":
-            m = probe(args.name)
-            c = Cluster(name=m.name, machines=(m,))
-            print(json.dumps(to_dict(c), indent=2) if args.json else _show(c))
-        elif args.cmd == "show":
-            c = load(args.spec)
-            print(json.dumps(to_dict(c), indent=2) if args.json else _show(c))
-        elif args.cmd == "check":
-            c = load(args.spec)
-            print(f"ok: {c.name}: {len(c.machines)} machine(s), {len(c.links)} link(s)")
-        elif args.cmd == "measure":
-            res = _measure(args)
-            if args.json == "-":
-                print(json.dumps(res, indent=2))
-            else:
-                _print_measure(res)
-                if args.json:
-                    atomic_write_text(args.json, json.dumps(res, indent=2) + "\n")
-        return 0
-    except SpecError as e:
-        if args.debug:
-            raise
-        print(f"hwtopo: error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        if args.debug:
-            raise
-        print(f"hwtopo: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # runtime failure: one line, exit 1
-        if args.debug:
-            raise
-        print(f"hwtopo: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return load(spec)
+    except (SpecError, FileNotFoundError) as e:
+        raise console.UsageError(str(e)) from None
+
+
+def cmd_probe(args) -> int:
+    m = probe(args.name)
+    c = Cluster(name=m.name, machines=(m,))
+    print(json.dumps(to_dict(c), indent=2) if args.json else _show(c))
+    return 0
+
+
+def cmd_show(args) -> int:
+    c = _load(args.spec)
+    print(json.dumps(to_dict(c), indent=2) if args.json else _show(c))
+    return 0
+
+
+def cmd_check(args) -> int:
+    c = _load(args.spec)
+    print(f"ok: {c.name}: {len(c.machines)} machine(s), {len(c.links)} link(s)")
+    return 0
+
+
+def cmd_measure(args) -> int:
+    if args.json and args.json != "-":
+        console.output_file(args.json, "--json")
+    if args.disk and not os.path.isdir(args.disk):
+        raise console.UsageError(f"--disk {args.disk!r} is not a directory")
+    res = _measure(args)
+    if args.json == "-":
+        print(json.dumps(res, indent=2))
+    else:
+        _print_measure(res)
+        if args.json:
+            atomic_write_text(args.json, json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    handlers = {"probe": cmd_probe, "show": cmd_show, "check": cmd_check, "measure": cmd_measure}
+    return console.run(build_parser(), handlers, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

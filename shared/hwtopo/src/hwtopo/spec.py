@@ -13,15 +13,16 @@ checked as a whole too: at least as many threads as cores, its NUMA nodes' CPUs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .model import Accelerator, Cluster, Disk, Link, Machine, NumaNode
 from .units import SpecError, parse_bandwidth, parse_bytes, parse_duration, parse_flops
@@ -461,21 +462,38 @@ def dumps(cluster: Cluster) -> str:
     return json.dumps(to_dict(cluster), indent=2, sort_keys=False) + "\n"
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write text atomically: a temp file in the same directory, fsync, then os.replace."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """A file that appears at ``path`` whole or not at all: a temp file beside it, fsynced and
+    renamed over ``path`` when the block ends cleanly, removed when it raises."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode must be 'w' or 'wb', not {mode!r}")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, mode) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return p
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write text atomically: a temp file in the same directory, fsync, then os.replace."""
+    with atomic_file(path, "w") as fh:
+        fh.write(text)
+    return Path(path)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write bytes atomically, as :func:`atomic_write_text` does text."""
+    with atomic_file(path, "wb") as fh:
+        fh.write(data)
+    return Path(path)
 
 
 def save(cluster: Cluster, path: str | os.PathLike) -> Path:
