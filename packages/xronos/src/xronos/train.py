@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import hwtopo
 from hwtopo import resume_point, sync_point
 
 from .data import ByteCorpus, load_text
@@ -132,17 +133,8 @@ def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _atomic_save(obj, path: Path) -> None:
     """Write ``obj`` to ``path`` whole or not at all, and on disk before a commit marker can name it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with hwtopo.atomic_file(path, "wb") as f:
+        torch.save(obj, f)
 
 
 _CHECKPOINT_KEYS = ("model", "opt", "step", "partition", "config")
