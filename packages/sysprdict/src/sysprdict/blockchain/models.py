@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+import hwtopo
+
 from ..timepred import boosting_backend
 
 log = logging.getLogger(__name__)
@@ -196,7 +198,6 @@ class PerfModel:
         """Write the model atomically as an ``.npz`` of plain arrays (see the module doc), whatever the
         path's suffix."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         arrays: dict[str, np.ndarray] = {}
         meta = {
             "format": _FORMAT,
@@ -208,16 +209,8 @@ class PerfModel:
             "models": {t: _export(m, t, arrays) for t, m in self.models.items()},
         }
         arrays["meta"] = np.array(json.dumps(meta, default=_json_scalar))
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with hwtopo.atomic_file(path, "wb") as f:
+            np.savez(f, **arrays)
         return path
 
     @classmethod
