@@ -10,7 +10,7 @@ from .devices import DeviceSet, build_devices, from_machine, measure_read_bandwi
 from .keys import DEFAULT_CHUNK_TOKENS, ChunkKey, KVLayout, chunk_keys, longest_prefix, unit_name
 from .passthrough import AlignedBuffer, DeviceUnavailable, PassthroughStore
 from .placement import ChunkRecord, DeviceInfo, Move, Placement, PlacementPlan
-from .pool import KVPool
+from .pool import ChunkConflict, KVPool
 from .retrieval import KVBuffers, LayerwiseLoad
 from .stores import ExtentAllocator, MemoryStore, StoreStats, Throttle
 
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlignedBuffer",
+    "ChunkConflict",
     "ChunkKey",
     "ChunkRecord",
     "DEFAULT_CHUNK_TOKENS",

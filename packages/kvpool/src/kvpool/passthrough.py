@@ -8,12 +8,19 @@ reused extent is a miss, never wrong KV.
 
 The index survives a killed process: every put/delete is appended to ``kvpool.journal`` as a
 length+CRC framed record after the data write, and every ``snapshot_every`` records the whole index
-is written atomically to ``kvpool.index`` (temp file + rename) and the journal restarts. Reopening
-loads the snapshot, replays newer journal records and stops at a torn tail. Power loss needs
-``sync=True`` (fdatasync after each data write and journal append).
+is written atomically to ``kvpool.index`` (temp file + rename) and the journal restarts. A record's
+number is taken when it is appended, so file order and number order agree however many threads
+write; a unit becomes visible only once its record is appended, so what a reader finds (and every
+acknowledged put) survives a kill. Reopening loads the snapshot, replays newer journal records and
+cuts off a torn tail; a snapshot or journal record of the wrong shape (or a journal record failing
+its CRC before the end) sets that file aside as ``<name>.bad`` with a warning and reopens from the
+valid part. Power loss needs ``sync=True`` (fdatasync after each data write and journal append).
 
-A slab that cannot be created (directory missing, disk full) raises ``DeviceUnavailable``; the
-pool then runs without that device and says so. A second process opening the same slab gets a
+A slab that cannot be created (directory missing, disk full) raises ``DeviceUnavailable`` and
+leaves no partly reserved file behind; the pool then runs without that device and says so. An
+I/O error or a full disk while writing the slab or the journal (or reading the slab) marks the
+store ``failed``: it takes no more writes, put/delete return False instead of raising, and its
+index stays what the journal says. A second process opening the same slab gets a
 clear error (flock); processes share a pool through ``kvpool serve``. Reads go through ``preadv``
 (one call per run of adjacent units) or, with ``io_backend="io_uring"`` (``"auto"``: when the
 kernel allows it), all runs of a read in flight at once on an io_uring (``uring.py``, raw system
@@ -23,6 +30,7 @@ an NVMe device unbound from the kernel, none of which exist here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -54,6 +62,7 @@ MAGIC = b"KVPU"
 VERSION = 1
 _HEADER = struct.Struct("<4sHH16sQIQ")  # magic, version, flags, name digest, length, crc32, seq
 _FRAME = struct.Struct("<II")  # journal record: body length, crc32 of body
+_DEVICE_ERRORS = (errno.ENOSPC, errno.EIO, errno.EROFS, errno.ENODEV, errno.EDQUOT)
 SLAB, JOURNAL, SNAPSHOT = "kvpool.slab", "kvpool.journal", "kvpool.index"
 
 
@@ -63,6 +72,44 @@ class DeviceUnavailable(OSError):
 
 def _digest(name: str) -> bytes:
     return blake2b(name.encode(), digest_size=16).digest()
+
+
+def _count(v, what: str) -> int:
+    """A non-negative integer from an index file, or ValueError naming the field."""
+    if type(v) is not int or v < 0:
+        raise ValueError(f"{what} must be a non-negative integer, not {v!r}")
+    return v
+
+
+def _parse_snapshot(snap) -> tuple[dict[str, list[int]], int]:
+    """``(entries, seq)`` of a decoded snapshot; ValueError naming the field when its shape is wrong."""
+    if not isinstance(snap, dict):
+        raise ValueError(f"the snapshot must be a JSON object, not {type(snap).__name__}")
+    seq = _count(snap.get("seq"), "seq")
+    raw = snap.get("entries")
+    if not isinstance(raw, dict):
+        raise ValueError(f"entries must be an object of name -> [offset, length, crc, seq], not {type(raw).__name__}")
+    entries = {}
+    for name, ent in raw.items():
+        if not isinstance(ent, list) or len(ent) != 4:
+            raise ValueError(f"entry {name!r} must be [offset, length, crc, seq], not {ent!r}")
+        entries[name] = [_count(v, f"entry {name!r} {f}") for v, f in zip(ent, ("offset", "length", "crc", "seq"))]
+    return entries, seq
+
+
+def _parse_record(rec) -> dict:
+    """A decoded journal record, checked; ValueError naming the field when its shape is wrong."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"a record must be a JSON object, not {type(rec).__name__}")
+    _count(rec.get("s"), "s (sequence number)")
+    if not isinstance(rec.get("n"), str):
+        raise ValueError(f"n (unit name) must be a string, not {rec.get('n')!r}")
+    if rec.get("o") == "p":
+        for f in ("off", "len", "crc", *(("u",) if "u" in rec else ())):
+            _count(rec.get(f), f)
+    elif rec.get("o") != "d":
+        raise ValueError(f"o (operation) must be 'p' or 'd', not {rec.get('o')!r}")
+    return rec
 
 
 class AlignedBuffer:
@@ -151,62 +198,98 @@ class PassthroughStore:
             on_disk = os.fstat(self.fd).st_size
             self._load_index(on_disk)
             if on_disk < self.capacity_bytes:
-                try:
-                    os.posix_fallocate(self.fd, 0, self.capacity_bytes)
-                except OSError as e:
-                    raise DeviceUnavailable(
-                        e.errno,
-                        f"SSD device {name!r}: cannot reserve {self.capacity_bytes} bytes at {self.dir}: {e.strerror}",
-                    ) from e
+                self._reserve(on_disk)
             self.jfd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._jsize = os.fstat(self.jfd).st_size
         except BaseException:
             os.close(self.fd)
             raise
 
+    def _reserve(self, on_disk: int) -> None:
+        """Extend the slab to its capacity; when the disk cannot hold it, leave nothing behind."""
+        try:
+            os.posix_fallocate(self.fd, 0, self.capacity_bytes)
+        except OSError as e:
+            # a failed fallocate may have reserved part of the range: give it back, and remove a
+            # slab this open created (an earlier slab keeps its size and contents)
+            if on_disk == 0 and not self.journal_path.exists() and not self.snapshot_path.exists():
+                self.slab_path.unlink(missing_ok=True)
+            else:
+                os.ftruncate(self.fd, on_disk)
+            raise DeviceUnavailable(
+                e.errno,
+                f"SSD device {self.name!r}: cannot reserve {self.capacity_bytes} bytes at {self.dir}: {e.strerror}",
+            ) from e
+
     # --- index -----------------------------------------------------------------------------------
-    def _load_index(self, on_disk: int) -> None:
-        entries: dict[str, list[int]] = {}  # name -> [off, length, crc, seq]
+    def _replay(self) -> tuple[dict[str, list[int]], int, int, int, str | None]:
+        """What the snapshot and the journal on disk say, read-only.
+
+        Returns ``(entries, seq, records replayed, end of the valid journal prefix, why the
+        journal stopped early or None)``; ``entries``: name -> ``[off, length, crc, unit seq]``.
+        A snapshot that cannot be read or has the wrong shape counts as absent.
+        """
+        entries: dict[str, list[int]] = {}
         seq = 0
         if self.snapshot_path.exists():
             try:
-                snap = json.loads(self.snapshot_path.read_text())
-                entries = {k: list(v) for k, v in snap["entries"].items()}
-                seq = int(snap["seq"])
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning(
-                    "%s: index snapshot %s unreadable (%s); starting from the journal", self.name, self.snapshot_path, e
-                )
+                entries, seq = _parse_snapshot(json.loads(self.snapshot_path.read_bytes()))
+            except ValueError:  # _load_index sets it aside
                 entries, seq = {}, 0
-        replayed, good_end = 0, 0
-        if self.journal_path.exists():
-            raw = self.journal_path.read_bytes()
-            pos = 0
-            while pos + _FRAME.size <= len(raw):
-                ln, crc = _FRAME.unpack_from(raw, pos)
-                body = raw[pos + _FRAME.size : pos + _FRAME.size + ln]
-                if len(body) != ln or zlib.crc32(body) != crc:
-                    break
-                try:
-                    rec = json.loads(body)
-                except ValueError:
-                    break
-                pos += _FRAME.size + ln
-                good_end = pos
-                if rec["s"] <= seq:
-                    continue
-                seq = rec["s"]
-                replayed += 1
-                if rec["o"] == "p":
-                    entries[rec["n"]] = [rec["off"], rec["len"], rec["crc"], rec["s"]]
-                else:
-                    entries.pop(rec["n"], None)
-            if good_end < len(raw):
-                log.warning(
-                    "%s: journal has a torn tail of %d bytes (killed mid-write); ignored",
-                    self.name,
-                    len(raw) - good_end,
-                )
-                os.truncate(self.journal_path, good_end)
+        raw = self.journal_path.read_bytes() if self.journal_path.exists() else b""
+        pos, replayed, why = 0, 0, None
+        while pos + _FRAME.size <= len(raw):
+            ln, crc = _FRAME.unpack_from(raw, pos)
+            if pos + _FRAME.size + ln > len(raw):
+                break  # torn tail: killed mid-append
+            body = raw[pos + _FRAME.size : pos + _FRAME.size + ln]
+            try:
+                if zlib.crc32(body) != crc:
+                    raise ValueError("checksum mismatch")
+                rec = _parse_record(json.loads(body))
+            except ValueError as e:
+                why = f"record at byte {pos}: {e}"
+                break
+            pos += _FRAME.size + ln
+            if rec["s"] <= seq:  # already in the snapshot (killed between snapshot and truncation)
+                continue
+            seq = rec["s"]
+            replayed += 1
+            if rec["o"] == "p":
+                entries[rec["n"]] = [rec["off"], rec["len"], rec["crc"], rec.get("u", rec["s"])]
+            else:
+                entries.pop(rec["n"], None)
+        return entries, seq, replayed, pos, why
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        """Rename a malformed index file next to itself (``<name>.bad``, ``.bad.1``, ...), with a warning."""
+        dst = path.with_name(f"{path.name}.bad")
+        i = 0
+        while dst.exists():
+            i += 1
+            dst = path.with_name(f"{path.name}.bad.{i}")
+        os.replace(path, dst)
+        self.set_aside.append(str(dst))
+        log.warning(
+            "%s: %s is malformed (%s); set aside as %s, reopening from what is valid", self.name, path, why, dst
+        )
+
+    def _load_index(self, on_disk: int) -> None:
+        self.set_aside: list[str] = []
+        if self.snapshot_path.exists():
+            try:
+                _parse_snapshot(json.loads(self.snapshot_path.read_bytes()))
+            except ValueError as e:
+                self._set_aside(self.snapshot_path, str(e))
+        entries, seq, replayed, good_end, why = self._replay()
+        size = self.journal_path.stat().st_size if self.journal_path.exists() else 0
+        if why is not None:
+            self._set_aside(self.journal_path, why)
+        elif good_end < size:
+            log.warning(
+                "%s: journal has a torn tail of %d bytes (killed mid-write); ignored", self.name, size - good_end
+            )
+            os.truncate(self.journal_path, good_end)
         self.alloc = ExtentAllocator(self.capacity_bytes, ALIGN)
         self.index: dict[str, tuple[int, int, int, int]] = {}
         dropped = 0
@@ -222,31 +305,70 @@ class PassthroughStore:
                 self.name,
                 dropped,
             )
-        self._seq = seq
+        # new units are numbered above every unit on disk, so a stale header never matches
+        self._seq = max([seq, *(e[3] for e in self.index.values())])
         self._since_snapshot = replayed
         self.dropped_on_open = dropped
+        if why is not None:  # the valid prefix lives on in a snapshot; the journal starts empty
+            try:
+                self._write_snapshot()
+            except OSError as e:
+                raise DeviceUnavailable(e.errno, f"SSD device {self.name!r}: cannot rewrite its index: {e}") from e
 
     def _journal(self, rec: dict) -> None:
-        body = json.dumps(rec, separators=(",", ":")).encode()
-        os.write(self.jfd, _FRAME.pack(len(body), zlib.crc32(body)) + body)
-        if self.sync:
-            os.fdatasync(self.jfd)
+        """Append one record, numbered now (file order = number order, which replay relies on).
+
+        Raises OSError with the journal unchanged (a partial append is cut off again). The caller
+        applies the change to the index, then calls ``_maybe_snapshot``.
+        """
+        self._seq += 1
+        body = json.dumps({"s": self._seq, **rec}, separators=(",", ":")).encode()
+        frame = _FRAME.pack(len(body), zlib.crc32(body)) + body
+        try:
+            written = os.write(self.jfd, frame)
+            if written != len(frame):
+                raise OSError(errno.ENOSPC, f"short journal append ({written} of {len(frame)} bytes)")
+            if self.sync:
+                os.fdatasync(self.jfd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.jfd, self._jsize)
+            raise
+        self._jsize += len(frame)
         self._since_snapshot += 1
-        if self._since_snapshot >= self.snapshot_every:
+
+    def _maybe_snapshot(self) -> None:
+        """Every ``snapshot_every`` records; called once the index includes the last record's change."""
+        if self._since_snapshot < self.snapshot_every:
+            return
+        try:
             self.snapshot()
+        except OSError as e:  # not fatal: the journal still holds every record
+            self._since_snapshot = 0
+            log.warning("%s: index snapshot failed (%s); the journal keeps the index", self.name, e)
+
+    def _write_snapshot(self) -> None:
+        data = {
+            "version": VERSION,
+            "seq": self._seq,
+            "capacity_bytes": self.capacity_bytes,
+            "entries": {k: list(v) for k, v in self.index.items()},
+        }
+        atomic_write_text(self.snapshot_path, json.dumps(data, separators=(",", ":")))
 
     def snapshot(self) -> None:
         """Write the whole index atomically and restart the journal."""
         with self._lock:
-            data = {
-                "version": VERSION,
-                "seq": self._seq,
-                "capacity_bytes": self.capacity_bytes,
-                "entries": {k: list(v) for k, v in self.index.items()},
-            }
-            atomic_write_text(self.snapshot_path, json.dumps(data, separators=(",", ":")))
+            self._write_snapshot()
             os.ftruncate(self.jfd, 0)
+            self._jsize = 0
             self._since_snapshot = 0
+
+    def _fail(self, e: OSError, what: str) -> None:
+        """Mark the device failed: it takes no more writes, and the pool runs without it."""
+        if self.failed is None:
+            self.failed = e
+            log.warning("%s: %s failed (%s); device marked failed", self.name, what, e.strerror or e)
 
     # --- buffers -------------------------------------------------------------------------------
     def staging(self, nbytes: int) -> AlignedBuffer:
@@ -262,20 +384,53 @@ class PassthroughStore:
 
     # --- data ----------------------------------------------------------------------------------
     def put(self, name: str, data) -> bool:
-        """Store a unit. False when the slab has no room (or the device failed); True if stored or present."""
+        """Store a unit. False when the slab has no room or the device failed; True if stored or present.
+
+        The unit becomes visible (``read``, ``names``) only after its bytes are written and its
+        journal record appended: what a reader finds survives a killed process.
+        """
         src = as_bytes_tensor(data)
         n = src.numel()
         ext_bytes = HEADER_BYTES + n
         with self._lock:
             if name in self.index:
                 return True
+            if self.failed is not None:
+                return False
             off = self.alloc.alloc(ext_bytes)
             if off is None:
                 return False
             self._seq += 1
-            seq = self._seq
-        ext = self.alloc.round(ext_bytes)
+            seq = self._seq  # the header's stamp; the journal record gets its own number
         t0 = time.perf_counter()
+        crc = self._write_unit(name, src, off, seq)
+        if crc is None:
+            with self._lock:
+                self.alloc.free(off, ext_bytes)
+            return False
+        if self.throttle:
+            self.throttle.after_write(self.alloc.round(ext_bytes), t0)
+        with self._lock:
+            if name in self.index:  # a concurrent put of the same name was published first
+                self.alloc.free(off, ext_bytes)
+                return True
+            try:
+                self._journal({"o": "p", "n": name, "off": off, "len": n, "crc": crc, "u": seq})
+            except OSError as e:
+                self.alloc.free(off, ext_bytes)
+                self.stats.add(errors=1)
+                self._fail(e, f"journal append for {name}")
+                return False
+            self.index[name] = (off, n, crc, seq)
+            self._maybe_snapshot()
+        self.stats.add(bytes_written=self.alloc.round(ext_bytes), writes=1, write_s=time.perf_counter() - t0)
+        return True
+
+    def _write_unit(self, name: str, src: torch.Tensor, off: int, seq: int) -> int | None:
+        """Header + payload at ``off`` (O_DIRECT from an aligned buffer); the payload's CRC32, or None on failure."""
+        n = src.numel()
+        ext_bytes = HEADER_BYTES + n
+        ext = self.alloc.round(ext_bytes)
         buf = self._write_buffer(ext)
         buf.tensor[HEADER_BYTES : HEADER_BYTES + n].copy_(src)
         if ext > ext_bytes:
@@ -291,20 +446,12 @@ class PassthroughStore:
             if self.sync:
                 os.fdatasync(self.fd)
         except OSError as e:
-            with self._lock:
-                self.alloc.free(off, ext_bytes)
             self.stats.add(errors=1)
             log.warning("%s: write of %s failed (%s); unit not stored", self.name, name, e.strerror or e)
-            if e.errno in (errno.ENOSPC, errno.EIO, errno.EROFS, errno.ENODEV):
-                self.failed = e
-            return False
-        if self.throttle:
-            self.throttle.after_write(ext, t0)
-        with self._lock:
-            self.index[name] = (off, n, crc, seq)
-            self._journal({"s": seq, "o": "p", "n": name, "off": off, "len": n, "crc": crc})
-        self.stats.add(bytes_written=ext, writes=1, write_s=time.perf_counter() - t0)
-        return True
+            if e.errno in _DEVICE_ERRORS:
+                self._fail(e, f"slab write of {name}")
+            return None
+        return crc
 
     failed: OSError | None = None
 
@@ -381,6 +528,8 @@ class PassthroughStore:
         if got < 0:
             self.stats.add(errors=1, misses=len(run))
             log.warning("%s: read of %d unit(s) failed (%s); treated as misses", self.name, len(run), os.strerror(-got))
+            if -got in _DEVICE_ERRORS:
+                self._fail(OSError(-got, os.strerror(-got)), "slab read")
             return
         pos = 0
         for i, x in zip(run, ex):
@@ -411,13 +560,20 @@ class PassthroughStore:
         return staging.tensor[HEADER_BYTES : HEADER_BYTES + n]
 
     def delete(self, name: str) -> bool:
+        """Remove a unit. False when absent, or when the removal cannot be journaled (the unit then stays)."""
         with self._lock:
-            ent = self.index.pop(name, None)
+            ent = self.index.get(name)
             if ent is None:
                 return False
-            self._seq += 1
-            self._journal({"s": self._seq, "o": "d", "n": name})
+            try:
+                self._journal({"o": "d", "n": name})
+            except OSError as e:
+                self.stats.add(errors=1)
+                self._fail(e, f"journal append for deleting {name}")
+                return False
+            del self.index[name]
             self.alloc.free(ent[0], HEADER_BYTES + ent[1])
+            self._maybe_snapshot()
             return True
 
     def __contains__(self, name: str) -> bool:

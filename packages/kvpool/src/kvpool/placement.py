@@ -8,7 +8,9 @@ the least-recently-used chunk of the whole pool is evicted (chunks of the reques
 protected). Chunks that keep being hit are promoted from SSD to memory, into free room or by
 swapping with a colder memory chunk.
 
-Pure bookkeeping, no I/O: the pool (``pool.py``) executes what this module decides.
+Pure bookkeeping, no I/O: the pool (``pool.py``) executes what this module decides. A chunk the
+pool is still writing or moving is ``hold``-ed: absent to lookups, never evicted or moved, until
+``commit`` makes it visible.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class ChunkRecord:
     charged: int
     last_use: int = 0
     hits: int = 0
+    ready: bool = True  # False while its bytes are being written or moved: invisible, never evicted
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,8 @@ class Placement:
 
     # --- queries -------------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
-        return key in self.records
+        r = self.records.get(key)
+        return r is not None and r.ready
 
     def free(self, device: str) -> int:
         return self.devices[device].capacity_bytes - self.used[device]
@@ -118,8 +122,14 @@ class Placement:
         return [d for d in self.devices.values() if d.name not in self.disabled]
 
     def location(self, key: str) -> str | None:
+        """The device holding ``key``, or None when it is absent or still being written."""
         r = self.records.get(key)
-        return r.device if r else None
+        return r.device if r is not None and r.ready else None
+
+    def state(self, key: str) -> str | None:
+        """``"ready"``, ``"writing"`` (held: being written or moved) or None (absent)."""
+        r = self.records.get(key)
+        return None if r is None else ("ready" if r.ready else "writing")
 
     def predicted_times(self, keys: Iterable[str]) -> dict[str, float]:
         """Seconds each device needs to read its share of ``keys`` (the striping objective)."""
@@ -185,13 +195,13 @@ class Placement:
         """Devices where evicting every unprotected chunk would make room for this chunk."""
         reclaim = {d: 0 for d in self.devices}
         for r in self.records.values():
-            if r.key not in guard:
+            if r.key not in guard and r.ready:
                 reclaim[r.device] += r.charged
         return {d.name for d in self.active() if self.free(d.name) + reclaim[d.name] >= d.charge(nbytes, units)}
 
     def _lru_victim(self, guard: set[str], devices: set[str]) -> str | None:
         """The least recently used unprotected chunk on one of ``devices`` (evicting elsewhere would not help)."""
-        cands = [r for r in self.records.values() if r.key not in guard and r.device in devices]
+        cands = [r for r in self.records.values() if r.key not in guard and r.ready and r.device in devices]
         if not cands:
             return None
         return min(cands, key=lambda r: r.last_use).key
@@ -214,10 +224,32 @@ class Placement:
             self.records[key] = ChunkRecord(key, nbytes, units, device, charged, next(self._clock))
             return True
 
-    def remove(self, key: str) -> ChunkRecord | None:
-        """Forget a chunk (failed write, corrupt read, explicit delete)."""
+    def hold(self, keys: Iterable[str]) -> None:
+        """Mark chunks as being written or moved: hidden from lookups and never chosen for eviction."""
         with self._lock:
-            return self._drop(key) if key in self.records else None
+            for k in keys:
+                self.records[k].ready = False
+
+    def commit(self, key: str, device: str) -> bool:
+        """Make a held chunk visible once its bytes are stored on ``device``. False if it was dropped meanwhile."""
+        with self._lock:
+            r = self.records.get(key)
+            if r is None or r.device != device:
+                return False
+            r.ready = True
+            return True
+
+    def remove(self, key: str, device: str | None = None, ready: bool | None = None) -> ChunkRecord | None:
+        """Forget a chunk (failed write, corrupt read, explicit delete).
+
+        ``device`` / ``ready``: only when the record is still on that device and in that state, so a
+        reader dropping what it found unreadable never removes a newer copy being written.
+        """
+        with self._lock:
+            r = self.records.get(key)
+            if r is None or (device is not None and r.device != device) or (ready is not None and r.ready != ready):
+                return None
+            return self._drop(key)
 
     def disable(self, device: str) -> list[ChunkRecord]:
         """Take a failed device out of the pool; returns the chunks that were on it (now lost)."""
@@ -257,7 +289,7 @@ class Placement:
                 if len(moves) >= max_moves:
                     break
                 r = self.records.get(k)
-                if r is None or self.devices[r.device].kind != SSD or r.hits < self.promote_after:
+                if r is None or not r.ready or self.devices[r.device].kind != SSD or r.hits < self.promote_after:
                     continue
                 fits = [m for m in mems if self.free(m.name) >= m.charge(r.nbytes, r.units)]
                 if fits:
@@ -268,6 +300,7 @@ class Placement:
                     c
                     for c in self.records.values()
                     if self.devices[c.device].kind == MEMORY
+                    and c.ready
                     and c.device not in self.disabled
                     and c.hits < r.hits
                     and c.nbytes == r.nbytes

@@ -4,6 +4,11 @@ Plumbing around ``placement`` (which decides) and the stores (which do the I/O):
 new chunks to the devices placement chose (one writer thread per device), deletes what it
 evicted, moves what it promotes, takes failed devices out with a warning, and re-adopts the
 chunks an SSD's index still holds after a restart.
+
+A chunk being written or moved is held: lookups and reads miss it and eviction skips it until
+every unit is stored, so a reader never sees half a chunk and never deletes one in flight. Writers
+of one key take turns (the second waits for the first, then finds the chunk stored), and the first
+writer wins: ``put_chunk`` with other bytes for a stored key raises ``ChunkConflict``.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ from .keys import ChunkKey, KVLayout, chunk_keys, longest_prefix, unit_name
 from .placement import DeviceInfo, Placement
 from .retrieval import TORCH_DTYPES, KVBuffers, LayerwiseLoad
 
-__all__ = ["KVPool"]
+__all__ = ["KVPool", "ChunkConflict"]
 
 log = logging.getLogger(__name__)
+
+
+class ChunkConflict(ValueError):
+    """A chunk key is already stored with other bytes: the first writer of a key wins."""
 
 
 class KVPool:
@@ -67,8 +76,11 @@ class KVPool:
         self.readers = {"ssd": max(1, ssd_readers), "memory": 1}
         self.counters = {"lookups": 0, "hit_tokens": 0, "miss_tokens": 0, "chunks_stored": 0, "promotions": 0}
         self.counters.update({"evictions": 0, "lost_chunks": 0, "failed_writes": 0, "unplaced_chunks": 0})
+        self.counters["conflicts"] = 0
         self.warnings: list[str] = []
-        self._lock = threading.Lock()
+        # guards placement decisions, pins and the writing state together
+        self._lock = threading.RLock()
+        self._written = threading.Condition(self._lock)  # notified when a held chunk is committed or dropped
         self._pins: Counter[str] = Counter()  # chunks being read: never evicted or moved meanwhile
         self._adopt()
 
@@ -103,7 +115,9 @@ class KVPool:
         """Store the full chunks of ``tokens`` not yet in the pool. ``kv``: per layer (K, V) of ``[1, H, >=T, D]``.
 
         Returns the number of chunks stored. Chunks that cannot be written (device full or failed)
-        are left out, never half-stored.
+        are left out, never half-stored; a chunk another writer is storing right now is left to it.
+        Chunks already present are kept as they are (first writer wins; recomputed KV may differ
+        from the stored one in the last bits).
         """
         L = self.layout.num_layers
         if len(kv) != L:
@@ -120,91 +134,135 @@ class KVPool:
                     )
                 if t.dtype != dtype:
                     raise ValueError(f"kv[{i}] {name}: dtype {t.dtype} does not match the layout's {self.layout.dtype}")
-        present = [k.hex for k in keys if k.hex in self.placement]
-        new = [k for k in keys if k.hex not in self.placement]
-        if not new:
-            return 0
-        plan = self.placement.place(
-            [(k.hex, self.layout.chunk_bytes, L) for k in new], context=present, protect=self.pinned()
-        )
-        if plan.unplaced:
-            self.counters["unplaced_chunks"] += len(plan.unplaced)
-            log.info("no room for %d chunk(s) even after eviction (the rest is in use)", len(plan.unplaced))
-        for r in plan.evicted:
-            self._delete_units(r.device, r.key)
-        self.counters["evictions"] += len(plan.evicted)
+        with self._lock:
+            present = [k.hex for k in keys if k.hex in self.placement]
+            new = [k for k in keys if self.placement.state(k.hex) is None]
+            plan = self._reserve([k.hex for k in new], present)
         by_dev: dict[str, list[ChunkKey]] = {}
         for k in new:
             if k.hex in plan.assign:
                 by_dev.setdefault(plan.assign[k.hex], []).append(k)
         n = self.layout.chunk_tokens
-        stored = 0
 
         def write(dev: str, ks: list[ChunkKey]) -> int:
             # layer-major: a layer's units of consecutive chunks end up adjacent in the slab, so a
             # reader fetches them with one preadv
-            store, failed = self.stores[dev], set()
-            for layer, (k, v) in enumerate(kv):
-                for key in ks:
-                    if key.hex in failed:
-                        continue
-                    s, e = key.index * n, (key.index + 1) * n
-                    unit = torch.stack([k[0, :, s:e], v[0, :, s:e]]).contiguous()
-                    if store.put(unit_name(key, layer), unit):
-                        continue
-                    failed.add(key.hex)
-                    self._delete_units(dev, key.hex)
-                    self.placement.remove(key.hex)
-                    self.counters["failed_writes"] += 1
-                    if getattr(store, "failed", None) is not None:
-                        self._fail_device(dev, store.failed)
-                        return 0
-            return len(ks) - len(failed)
+            store, failed, finished = self.stores[dev], set(), False
+            try:
+                for layer, (k, v) in enumerate(kv):
+                    for key in ks:
+                        if key.hex in failed:
+                            continue
+                        s, e = key.index * n, (key.index + 1) * n
+                        unit = torch.stack([k[0, :, s:e], v[0, :, s:e]]).contiguous()
+                        if not store.put(unit_name(key, layer), unit):
+                            failed.add(key.hex)
+                            if getattr(store, "failed", None) is not None:
+                                failed.update(x.hex for x in ks)  # the device is gone: stop writing to it
+                finished = True
+            finally:
+                hexes = [x.hex for x in ks]
+                done = self._finish_writes(dev, hexes, failed if finished else set(hexes))
+            if getattr(store, "failed", None) is not None:
+                self._fail_device(dev, store.failed)
+            return done
 
         with ThreadPoolExecutor(max_workers=max(1, len(by_dev))) as ex:
-            for r in ex.map(lambda item: write(*item), by_dev.items()):
-                stored += r
-        self.counters["chunks_stored"] += stored
+            stored = sum(ex.map(lambda item: write(*item), by_dev.items()))
+        with self._lock:
+            self.counters["chunks_stored"] += stored
         return stored
+
+    def _reserve(self, hexes: Sequence[str], context: Sequence[str]):
+        """Place new chunks (held: invisible until written), evicting LRU chunks no one is reading.
+
+        Called with ``_lock`` held, so no reader can pin a chunk between the choice of victims
+        and the deletion of their units, and no writer can claim a victim's key in between.
+        """
+        L = self.layout.num_layers
+        plan = self.placement.place(
+            [(h, self.layout.chunk_bytes, L) for h in hexes], context=context, protect=self._pins
+        )
+        self.placement.hold(plan.assign)
+        for r in plan.evicted:
+            self._delete_units(r.device, r.key)
+        self.counters["evictions"] += len(plan.evicted)
+        if plan.unplaced:
+            self.counters["unplaced_chunks"] += len(plan.unplaced)
+            log.info("no room for %d chunk(s) even after eviction (the rest is in use)", len(plan.unplaced))
+        return plan
+
+    def _finish_writes(self, dev: str, hexes: Sequence[str], failed: set[str]) -> int:
+        """Make the written chunks visible; forget the failed ones and delete what they wrote. Returns chunks made visible."""
+        done = 0
+        with self._written:
+            for hx in hexes:
+                if hx not in failed and self.placement.commit(hx, dev):
+                    done += 1
+                    continue
+                # not stored, or its device was taken out meanwhile: nothing of it may stay behind
+                self.placement.remove(hx, device=dev, ready=False)
+                self._delete_units(dev, hx)
+                self.counters["failed_writes"] += 1
+            self._written.notify_all()
+        return done
 
     def put_chunk(self, hx: str, chunk: torch.Tensor, context: Sequence[str] = ()) -> bool:
         """Store one chunk given as ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` under key ``hx``.
 
         ``context``: keys of the same request already stored (they count in the striping balance).
+        True once the chunk is stored (readable, and on an SSD journaled); False when no device has
+        room. The first writer of a key wins: the same bytes again return True, other bytes raise
+        ``ChunkConflict``. A writer of a key another writer is storing waits for it to finish. A
+        device that fails during the write is taken out and the chunk goes to another one.
         """
         L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
         if tuple(chunk.shape) != (L, 2, H, n, D) or chunk.dtype != TORCH_DTYPES[self.layout.dtype]:
             raise ValueError(
                 f"chunk: expected shape {(L, 2, H, n, D)} of {self.layout.dtype}, got {tuple(chunk.shape)} of {chunk.dtype}"
             )
-        if hx in self.placement:
-            return True
-        plan = self.placement.place([(hx, self.layout.chunk_bytes, L)], context=list(context), protect=self.pinned())
-        if plan.unplaced:
-            self.counters["unplaced_chunks"] += 1
-            return False
-        for r in plan.evicted:
-            self._delete_units(r.device, r.key)
-        self.counters["evictions"] += len(plan.evicted)
-        dev = plan.assign[hx]
-        store = self.stores[dev]
-        if all(store.put(unit_name(hx, layer), chunk[layer]) for layer in range(L)):
-            self.counters["chunks_stored"] += 1
-            return True
-        self._delete_units(dev, hx)
-        self.placement.remove(hx)
-        self.counters["failed_writes"] += 1
-        if getattr(store, "failed", None) is not None:
-            self._fail_device(dev, store.failed)
+        for _ in range(len(self.stores) + 1):
+            dev = self._claim(hx, context)
+            if dev is None:
+                stored = self.get_chunk(hx)
+                if stored is None:  # unreadable, dropped by that read: write it again
+                    continue
+                if stored.view(-1).view(torch.uint8).equal(chunk.contiguous().view(-1).view(torch.uint8)):
+                    return True
+                with self._lock:
+                    self.counters["conflicts"] += 1
+                raise ChunkConflict(f"chunk {hx} is already stored with different bytes (the first writer wins)")
+            if dev == "":
+                return False
+            store, ok = self.stores[dev], False
+            try:
+                ok = all(store.put(unit_name(hx, layer), chunk[layer]) for layer in range(L))
+            finally:
+                ok = self._finish_writes(dev, [hx], set() if ok else {hx}) == 1
+            if ok:
+                with self._lock:
+                    self.counters["chunks_stored"] += 1
+                return True
+            if getattr(store, "failed", None) is None and dev not in self.placement.disabled:
+                return False  # the store itself had no room
+            if getattr(store, "failed", None) is not None:
+                self._fail_device(dev, store.failed)
         return False
+
+    def _claim(self, hx: str, context: Sequence[str]) -> str | None:
+        """Wait while another writer holds ``hx``; then None if it is stored, else the device
+        reserved for this writer ("" when there is no room)."""
+        with self._written:
+            while self.placement.state(hx) == "writing":
+                self._written.wait(1.0)
+            if hx in self.placement:
+                return None
+            plan = self._reserve([hx], list(context))
+            return plan.assign.get(hx, "")
 
     def pinned(self) -> set[str]:
         with self._lock:
             return {k for k, n in self._pins.items() if n > 0}
-
-    def _pin(self, hexes: Sequence[str]) -> None:
-        with self._lock:
-            self._pins.update(hexes)
 
     def _unpin(self, hexes: Sequence[str]) -> None:
         with self._lock:
@@ -214,17 +272,18 @@ class KVPool:
                     del self._pins[h]
 
     def get_chunk(self, hx: str) -> torch.Tensor | None:
-        """One chunk as ``[layers, 2, kv_heads, chunk_tokens, head_dim]``, or None (miss or failed check)."""
-        self._pin([hx])
+        """One chunk as ``[layers, 2, kv_heads, chunk_tokens, head_dim]``, or None (absent, being written, or failed check)."""
+        with self._lock:
+            dev = self.placement.location(hx)
+            if dev is None:
+                return None
+            self._pins[hx] += 1  # under the lock that eviction decisions take: it cannot go meanwhile
         try:
-            return self._get_chunk(hx)
+            return self._read_chunk(hx, dev)
         finally:
             self._unpin([hx])
 
-    def _get_chunk(self, hx: str) -> torch.Tensor | None:
-        dev = self.placement.location(hx)
-        if dev is None:
-            return None
+    def _read_chunk(self, hx: str, dev: str) -> torch.Tensor | None:
         L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
         out = torch.empty(L, 2, H, n, D, dtype=TORCH_DTYPES[self.layout.dtype])
         store = self.stores[dev]
@@ -232,13 +291,21 @@ class KVPool:
         for layer in range(L):
             view = store.read(unit_name(hx, layer), staging)
             if view is None or view.numel() != self.layout.unit_bytes:
-                self._delete_units(dev, hx)
-                self.placement.remove(hx)
-                self.counters["lost_chunks"] += 1
+                self._drop_unreadable(dev, hx)
                 return None
             out[layer].view(-1).view(torch.uint8).copy_(view)
         self.placement.touch([hx])
         return out
+
+    def _drop_unreadable(self, dev: str, hx: str) -> None:
+        """Forget a chunk a reader found unreadable on ``dev`` (only that copy, never a newer one)."""
+        with self._lock:
+            if self.placement.remove(hx, device=dev, ready=True) is not None:
+                self._delete_units(dev, hx)
+                self.counters["lost_chunks"] += 1
+        failed = getattr(self.stores[dev], "failed", None)
+        if failed is not None:
+            self._fail_device(dev, failed)
 
     def cached_chunks(self, hexes: Sequence[str]) -> int:
         """Leading keys of ``hexes`` present in the pool (the longest cached prefix, in chunks)."""
@@ -255,11 +322,16 @@ class KVPool:
             store.delete(unit_name(hx, layer))
 
     def _fail_device(self, dev: str, why) -> None:
-        lost = self.placement.disable(dev)
+        with self._lock:
+            if dev in self.placement.disabled:
+                return
+            lost = self.placement.disable(dev)
+            lost = [r for r in lost if r.ready]  # held ones were never acknowledged; their writers see the failure
+            self.counters["lost_chunks"] += len(lost)
+            self._written.notify_all()
         msg = f"device {dev} failed ({why}); running without it, {len(lost)} chunk(s) lost and will be recomputed"
         self.warnings.append(msg)
         log.warning("%s", msg)
-        self.counters["lost_chunks"] += len(lost)
 
     # --- reading -------------------------------------------------------------------------------
     def retrieve(
@@ -302,21 +374,22 @@ class KVPool:
 
     def forget_lost(self, load: LayerwiseLoad) -> None:
         """Drop the chunks a load could not read (corrupt or missing) so they are rewritten later."""
+        where = {i: dev for dev, group in load.groups.items() for i, _ in group}
         for i in sorted(load.lost):
-            hx = load.keys[i].hex
-            dev = self.placement.location(hx)
-            if dev is not None:
-                self._delete_units(dev, hx)
-                self.placement.remove(hx)
-                self.counters["lost_chunks"] += 1
+            self._drop_unreadable(where[i], load.keys[i].hex)
 
     def promote_hot(self, keys: Sequence[ChunkKey] | None = None, max_moves: int = 8) -> int:
-        """Move hot SSD chunks (hit ``promote_after`` times) of ``keys`` into memory. Returns moves done."""
+        """Move hot SSD chunks (hit ``promote_after`` times) of ``keys`` into memory. Returns moves done.
+
+        Moved chunks are held (invisible, a miss) from the plan until their copy is stored.
+        """
         if not self.promote:
             return 0
-        hexes = [k.hex for k in keys] if keys is not None else list(self.placement.records)
-        busy = self.pinned()
-        moves = self.placement.plan_promotions([h for h in hexes if h not in busy], max_moves=max_moves, busy=busy)
+        with self._lock:
+            hexes = [k.hex for k in keys] if keys is not None else list(self.placement.records)
+            busy = set(self._pins)
+            moves = self.placement.plan_promotions([h for h in hexes if h not in busy], max_moves=max_moves, busy=busy)
+            self.placement.hold({m.key for m in moves})
         if not moves:
             return 0
         # read every moved chunk first (a swap frees the room its partner needs), then rewrite
@@ -330,22 +403,22 @@ class KVPool:
                     break
                 units.append(view.clone())
             data[mv.key] = units
-        done = 0
         for mv in moves:
             self._delete_units(mv.src, mv.key)
+        done = 0
         for mv in moves:
             units = data[mv.key]
             dst = self.stores[mv.dst]
             ok = len(units) == self.layout.num_layers and all(
                 dst.put(unit_name(mv.key, layer), u) for layer, u in enumerate(units)
             )
-            if ok:
+            if self._finish_writes(mv.dst, [mv.key], set() if ok else {mv.key}):
                 done += 1
             else:
-                self._delete_units(mv.dst, mv.key)
-                self.placement.remove(mv.key)
-                self.counters["lost_chunks"] += 1
-        self.counters["promotions"] += sum(1 for m in moves if m.reason == "promote")
+                with self._lock:
+                    self.counters["lost_chunks"] += 1
+        with self._lock:
+            self.counters["promotions"] += sum(1 for m in moves if m.reason == "promote")
         return done
 
     # --- reporting -----------------------------------------------------------------------------

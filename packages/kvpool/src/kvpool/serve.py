@@ -3,7 +3,9 @@
 Endpoints (all under /v1): ``GET layout`` (model id and KV layout, for clients to check),
 ``POST lookup`` ({"keys": [hex, ...]} -> longest cached prefix in chunks), ``PUT chunks/{key}``
 (raw chunk bytes, ``[layers, 2, kv_heads, chunk_tokens, head_dim]``; ``?context=k1,k2`` names the
-request's earlier chunks for striping), ``GET chunks/{key}`` (raw bytes or 404) and ``GET stats``
+request's earlier chunks for striping; 201 once stored, again for the same bytes, 409 for other
+bytes: the first writer wins; 507 when there is no room), ``GET chunks/{key}`` (raw bytes or 404;
+a chunk still being written is a 404) and ``GET stats``
 (hit rate, per-device bytes and bandwidth, page-cache bytes). Clients compute keys themselves with
 ``kvpool.chunk_keys``; ``PoolClient`` is a small blocking client (urllib).
 """
@@ -11,6 +13,7 @@ request's earlier chunks for striping), ``GET chunks/{key}`` (raw bytes or 404) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -23,7 +26,7 @@ import torch
 
 from .devices import build_devices
 from .keys import KVLayout
-from .pool import KVPool
+from .pool import ChunkConflict, KVPool
 from .retrieval import TORCH_DTYPES
 
 __all__ = ["parse_layout", "make_app", "serve_forever", "PoolClient", "BackgroundServer"]
@@ -49,10 +52,44 @@ def _require_aiohttp():
     return web
 
 
+class _KeyLocks:
+    """One asyncio lock per key while anyone uses it: PUTs of one key run one at a time, in arrival order.
+
+    The pool is single-flight per key too; ordering here keeps waiting writers of one key out of the
+    executor's threads, which GETs and other keys need.
+    """
+
+    def __init__(self):
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str):
+        lock, users = self._locks.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+def _store_chunk(pool: KVPool, key: str, chunk: torch.Tensor, context: list[str]) -> int:
+    """HTTP status of storing a chunk: 201 stored (or the same bytes already), 409 other bytes, 507 no room."""
+    try:
+        return 201 if pool.put_chunk(key, chunk, context) else 507
+    except ChunkConflict:
+        return 409
+
+
 def make_app(pool: KVPool):
     """The aiohttp application serving ``pool``; blocking I/O runs in the default executor."""
     web = _require_aiohttp()
-    lock = threading.Lock()  # placement decisions are serialized; reads run in parallel
+    key_locks = _KeyLocks()
 
     def _key(request) -> str:
         key = request.match_info["key"]
@@ -84,14 +121,13 @@ def make_app(pool: KVPool):
         chunk = torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[pool.layout.dtype]).view(L, 2, H, n, D)
         context = [c for c in request.query.get("context", "").split(",") if c]
 
-        def do():
-            with lock:
-                return pool.put_chunk(key, chunk, context)
-
-        ok = await asyncio.get_running_loop().run_in_executor(None, do)
-        if not ok:
+        async with key_locks.hold(key):
+            status = await asyncio.get_running_loop().run_in_executor(None, _store_chunk, pool, key, chunk, context)
+        if status == 507:
             raise web.HTTPInsufficientStorage(text="the pool has no room for this chunk")
-        return web.Response(status=201)
+        if status == 409:
+            raise web.HTTPConflict(text=f"chunk {key} is already stored with different bytes (the first writer wins)")
+        return web.Response(status=status)
 
     async def get_chunk(request):
         key = _key(request)
@@ -203,6 +239,7 @@ class PoolClient:
         return int(self._json("POST", "/v1/lookup", {"keys": list(keys)})["cached_chunks"])
 
     def put_chunk(self, key: str, chunk: torch.Tensor, context: Sequence[str] = ()) -> bool:
+        """True once stored; False when the pool has no room; ``ChunkConflict`` when stored with other bytes."""
         q = f"?context={','.join(context)}" if context else ""
         data = chunk.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         try:
@@ -211,6 +248,10 @@ class PoolClient:
         except urllib.error.HTTPError as e:
             if e.code == 507:
                 return False
+            if e.code == 409:
+                raise ChunkConflict(
+                    f"chunk {key} is already stored with different bytes (the first writer wins)"
+                ) from None
             raise
 
     def get_chunk(self, key: str) -> torch.Tensor | None:

@@ -207,6 +207,7 @@ class MemoryStore:
         self._lock = threading.Lock()
 
     def put(self, name: str, data) -> bool:
+        """Store a unit; it becomes readable only once its bytes are all in the arena."""
         src = as_bytes_tensor(data)
         n = src.numel()
         t0 = time.perf_counter()
@@ -216,10 +217,14 @@ class MemoryStore:
             off = self.alloc.alloc(n)
             if off is None:
                 return False
-            self.index[name] = (off, n)
         self.arena[off : off + n].copy_(src)
         if self.throttle:
             self.throttle.after_write(n, t0)
+        with self._lock:
+            if name in self.index:  # a concurrent put of the same name was published first
+                self.alloc.free(off, n)
+                return True
+            self.index[name] = (off, n)
         self.stats.add(bytes_written=n, writes=1, write_s=time.perf_counter() - t0)
         return True
 
