@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
+from hwtopo import console
+
 __all__ = ["main"]
 
-
-class UsageError(Exception):
-    """Bad command-line input: exit 2 with one line."""
+MAX_TOKENS = 1 << 20
+MAX_LAYERS = 256
+MAX_REPS = 1000
+MAX_DEVICES = 64  # SSDs or memory modules of one pool
+MAX_BYTES = 2**50  # 1 PiB per device
 
 
 def _port(text: str) -> int:
@@ -27,17 +30,15 @@ def _port(text: str) -> int:
     return v
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, not {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, not {text!r}")
-        return v
-
-    return parse
+def _modules(text: str) -> int:
+    """argparse type: memory modules, 0 (SSDs only) to MAX_DEVICES."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= MAX_DEVICES:
+        raise argparse.ArgumentTypeError(f"--memory-modules must be an integer 0-{MAX_DEVICES}, not {text!r}")
+    return v
 
 
 def _bandwidth(text: str) -> float:
@@ -49,59 +50,76 @@ def _bandwidth(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--ssd-cap: {e}") from None
 
 
-def _bytes(text: str) -> int:
-    import hwtopo
+def _bytes(field: str):
+    """argparse type: a size such as 256MiB, > 0 and <= MAX_BYTES, the error naming ``field``."""
 
-    try:
-        return int(hwtopo.parse_bytes(text))
-    except (hwtopo.SpecError, ValueError) as e:
-        raise argparse.ArgumentTypeError(f"size: {e}") from None
+    def parse(text: str) -> int:
+        import hwtopo
+
+        try:
+            v = hwtopo.parse_bytes(text, field)
+        except hwtopo.SpecError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if not 1 <= v <= MAX_BYTES:
+            raise argparse.ArgumentTypeError(f"{field} must be at least 1 B and at most 1PiB, not {text!r}")
+        return int(v)
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpool", description="One KV-cache pool across memory modules and SSDs.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p, sub = console.parser("kvpool", "One KV-cache pool across memory modules and SSDs.", _version())
 
     def common(sp):
-        sp.add_argument("--tokens", type=_positive_int("--tokens"), help="request length in tokens")
-        sp.add_argument("--layers", type=_positive_int("--layers"), help="decoder layers of the tiny Llama")
-        sp.add_argument("--reps", type=_positive_int("--reps"), help="warm repetitions (median reported)")
-        sp.add_argument("--ssds", type=_positive_int("--ssds"), help="emulated SSDs kvpool stripes over (default 4)")
+        sp.add_argument("--tokens", type=console.positive_int("--tokens", MAX_TOKENS), help="request length in tokens")
+        sp.add_argument(
+            "--layers", type=console.positive_int("--layers", MAX_LAYERS), help="decoder layers of the tiny Llama"
+        )
+        sp.add_argument(
+            "--reps", type=console.positive_int("--reps", MAX_REPS), help="warm repetitions (median reported)"
+        )
+        sp.add_argument(
+            "--ssds",
+            type=console.positive_int("--ssds", MAX_DEVICES),
+            help="emulated SSDs kvpool stripes over (default 4)",
+        )
         sp.add_argument(
             "--io-backend",
             choices=("preadv", "io_uring", "auto"),
             help="how kvpool reads its SSD slabs (default preadv; auto: io_uring where the kernel allows)",
         )
         sp.add_argument("--ssd-cap", type=_bandwidth, help="emulated per-SSD read bandwidth, e.g. 200MB/s")
-        sp.add_argument("--workdir", help="where the SSD slabs and chunk files go (default: a temp dir)")
-        sp.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
-        sp.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+        sp.add_argument(
+            "--workdir", help="where the SSD slabs and chunk files go; its parent must exist (default: a temp dir)"
+        )
 
-    d = sub.add_parser("demo", help="cold and warm request through a tiny Llama; TTFT of the three methods")
+    d = console.command(sub, "demo", "cold and warm request through a tiny Llama; TTFT of the three methods")
     d.add_argument("--out", default="demo-output/kvpool", help="output directory (report.md, bandwidth.png)")
     common(d)
-    b = sub.add_parser("bench", help="recompute vs serialized tiers vs kvpool, emulated and raw, side by side")
+    b = console.command(sub, "bench", "recompute vs serialized tiers vs kvpool, emulated and raw, side by side")
     b.add_argument("--quick", action="store_true", help="2k-token request (under 3 minutes on 2 cores)")
     b.add_argument("--json", help="write the results JSON here")
     common(b)
-    s = sub.add_parser("serve", help="serve one pool over HTTP (put/get/lookup/stats) to several processes")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8470)
+    s = console.command(sub, "serve", "serve one pool over HTTP (put/get/lookup/stats) to several processes")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=_port, default=8470, help="TCP port (0: any free port)")
     s.add_argument("--ssd", action="append", default=[], help="an SSD directory (repeat for several)")
-    s.add_argument("--memory-modules", type=int, default=2)
-    s.add_argument("--memory-bytes", type=_bytes, default=_bytes("256MiB"), help="per memory module")
-    s.add_argument("--ssd-bytes", type=_bytes, default=_bytes("1GiB"), help="slab size per SSD")
+    s.add_argument("--memory-modules", type=_modules, default=2, help="memory modules of the pool")
+    s.add_argument("--memory-bytes", type=_bytes("--memory-bytes"), default="256MiB", help="per memory module")
+    s.add_argument("--ssd-bytes", type=_bytes("--ssd-bytes"), default="1GiB", help="slab size per SSD")
     s.add_argument("--model-id", required=False, default="model", help="model identity hashed into keys")
     s.add_argument(
         "--layout",
         default="L16-H8-D64-float32-N256",
         help="KV layout tag L<layers>-H<kv heads>-D<head dim>-<dtype>-N<chunk>",
     )
-    s.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
-    s.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _config(args):
@@ -125,7 +143,7 @@ def _config(args):
     try:
         cfg.validate()
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise console.UsageError(str(e)) from None
     return cfg
 
 
@@ -147,39 +165,26 @@ def _label(r: dict) -> str:
 
 
 def _table(res: dict) -> str:
-    rows = [
-        "| method | run | TTFT s | retrieval s | retrieval GB/s | blocked on I/O s | page-cache bytes |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    rec = res["results"]["recompute"]["ttft_s"]
-    rows.append(f"| recompute | - | {rec:.3f} | - | - | - | - |")
+    headers = ["method", "run", "TTFT s", "retrieval s", "retrieval GB/s", "blocked on I/O s", "page-cache bytes"]
+    rows = [["recompute", None, round(res["results"]["recompute"]["ttft_s"], 3), None, None, None, None]]
     for mode in _modes(res):
         r = res["results"][mode]
-        label = _label(r)
         for name, key in (("serialized tiers (LMCache-style)", "serial"), ("kvpool", "kvpool")):
             x = r[key]
             rows.append(
-                f"| {name} | {label} | {x['ttft_s']:.3f} | {x['retrieval_s']:.3f} | "
-                f"{x['retrieval_bytes_per_s'] / 1e9:.2f} | {x['blocked_io_s']:.3f} | {x['page_cache_bytes']} |"
+                [name, _label(r), *(round(x[k], 3) for k in ("ttft_s", "retrieval_s"))]
+                + [round(x["retrieval_bytes_per_s"] / 1e9, 2), round(x["blocked_io_s"], 3), x["page_cache_bytes"]]
             )
-    return "\n".join(rows)
+    return console.table(rows, headers)
 
 
 def _headline_table(h: dict) -> str:
-    rows = ["| headline key | value |", "|---|---|"]
-    for k, v in h.items():
-        rows.append(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |")
-    return "\n".join(rows)
+    return console.table([[f"`{k}`", v] for k, v in h.items()], ["headline key", "value"])
 
 
 def _plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("kvpool: matplotlib is not installed (pip install 'kvpool[plot]'); no plot written", file=sys.stderr)
+    plt = console.pyplot("kvpool")
+    if plt is None:
         return False
     modes = _modes(res)
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), squeeze=False)
@@ -203,29 +208,25 @@ def _plot(res: dict, path: Path) -> bool:
     return True
 
 
-def _run_bench(args) -> dict:
+def _run_bench(args, cfg) -> dict:
+    # checked before the model is built; only the directory named is ever created
+    workdir = console.output_dir(args.workdir, "--workdir") if args.workdir else None
     from .bench import run_bench
 
-    cfg = _config(args)
-    if args.workdir:  # checked before the model is built, and named, instead of a bare errno later
-        try:
-            Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--workdir: cannot create {args.workdir} ({e.strerror or e})") from None
-        if not os.access(args.workdir, os.W_OK | os.X_OK):
-            raise UsageError(f"--workdir: {args.workdir} is not a writable directory")
-    return run_bench(cfg, workdir=args.workdir, progress=_progress(args.quiet))
+    return run_bench(cfg, workdir=workdir, progress=_progress(args.quiet))
 
 
 def cmd_bench(args) -> int:
-    res = _run_bench(args)
+    cfg = _config(args)
+    json_path = console.output_file(args.json, "--json") if args.json else None
+    res = _run_bench(args, cfg)
     print(_table(res))
     print()
     print(_headline_table(res["headline"]))
-    if args.json:
+    if json_path:
         import hwtopo
 
-        hwtopo.atomic_write_text(args.json, json.dumps(res, indent=2, default=str) + "\n")
+        hwtopo.atomic_write_text(json_path, json.dumps(res, indent=2, default=str) + "\n")
     return 0
 
 
@@ -234,9 +235,9 @@ def cmd_demo(args) -> int:
 
     import hwtopo
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = _run_bench(args)
+    cfg = _config(args)
+    out = console.output_dir(args.out, "--out")
+    res = _run_bench(args, cfg)
     table = _table(res)
     print(table)
     plotted = _plot(res, out / "bandwidth.png")
@@ -270,9 +271,10 @@ def cmd_serve(args) -> int:
     try:
         layout = parse_layout(args.layout)
     except ValueError as e:
-        raise UsageError(f"--layout: {e}") from None
+        raise console.UsageError(f"--layout: {e}") from None
     if not args.ssd and args.memory_modules <= 0:
-        raise UsageError("serve needs at least one --ssd PATH or --memory-modules >= 1")
+        raise console.UsageError("serve needs at least one --ssd PATH or --memory-modules >= 1")
+    args.ssd = [str(console.output_dir(p, "--ssd")) for p in args.ssd]
     serve_forever(
         host=args.host,
         port=args.port,
@@ -287,25 +289,5 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else (logging.ERROR if args.quiet else logging.WARNING),
-        format="%(levelname)s %(name)s: %(message)s",
-    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        return {"bench": cmd_bench, "demo": cmd_demo, "serve": cmd_serve}[args.cmd](args)
-    except UsageError as e:
-        print(f"kvpool: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        if args.debug:
-            raise
-        print(f"kvpool: error: {e}", file=sys.stderr)
-        return 1
+    return console.run(_parser(), {"bench": cmd_bench, "demo": cmd_demo, "serve": cmd_serve}, argv)

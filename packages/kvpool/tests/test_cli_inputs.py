@@ -1,0 +1,69 @@
+"""Malformed command lines: exit 2, one message naming the option, no traceback, and nothing created
+(not even a parent of --workdir or --out); every case is answered before a model or pool is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.cli import main
+
+# (argv with {tmp} for the test's directory, text the message must contain)
+CASES = [
+    ("bench --tokens 0", "--tokens must be an integer >= 1"),
+    ("bench --tokens 1e30", "--tokens"),
+    ("bench --tokens nan", "--tokens"),
+    ("bench --tokens -5", "--tokens"),
+    ("bench --tokens 2000000", "--tokens"),
+    ("bench --layers 0", "--layers"),
+    ("bench --layers 1000", "--layers"),
+    ("bench --reps inf", "--reps"),
+    ("bench --ssds 0", "--ssds"),
+    ("bench --ssds 1000", "--ssds"),
+    ("bench --ssd-cap fast", "--ssd-cap"),
+    ("bench --ssd-cap -1MB/s", "--ssd-cap"),
+    ("bench --ssd-cap 1e400MB/s", "--ssd-cap"),
+    ("bench --io-backend mmap", "--io-backend"),
+    ("bench --quick --tokens 100", "tokens must exceed chunk_tokens"),
+    ("bench --json {tmp}/missing/b.json", "--json '{tmp}/missing/b.json': directory"),
+    ("bench --json {tmp}/dir", "--json '{tmp}/dir' is a directory"),
+    ("bench --workdir {tmp}/a/b/c", "--workdir '{tmp}/a/b/c': its parent"),
+    ("bench --workdir {tmp}/file", "--workdir '{tmp}/file' exists and is not a directory"),
+    ("demo --out {tmp}/missing/a", "--out"),
+    ("demo --out {tmp}/file", "--out"),
+    ("serve --port 99999", "--port must be a port number"),
+    ("serve --port -1", "--port"),
+    ("serve --port x", "--port"),
+    ("serve --memory-modules -1", "--memory-modules must be an integer 0-64"),
+    ("serve --memory-modules 1e3", "--memory-modules"),
+    ("serve --memory-bytes 1e400GiB", "--memory-bytes"),
+    ("serve --memory-bytes 0", "--memory-bytes"),
+    ("serve --ssd-bytes nan", "--ssd-bytes"),
+    ("serve --layout bad", "--layout"),
+    ("serve --memory-modules 0", "serve needs at least one --ssd"),
+    ("serve --ssd {tmp}/missing/ssd0", "--ssd '{tmp}/missing/ssd0': its parent"),
+    ("serve --ssd {tmp}/file", "--ssd"),
+    ("nosuch", "invalid choice"),
+]
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, needle", CASES, ids=[c[0] for c in CASES])
+def test_malformed_input(argv, needle, tmp, capsys):
+    before = sorted(p.name for p in tmp.rglob("*"))
+    assert main(argv.format(tmp=tmp).split()) == 2
+    err = capsys.readouterr().err
+    assert needle.format(tmp=tmp) in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("kvpool")
+    assert sorted(p.name for p in tmp.rglob("*")) == before
+
+
+def test_version_and_options_after_the_command(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip().startswith("kvpool ")
+    assert main(["bench", "--quiet", "--debug", "--tokens", "0"]) == 2
