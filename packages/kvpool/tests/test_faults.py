@@ -6,14 +6,13 @@ import logging
 import os
 import shutil
 import threading
-import time
 import zlib
 
 import pytest
 import torch
 
 from kvpool import ChunkConflict, KVLayout, KVPool, MemoryStore, PassthroughStore
-from kvpool.faults import kill9_puts, leaked_bytes, payload
+from kvpool.faults import kill9_puts, leaked_bytes, payload, race_pool
 from kvpool.passthrough import _FRAME, JOURNAL, SLAB, SNAPSHOT
 
 MB = 1 << 20
@@ -367,22 +366,6 @@ def test_malformed_journal_is_set_aside_and_its_valid_prefix_kept(tmp_path, live
 
 
 # --- 2,000 concurrent same-key PUT/GET pairs over kvpool serve ---------------------------------
-class SlowWrites(Gate):
-    """Each unit write takes a millisecond more, so GETs often land in the middle of a chunk's write."""
-
-    def after_write(self, nbytes, started):
-        time.sleep(0.001)
-
-
-def race_pool(kind, tmp_path, chunks=1100):
-    # room for every key of the race: a miss after an acknowledged put is a lost write, not an eviction
-    thr = SlowWrites(None)
-    if kind == "memory":
-        return KVPool([MemoryStore("mem0", chunks * LAY.chunk_bytes, throttle=thr)], LAY, "m", {"mem0": 1e9})
-    ssd = PassthroughStore("ssd0", tmp_path, chunks * LAY.num_layers * 4096, throttle=thr)
-    return KVPool([ssd], LAY, "m", {"ssd0": 1e9})
-
-
 @pytest.mark.parametrize("kind", ["memory", "ssd"])
 def test_concurrent_same_key_put_get_pairs_over_http(tmp_path, kind):
     pytest.importorskip("aiohttp")
@@ -419,3 +402,14 @@ def test_the_race_counts_wrong_bytes_when_a_pool_returns_them(tmp_path):
 def test_payload_variants_differ_everywhere():
     a, b = payload("k", 4096, 0), payload("k", 4096, 1)
     assert len(a) == 4096 and all(a[i : i + 64] != b[i : i + 64] for i in range(0, 4096, 64))
+
+
+def test_safety_block_of_the_bench(tmp_path):
+    pytest.importorskip("aiohttp")
+    from kvpool.faults import safety_counts
+
+    out = safety_counts(pairs=200, kills=2, directory=tmp_path)
+    assert set(out["runs"]) == {"race_memory", "race_ssd", "kill9"} and not out["skipped"]
+    assert out["runs"]["kill9"]["acked"] >= 2 * 60 and out["runs"]["race_ssd"]["pairs"] == 200
+    assert out["wrong_bytes"] == out["lost_acked_writes"] == out["dropped_chunks"] == out["leaked_bytes"] == 0, out
+    assert os.listdir(tmp_path) == []  # its slabs are gone

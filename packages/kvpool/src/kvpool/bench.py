@@ -6,6 +6,8 @@ both kvpool and the LMCache-style serialized tiers; warm passes then measure TTF
 bandwidth, time the caller is blocked on I/O, page-cache footprint and the filesystem's share of
 the serialized disk tier. Run twice: with per-device bandwidth caps emulating several SSDs on the
 one disk of this machine (labelled emulated), and raw (no caps; all "SSDs" share one disk).
+A fault-injection run (``faults.safety_counts``) adds the ``safety`` block: wrong bytes returned
+and acknowledged writes lost under concurrent same-key PUT/GET and kill -9, each of which must be 0.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import hwtopo
 from . import __version__
 from .baselines import SerialTiers
 from .devices import build_devices
+from .faults import safety_counts
 from .hf import PoolCache, _run, cache_kv, layout_for, prefill
 from .pagecache import meminfo_cached_bytes
 from .pool import KVPool
@@ -62,6 +65,10 @@ class BenchConfig:
     recompute_reps: int = 2
     io_backend: str = "preadv"  # SSD reads: "preadv", "io_uring" or "auto"
     seed: int = 0
+    # the ``safety`` block (``faults.safety_counts``): concurrent same-key PUT/GET pairs against
+    # kvpool serve per device kind, and kill -9 loops during 4-thread puts; 0 and 0 skip it
+    safety_pairs: int = 2000
+    safety_kills: int = 20
 
     @classmethod
     def quick(cls) -> BenchConfig:
@@ -78,6 +85,10 @@ class BenchConfig:
             raise ValueError(f"ssds must be >= 1, not {self.ssds}")
         if self.compare_ssds is not None and self.compare_ssds < 1:
             raise ValueError(f"compare_ssds must be >= 1 or None, not {self.compare_ssds}")
+        if self.safety_pairs < 0 or self.safety_kills < 0:
+            raise ValueError(
+                f"safety_pairs and safety_kills must be >= 0, not {self.safety_pairs}, {self.safety_kills}"
+            )
         if not 0 < self.memory_share < 1:
             raise ValueError(f"memory_share must be in (0, 1), not {self.memory_share}")
 
@@ -287,21 +298,11 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
             for sub in ("emulated", "emulated_few", "raw"):
                 shutil.rmtree(root / sub, ignore_errors=True)
     recompute = statistics.median(rec)
-
-    def ratios(r: dict) -> dict:
-        kp, se = r["kvpool"], r["serial"]
-        return {
-            "ttft_ratio_vs_serial": kp["ttft_s"] / se["ttft_s"],
-            "ttft_ratio_vs_recompute": kp["ttft_s"] / recompute,
-            "retrieval_bw_ratio_vs_serial": kp["retrieval_bytes_per_s"] / se["retrieval_bytes_per_s"],
-            "page_cache_bytes_passthrough": kp["page_cache_bytes"],
-            "page_cache_frac_passthrough": kp["page_cache_bytes"] / max(1, kp["bytes_read"]),
-            "blocked_io_ratio_vs_serial": kp["blocked_io_s"] / se["blocked_io_s"],
-            "fs_time_frac_serial": se["fs_time_frac"],
-            "kernel_time_frac_serial": se["kernel_time_frac"],
-        }
-
-    h_emu, h_raw = ratios(emu), ratios(raw)
+    safety = None
+    if cfg.safety_pairs or cfg.safety_kills:
+        progress("safety: same-key PUT/GET race over kvpool serve, kill -9 during puts")
+        safety = safety_counts(cfg.safety_pairs, cfg.safety_kills, directory=workdir)
+    h_emu, h_raw = _ratios(emu, recompute), _ratios(raw, recompute)
     headline = dict(h_emu)
     headline["fs_time_frac_serial"] = h_raw["fs_time_frac_serial"]  # measured without emulated waits
     headline["kernel_time_frac_serial"] = h_raw["kernel_time_frac_serial"]
@@ -312,7 +313,7 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
     if few is not None:
         # with memory holding the same share in both and n equal SSDs, n x is the ceiling of the
         # bandwidth ratio (the serialized tiers read their one disk tier at one SSD's rate)
-        h_few = ratios(few)
+        h_few = _ratios(few, recompute)
         tag = f"{cfg.compare_ssds}ssd"
         for k in ("ttft_ratio_vs_serial", "retrieval_bw_ratio_vs_serial", "blocked_io_ratio_vs_serial"):
             headline[f"{k}_{tag}"] = h_few[k]
@@ -333,4 +334,20 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
             f"{cfg.compare_ssds} SSDs); the serialized tiers always read one disk tier"
         ),
         "emulated": emu["emulation"],
+        "safety": safety,
+    }
+
+
+def _ratios(r: dict, recompute_s: float) -> dict:
+    """kvpool against the serialized tiers (and recompute) in one run of ``_mode``."""
+    kp, se = r["kvpool"], r["serial"]
+    return {
+        "ttft_ratio_vs_serial": kp["ttft_s"] / se["ttft_s"],
+        "ttft_ratio_vs_recompute": kp["ttft_s"] / recompute_s,
+        "retrieval_bw_ratio_vs_serial": kp["retrieval_bytes_per_s"] / se["retrieval_bytes_per_s"],
+        "page_cache_bytes_passthrough": kp["page_cache_bytes"],
+        "page_cache_frac_passthrough": kp["page_cache_bytes"] / max(1, kp["bytes_read"]),
+        "blocked_io_ratio_vs_serial": kp["blocked_io_s"] / se["blocked_io_s"],
+        "fs_time_frac_serial": se["fs_time_frac"],
+        "kernel_time_frac_serial": se["kernel_time_frac"],
     }

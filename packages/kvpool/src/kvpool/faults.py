@@ -18,17 +18,55 @@ import asyncio
 import hashlib
 import os
 import signal
+import tempfile
 import threading
+import time
 import zlib
 from pathlib import Path
 
 import torch
 
-from .keys import unit_name
-from .passthrough import PassthroughStore
+from .keys import KVLayout, unit_name
+from .passthrough import ALIGN, HEADER_BYTES, PassthroughStore
 from .pool import KVPool
+from .stores import MemoryStore
 
-__all__ = ["payload", "leaked_bytes", "same_key_race", "kill9_puts"]
+__all__ = ["payload", "leaked_bytes", "same_key_race", "kill9_puts", "SlowWrites", "race_pool", "safety_counts"]
+
+RACE_LAYOUT = KVLayout(3, 2, 8, chunk_tokens=16)  # 2 KiB units, 6 KiB chunks: many keys, fast
+
+
+class SlowWrites:
+    """A store throttle under which every unit write takes ``delay_s`` longer, so that concurrent
+    requests often land in the middle of a chunk's write (the window the races are about)."""
+
+    read_bandwidth_bytes_per_s = write_bytes_per_s = None
+
+    def __init__(self, delay_s: float = 0.001):
+        self.delay_s = delay_s
+
+    def after_write(self, nbytes: int, started: float) -> None:
+        time.sleep(self.delay_s)
+
+    def after_read(self, nbytes: int, started: float) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"emulated": True, "write_delay_s": self.delay_s}
+
+
+def race_pool(kind: str, directory: str | os.PathLike | None = None, chunks: int = 1100) -> KVPool:
+    """A one-device pool (``"memory"``, or ``"ssd"`` in ``directory``) with room for ``chunks``
+    chunks of ``RACE_LAYOUT`` and slow writes. With room for every key, a miss after an
+    acknowledged put is a lost write, not an eviction."""
+    if kind == "memory":
+        store = MemoryStore("mem0", chunks * RACE_LAYOUT.chunk_bytes, throttle=SlowWrites())
+    elif kind == "ssd":
+        unit = -(-(RACE_LAYOUT.unit_bytes + HEADER_BYTES) // ALIGN) * ALIGN
+        store = PassthroughStore("ssd0", directory, chunks * RACE_LAYOUT.num_layers * unit, throttle=SlowWrites())
+    else:
+        raise ValueError(f"kind must be 'memory' or 'ssd', not {kind!r}")
+    return KVPool([store], RACE_LAYOUT, "race", {store.name: 1e9})
 
 
 def payload(name: str, nbytes: int, variant: int = 0) -> bytes:
@@ -251,3 +289,32 @@ def kill9_puts(
         "wrong_bytes": len(wrong),
         "child_errors": child_errors,
     }
+
+
+def safety_counts(pairs: int = 2000, kills: int = 20, directory: str | os.PathLike | None = None) -> dict:
+    """The bench's ``safety`` block: ``same_key_race`` on a memory and an SSD pool, ``kill9_puts``.
+
+    Totals of wrong bytes returned, acknowledged writes lost, chunks dropped as unreadable and
+    bytes leaked, with each run's own counts. A race needs aiohttp; without it the race is skipped
+    and says so. ``directory``: where the SSD slabs go (a temporary directory by default).
+    """
+    runs: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="kvpool-safety-", dir=directory) as tmp:
+        for kind in ("memory", "ssd"):
+            try:
+                import aiohttp  # noqa: F401
+            except ImportError:
+                skipped[f"race_{kind}"] = "aiohttp not installed (pip install 'kvpool[serve]')"
+                continue
+            d = Path(tmp) / f"race_{kind}"
+            d.mkdir()
+            with race_pool(kind, d, chunks=pairs // 2 + 100) as pool:
+                runs[f"race_{kind}"] = same_key_race(pool, pairs=pairs)
+        if kills:
+            d = Path(tmp) / "kill9"
+            d.mkdir()
+            runs["kill9"] = kill9_puts(d, iterations=kills, acks_per_kill=60, capacity_bytes=max(16, kills) << 20)
+    total = {k: sum(r.get(k, 0) for r in runs.values()) for k in ("wrong_bytes", "lost_acked_writes")}
+    total.update({k: sum(r.get(k, 0) for r in runs.values()) for k in ("dropped_chunks", "leaked_bytes")})
+    return {**total, "runs": runs, "skipped": skipped}
