@@ -8,6 +8,10 @@ bytes: the first writer wins; 507 when there is no room), ``GET chunks/{key}`` (
 a chunk still being written is a 404) and ``GET stats``
 (hit rate, per-device bytes and bandwidth, page-cache bytes). Clients compute keys themselves with
 ``kvpool.chunk_keys``; ``PoolClient`` is a small blocking client (urllib).
+
+With a token (``token=`` or ``$KVPOOL_TOKEN``) every request needs ``Authorization: Bearer
+<token>`` (401 otherwise), and a host beyond loopback needs one. Lookup JSON is bounded (1 MiB,
+depth 64; 400/413), and an unexpected failure is a 500 naming no internals (hwtopo.httpguard).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import urllib.request
 from collections.abc import Sequence
 
 import torch
+
+from hwtopo.httpguard import BadRequest, check_bind, middleware, read_json, token_from_env
 
 from .devices import build_devices
 from .keys import KVLayout
@@ -86,14 +92,17 @@ def _store_chunk(pool: KVPool, key: str, chunk: torch.Tensor, context: list[str]
         return 409
 
 
-def make_app(pool: KVPool):
-    """The aiohttp application serving ``pool``; blocking I/O runs in the default executor."""
+def make_app(pool: KVPool, token: str | None = None):
+    """The aiohttp application serving ``pool``; blocking I/O runs in the default executor.
+
+    ``token``: the bearer token every request must carry (None: no authentication, loopback only).
+    """
     web = _require_aiohttp()
     key_locks = _KeyLocks()
 
     def _key(request) -> str:
         key = request.match_info["key"]
-        if not _KEY.match(key):
+        if not _KEY.fullmatch(key):
             raise web.HTTPBadRequest(text=f"key must be 32 lowercase hex digits, not {key!r}")
         return key
 
@@ -101,13 +110,10 @@ def make_app(pool: KVPool):
         return web.json_response({"model_id": pool.model_id, "layout": pool.layout.tag()})
 
     async def lookup(request):
-        try:
-            body = await request.json()
-            keys = body["keys"]
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            raise web.HTTPBadRequest(text='body must be {"keys": ["<hex>", ...]}') from None
+        body = await read_json(request, max_bytes=1 << 20, max_depth=64)
+        keys = body.get("keys") if isinstance(body, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, str) and _KEY.fullmatch(k) for k in keys):
+            raise BadRequest('body must be {"keys": [...]} of 32 lowercase hex digits each', field="keys")
         return web.json_response({"cached_chunks": pool.cached_chunks(keys)})
 
     async def put_chunk(request):
@@ -141,7 +147,8 @@ def make_app(pool: KVPool):
     async def stats(request):
         return web.Response(text=json.dumps(pool.stats(), default=str), content_type="application/json")
 
-    app = web.Application(client_max_size=max(1 << 20, pool.layout.chunk_bytes + (1 << 16)))
+    max_body = max(1 << 20, pool.layout.chunk_bytes + (1 << 16))
+    app = web.Application(middlewares=[middleware(token, max_body)], client_max_size=max_body)
     app.router.add_get("/v1/layout", layout)
     app.router.add_post("/v1/lookup", lookup)
     app.router.add_put("/v1/chunks/{key}", put_chunk)
@@ -159,14 +166,19 @@ def serve_forever(
     ssd_bytes: int,
     model_id: str,
     layout: KVLayout,
+    token: str | None = None,
 ) -> None:
+    """Serve a new pool until interrupted; ``token`` defaults to ``$KVPOOL_TOKEN`` and is required
+    for a ``host`` beyond loopback (ValueError before any device is built)."""
     web = _require_aiohttp()
+    token = token or token_from_env("KVPOOL_TOKEN")
+    check_bind(host, token)
     devs = build_devices(ssd_paths, memory_modules=memory_modules, memory_bytes=memory_bytes, ssd_bytes=ssd_bytes)
     for name, why in devs.skipped.items():
         log.warning("serving without %s: %s", name, why)
     pool = KVPool(devs.stores, layout, model_id, devs.bandwidths)
     try:
-        web.run_app(make_app(pool), host=host, port=port, print=lambda msg: log.warning("%s", msg))
+        web.run_app(make_app(pool, token), host=host, port=port, print=lambda msg: log.warning("%s", msg))
     finally:
         pool.close()
 
@@ -174,8 +186,8 @@ def serve_forever(
 class BackgroundServer:
     """Serve a pool on 127.0.0.1 from a background thread (tests, notebooks). ``.url`` once started."""
 
-    def __init__(self, pool: KVPool, host: str = "127.0.0.1", port: int = 0):
-        self.pool, self.host, self.port = pool, host, port
+    def __init__(self, pool: KVPool, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+        self.pool, self.host, self.port, self.token = pool, host, port, token
         self.url: str | None = None
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -184,7 +196,7 @@ class BackgroundServer:
     def _run(self) -> None:
         web = _require_aiohttp()
         asyncio.set_event_loop(self._loop)
-        runner = web.AppRunner(make_app(self.pool))
+        runner = web.AppRunner(make_app(self.pool, self.token))
         self._loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, self.host, self.port)
         self._loop.run_until_complete(site.start())
@@ -213,11 +225,23 @@ class BackgroundServer:
 
 
 class PoolClient:
-    """Blocking client of ``kvpool serve``; checks the server's model and layout on connect."""
+    """Blocking client of ``kvpool serve``; checks the server's model and layout on connect.
 
-    def __init__(self, url: str, model_id: str | None = None, layout: KVLayout | None = None, timeout: float = 30.0):
+    ``token``: the server's bearer token (default ``$KVPOOL_TOKEN``; none when unset).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model_id: str | None = None,
+        layout: KVLayout | None = None,
+        timeout: float = 30.0,
+        token: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        token = token or token_from_env("KVPOOL_TOKEN")
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         info = self._json("GET", "/v1/layout")
         self.model_id = info["model_id"]
         self.layout = parse_layout(info["layout"])
@@ -227,7 +251,9 @@ class PoolClient:
             raise ValueError(f"server layout is {self.layout.tag()}, not {layout.tag()}")
 
     def _req(self, method: str, path: str, data: bytes | None = None, headers: dict | None = None):
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={**self._auth, **(headers or {})}
+        )
         return urllib.request.urlopen(req, timeout=self.timeout)
 
     def _json(self, method: str, path: str, body: dict | None = None) -> dict:
