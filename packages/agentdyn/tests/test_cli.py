@@ -27,21 +27,17 @@ from agentdyn.cli import main
 )
 def test_usage_errors_exit_2(argv, needle, capsys):
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0]
+    err = capsys.readouterr().err
+    assert needle in err.strip().splitlines()[-1] and "Traceback" not in err
 
 
 def test_unknown_command_is_argparse_usage_error():
-    with pytest.raises(SystemExit) as e:
-        main(["fly"])
-    assert e.value.code == 2
+    assert main(["fly"]) == 2
 
 
 @pytest.mark.parametrize("cmd", ["serve", "llm-emulator"])
 def test_bad_port_is_a_usage_error_before_any_work(cmd, capsys):
-    with pytest.raises(SystemExit) as e:
-        main([cmd, "--port", "99999"])
-    assert e.value.code == 2
+    assert main([cmd, "--port", "99999"]) == 2
     assert "--port" in capsys.readouterr().err
 
 

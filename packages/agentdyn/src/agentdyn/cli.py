@@ -5,19 +5,62 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
+import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from hwtopo import console
 
 from . import __version__
 
-log = logging.getLogger("agentdyn")
+MAX_SECONDS = 86_400.0  # a day: any timeout or latency beyond it is a typo
+MAX_COUNT = 10_000  # requests per type, repeats, pages, concurrency
+MAX_WORK = 10**9  # CPU work units of the coding task
 
 
-class UsageError(Exception):
-    """Bad command-line input (exit code 2)."""
+def _number(field: str, kind: type, low: float, high: float) -> Callable[[str], float]:
+    """argparse type: an ``kind`` in [low, high] (zero allowed where ``low`` is 0), naming ``field``."""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and low <= v <= high):
+            what, lo, hi = ("an integer", int(low), int(high)) if kind is int else ("a number", f"{low:g}", f"{high:g}")
+            raise argparse.ArgumentTypeError(f"{field} must be {what} >= {lo} and <= {hi}, not {text!r}")
+        return v
+
+    return parse
+
+
+def _list(field: str, item: Callable[[str], float], example: str) -> Callable[[str], tuple]:
+    """argparse type: a comma-separated list, each item checked by ``item``."""
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(item(x) for x in text.split(","))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{field}: {text!r} is not a list like {example} ({e})") from None
+
+    return parse
+
+
+def _tool_threads(text: str) -> int | str | None:
+    if text in ("default", "inherit"):
+        return None if text == "inherit" else text
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 4096:
+        raise argparse.ArgumentTypeError(
+            f"--tool-threads must be 'default', 'inherit' or an integer 1-4096, not {text!r}"
+        )
+    return v
 
 
 def _progress(args):
@@ -26,35 +69,15 @@ def _progress(args):
     return lambda msg: print(f"[agentdyn] {msg}", file=sys.stderr, flush=True)
 
 
-def _write_json(path: str, obj: dict) -> None:
+def _write_json(path: str | Path, obj: dict) -> None:
     import hwtopo
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     hwtopo.atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def _port(text: str) -> int:
-    """argparse type: a TCP port (0 = any free port), so a bad one fails before any work starts."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535)") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535)")
-    return port
-
-
-def _positive(name: str, value: float) -> None:
-    if value is not None and not value > 0:
-        raise UsageError(f"--{name} must be > 0, not {value!r}")
 
 
 def _emulator(args):
     from .emulator import EmulatorConfig
 
-    if args.ttft < 0:
-        raise UsageError(f"--ttft must be >= 0 seconds, not {args.ttft!r}")
-    _positive("tokens-per-s", args.tokens_per_s)
     return EmulatorConfig(ttft_s=args.ttft, tokens_per_s=args.tokens_per_s, seed=args.seed)
 
 
@@ -72,15 +95,13 @@ def _llm(args):
             retries=args.llm_retries,
         )
     except ValueError as e:
-        raise UsageError(str(e).replace("llm ", "--llm-", 1).replace("base_url", "base-url")) from None
+        raise console.UsageError(str(e).replace("llm ", "--llm-", 1).replace("base_url", "base-url")) from None
 
 
 def _harness(args):
     from .monitor import SystemSampler
     from .runtime import Harness
 
-    _positive("tool-timeout", args.tool_timeout)
-    _positive("site-pages", args.site_pages)  # 0 pages would leave web_search nothing to crawl
     return Harness(
         emulator=_emulator(args),
         llm=_llm(args),
@@ -115,15 +136,60 @@ def _llm_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--llm-base-url", help="OpenAI-compatible base URL, e.g. http://host:8000/v1")
     g.add_argument("--llm-key", help="API key (default: $OPENAI_API_KEY)")
     g.add_argument("--llm-model", default="agentdyn-emulated", help="model name sent to the endpoint")
-    g.add_argument("--llm-timeout", type=float, default=60.0, help="seconds per LLM attempt")
-    g.add_argument("--llm-retries", type=int, default=2, help="retries after the first attempt")
-    g.add_argument("--ttft", type=float, default=0.4, help="emulator: median time to first token, s")
-    g.add_argument("--tokens-per-s", type=float, default=60.0, help="emulator: median tokens/s")
-    g.add_argument("--seed", type=int, default=0)
-    p.add_argument("--site-pages", type=int, default=300, help="pages of the fixture web site")
-    p.add_argument("--tool-timeout", type=float, default=120.0, help="seconds before a tool's process group is killed")
-    p.add_argument("--policy", choices=["native", "static", "optimized"], default="optimized")
+    g.add_argument(
+        "--llm-timeout",
+        type=console.positive_float("--llm-timeout", MAX_SECONDS),
+        default=60.0,
+        help="seconds per LLM attempt",
+    )
+    g.add_argument(
+        "--llm-retries", type=_number("--llm-retries", int, 0, 100), default=2, help="retries after the first attempt"
+    )
+    _emulator_options(g, 0.4, 60.0)
+    # 0 pages would leave web_search nothing to crawl
+    p.add_argument(
+        "--site-pages",
+        type=console.positive_int("--site-pages", MAX_COUNT),
+        default=300,
+        help="pages of the fixture web site",
+    )
+    p.add_argument(
+        "--tool-timeout",
+        type=console.positive_float("--tool-timeout", MAX_SECONDS),
+        default=120.0,
+        help="seconds before a tool's process group is killed",
+    )
+    p.add_argument("--policy", choices=["native", "static", "optimized"], default="optimized", help="CPU policy")
     p.add_argument("--profiles", help="JSON of learned tool profiles (read if present, else calibrated and written)")
+
+
+def _emulator_options(g, ttft: float, tokens_per_s: float) -> None:
+    g.add_argument(
+        "--ttft",
+        type=_number("--ttft", float, 0, MAX_SECONDS),
+        default=ttft,
+        help="emulated LLM median time to first token, s",
+    )
+    g.add_argument(
+        "--tokens-per-s",
+        type=console.positive_float("--tokens-per-s", 1e6),
+        default=tokens_per_s,
+        help="emulated LLM median tokens/s",
+    )
+    g.add_argument(
+        "--seed", type=_number("--seed", int, 0, 2**32 - 1), default=0, help="seed of the emulator and workload"
+    )
+
+
+def _check_profiles(args) -> None:
+    """--profiles is read when it exists, else written after calibration: either way, checked now."""
+    if args.policy != "optimized" or not args.profiles:
+        return
+    p = Path(args.profiles)
+    if p.exists() and not p.is_file():
+        raise console.UsageError(f"--profiles {args.profiles!r} is not a file")
+    if not p.exists():
+        console.output_file(p, "--profiles")
 
 
 # ---------------------------------------------------------------- commands
@@ -138,7 +204,8 @@ def cmd_serve(args) -> int:
     try:
         check_bind(args.host, token)  # before the harness starts its emulator, site and sampler
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise console.UsageError(str(e)) from None
+    _check_profiles(args)
     h = _harness(args)
     progress = _progress(args)
 
@@ -157,13 +224,14 @@ def cmd_run(args) -> int:
     try:
         inp = json.loads(args.input)
     except json.JSONDecodeError as e:
-        raise UsageError(f"--input: not valid JSON ({e.msg})") from None
+        raise console.UsageError(f"--input: not valid JSON ({e.msg})") from None
     from .runtime import RequestError
 
     try:
         req = validate_request({"task_type": args.task_type, "input": inp})
     except RequestError as e:
-        raise UsageError(str(e)) from None
+        raise console.UsageError(str(e)) from None
+    _check_profiles(args)
     h = _harness(args)
 
     async def go():
@@ -200,33 +268,16 @@ def _workload(args, default_per_type: int | None = None):
     from .emulator import EmulatorConfig
 
     per_type = args.per_type or default_per_type or (3 if args.quick else 6)
-    if args.ttft < 0:
-        raise UsageError(f"--ttft must be >= 0 seconds, not {args.ttft!r}")
-    _positive("tokens-per-s", args.tokens_per_s)
-    if args.per_type is not None and args.per_type < 1:
-        raise UsageError(f"--per-type must be >= 1, not {args.per_type}")
-    tt = args.tool_threads
-    if tt == "inherit":
-        tt = None
-    elif tt != "default":
-        try:
-            tt = int(tt)
-        except ValueError:
-            tt = 0
-        if tt < 1:
-            raise UsageError(
-                f"--tool-threads must be 'default', 'inherit' or an integer >= 1, not {args.tool_threads!r}"
-            )
     try:
         return WorkloadConfig(
             per_type=per_type,
             coding_work=args.coding_work,
             seed=args.seed,
-            tool_threads=tt,
+            tool_threads=args.tool_threads,
             emulator=EmulatorConfig(ttft_s=args.ttft, tokens_per_s=args.tokens_per_s, seed=args.seed),
         )
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise console.UsageError(str(e)) from None
 
 
 def _bench_json(out: dict, cfg, quick: bool) -> dict:
@@ -253,16 +304,15 @@ def cmd_bench(args) -> int:
     from .report import bench_table
 
     cfg = _workload(args)
+    json_path = console.output_file(args.json, "--json") if args.json else None
     repeats = args.repeats or (1 if args.quick else 2)
-    if repeats < 1:
-        raise UsageError(f"--repeats must be >= 1, not {repeats}")
     out = asyncio.run(bench(cfg, progress=_progress(args), repeats=repeats))
     doc = _bench_json(out, cfg, args.quick)
     doc["config"]["repeats"] = repeats
     print(bench_table(out))
     print(json.dumps(out["headline"], indent=2))
-    if args.json:
-        _write_json(args.json, doc)
+    if json_path:
+        _write_json(json_path, doc)
     return 0
 
 
@@ -270,24 +320,14 @@ def cmd_characterize(args) -> int:
     from .characterize import CharacterizeConfig, characterize
     from .report import characterize_markdown, plot_characterize, write_report
 
-    def _list(text: str, flag: str, kind, minimum, what: str) -> tuple:
-        try:
-            vals = tuple(kind(x) for x in text.split(","))
-        except ValueError:
-            raise UsageError(f"{flag}: {text!r} is not a comma-separated list of {what}") from None
-        if min(vals) < minimum:
-            raise UsageError(f"{flag}: {text!r} must list {what}")
-        return vals
-
-    conc = _list(args.concurrency, "--concurrency", int, 1, "integers >= 1, e.g. 1,2,4")
-    ttft = _list(args.llm_ttft, "--llm-ttft", float, 0.0, "seconds >= 0, e.g. 0.3,0.05")
-    cores = _list(args.cores, "--cores", int, 1, "integers >= 1, e.g. 1,2")
     try:
-        cfg = CharacterizeConfig(concurrency=conc, llm_ttft_s=ttft, cores=cores, coding_work=args.coding_work)
+        cfg = CharacterizeConfig(
+            concurrency=args.concurrency, llm_ttft_s=args.llm_ttft, cores=args.cores, coding_work=args.coding_work
+        )
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise console.UsageError(str(e)) from None
+    args.out = str(console.output_dir(args.out, "--out"))
     out = asyncio.run(characterize(cfg, progress=_progress(args)))
-    os.makedirs(args.out, exist_ok=True)
     plots = plot_characterize(out, args.out)
     md = characterize_markdown(out)
     body = (
@@ -306,8 +346,8 @@ def cmd_demo(args) -> int:
     from .report import bench_table, plot_bench, write_report
 
     cfg = _workload(args, default_per_type=2)
+    args.out = str(console.output_dir(args.out, "--out"))
     out = asyncio.run(bench(cfg, progress=_progress(args)))
-    os.makedirs(args.out, exist_ok=True)
     table = bench_table(out)
     plot = plot_bench(out, os.path.join(args.out, "latency.png"))
     head = out["headline"]
@@ -328,52 +368,24 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="agentdyn", description=__doc__)
-    p.add_argument("--version", action="version", version=f"agentdyn {__version__}")
-    p.add_argument("--quiet", action="store_true", help="no progress messages")
-    p.add_argument("--debug", action="store_true", help="tracebacks and debug logging")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    s = sub.add_parser("serve", help="the agent runtime as an HTTP service")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8080)
-    s.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to finish in-flight requests on SIGTERM")
-    s.add_argument(
-        "--token",
-        help="bearer token every request must carry (default: $AGENTDYN_TOKEN, else none); "
-        "required when --host is beyond loopback",
-    )
-    _llm_options(s)
-    s.set_defaults(fn=cmd_serve)
-
-    r = sub.add_parser("run", help="run one agent request in-process and print its result")
-    r.add_argument("task_type", help="rag_qa, web_search or coding")
-    r.add_argument("--input", default="{}", help="the request input as JSON")
-    _llm_options(r)
-    r.set_defaults(fn=cmd_run)
-
-    e = sub.add_parser("llm-emulator", help="the OpenAI-compatible LLM emulator")
-    e.add_argument("--host", default="127.0.0.1")
-    e.add_argument("--port", type=_port, default=8000)
-    e.add_argument("--ttft", type=float, default=0.4, help="median time to first token, s")
-    e.add_argument("--tokens-per-s", type=float, default=60.0)
-    e.add_argument("--seed", type=int, default=0)
-    e.set_defaults(fn=cmd_llm_emulator)
-
-    for name, fn, helptext in (
-        ("bench", cmd_bench, "native, static limit and CPU-aware policies side by side"),
-        ("demo", cmd_demo, "a small bench with report.md and a plot"),
+def _bench_parsers(sub) -> None:
+    for name, helptext in (
+        ("bench", "native, static limit and CPU-aware policies side by side"),
+        ("demo", "a small bench with report.md and a plot"),
     ):
-        b = sub.add_parser(name, help=helptext)
+        b = console.command(sub, name, helptext)
         b.add_argument("--quick", action="store_true", help="small workload (under 3 minutes on 2 idle cores)")
-        b.add_argument("--per-type", type=int, default=None, help="requests per task type")
-        b.add_argument("--coding-work", type=int, default=40_000, help="CPU work of the coding task's test suite")
-        b.add_argument("--ttft", type=float, default=0.3, help="emulated LLM median time to first token, s")
-        b.add_argument("--tokens-per-s", type=float, default=80.0)
-        b.add_argument("--seed", type=int, default=0)
+        b.add_argument("--per-type", type=console.positive_int("--per-type", MAX_COUNT), help="requests per task type")
+        b.add_argument(
+            "--coding-work",
+            type=console.positive_int("--coding-work", MAX_WORK),
+            default=40_000,
+            help="CPU work of the coding task's test suite",
+        )
+        _emulator_options(b, 0.3, 80.0)
         b.add_argument(
             "--tool-threads",
+            type=_tool_threads,
             default="default",
             help="threads numerical libraries in tools start: 'default' (their own default, one per core the "
             "tool may use, as in an unconstrained container), 'inherit' (this environment; 1 if unset), or N",
@@ -382,42 +394,75 @@ def build_parser() -> argparse.ArgumentParser:
             b.add_argument("--json", help="write the results JSON here")
             b.add_argument(
                 "--repeats",
-                type=int,
-                default=None,
+                type=console.positive_int("--repeats", MAX_COUNT),
                 help="rounds of native/optimized, alternating (default 1 quick, 2 full)",
             )
         else:
-            b.add_argument("--out", default="demo-output/agentdyn")
-        b.set_defaults(fn=fn)
+            b.add_argument("--out", default="demo-output/agentdyn", help="output directory (its parent must exist)")
 
-    c = sub.add_parser("characterize", help="latency breakdowns per task type at rising concurrency, LLM speeds, cores")
-    c.add_argument("--out", default="characterize-output/agentdyn")
-    c.add_argument("--concurrency", default="1,2,4")
-    c.add_argument("--llm-ttft", default="0.3,0.05")
-    c.add_argument("--cores", default="1,2")
-    c.add_argument("--coding-work", type=int, default=40_000)
-    c.set_defaults(fn=cmd_characterize)
+
+def _characterize_parser(sub) -> None:
+    c = console.command(
+        sub, "characterize", "latency breakdowns per task type at rising concurrency, LLM speeds, cores"
+    )
+    c.add_argument("--out", default="characterize-output/agentdyn", help="output directory (its parent must exist)")
+    count = console.positive_int("--concurrency", MAX_COUNT)
+    c.add_argument(
+        "--concurrency", type=_list("--concurrency", count, "1,2,4"), default="1,2,4", help="requests at once"
+    )
+    ttft = _number("--llm-ttft", float, 0, MAX_SECONDS)
+    c.add_argument("--llm-ttft", type=_list("--llm-ttft", ttft, "0.3,0.05"), default="0.3,0.05", help="LLM TTFTs, s")
+    cores = console.positive_int("--cores", 4096)
+    c.add_argument("--cores", type=_list("--cores", cores, "1,2"), default="1,2", help="CPUs the tools may use")
+    c.add_argument(
+        "--coding-work", type=console.positive_int("--coding-work", MAX_WORK), default=40_000, help="CPU work units"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p, sub = console.parser("agentdyn", __doc__.splitlines()[0], __version__)
+    s = console.command(sub, "serve", "the agent runtime as an HTTP service")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=_number("--port", int, 0, 65535), default=8080, help="TCP port (0: any free port)")
+    s.add_argument(
+        "--drain-timeout",
+        type=_number("--drain-timeout", float, 0, MAX_SECONDS),
+        default=120.0,
+        help="seconds to finish in-flight requests on SIGTERM",
+    )
+    s.add_argument(
+        "--token",
+        help="bearer token every request must carry (default: $AGENTDYN_TOKEN, else none); "
+        "required when --host is beyond loopback",
+    )
+    _llm_options(s)
+
+    r = console.command(sub, "run", "run one agent request in-process and print its result")
+    r.add_argument("task_type", help="rag_qa, web_search or coding")
+    r.add_argument("--input", default="{}", help="the request input as JSON")
+    _llm_options(r)
+
+    e = console.command(sub, "llm-emulator", "the OpenAI-compatible LLM emulator")
+    e.add_argument("--host", default="127.0.0.1", help="address to bind")
+    e.add_argument("--port", type=_number("--port", int, 0, 65535), default=8000, help="TCP port (0: any free port)")
+    _emulator_options(e, 0.4, 60.0)
+    _bench_parsers(sub)
+    _characterize_parser(sub)
     return p
 
 
+HANDLERS = {
+    "serve": cmd_serve,
+    "run": cmd_run,
+    "llm-emulator": cmd_llm_emulator,
+    "bench": cmd_bench,
+    "demo": cmd_demo,
+    "characterize": cmd_characterize,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        return args.fn(args)
-    except UsageError as e:
-        print(f"agentdyn: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # noqa: BLE001 - runtime failures: one line unless --debug
-        if args.debug:
-            raise
-        print(f"agentdyn: error: {e}", file=sys.stderr)
-        return 1
+    return console.run(build_parser(), HANDLERS, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""Malformed command lines: exit 2, one message naming the option, no traceback, and nothing created;
+every case is answered before the harness, emulator or workload starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentdyn.cli import main
+
+# (argv with {tmp} for the test's directory, text the message must contain)
+CASES = [
+    ("serve --port 99999", "--port must be an integer >= 0 and <= 65535"),
+    ("serve --port -1", "--port"),
+    ("serve --port 1e30", "--port"),
+    ("serve --drain-timeout nan", "--drain-timeout"),
+    ("serve --drain-timeout -5", "--drain-timeout"),
+    ("serve --llm-timeout 0", "--llm-timeout"),
+    ("serve --llm-timeout inf", "--llm-timeout"),
+    ("serve --llm-retries -1", "--llm-retries"),
+    ("serve --llm-retries 1e9", "--llm-retries"),
+    ("serve --profiles {tmp}/missing/p.json", "--profiles '{tmp}/missing/p.json': directory"),
+    ("serve --profiles {tmp}/dir", "--profiles '{tmp}/dir' is not a file"),
+    ("serve --host 0.0.0.0", "--token"),
+    ("serve --policy greedy", "--policy"),
+    ("run coding --profiles {tmp}/file/p.json", "--profiles"),
+    ("run coding --site-pages 0", "--site-pages"),
+    ("run coding --site-pages 1e30", "--site-pages"),
+    ("run coding --tool-timeout -1", "--tool-timeout"),
+    ("run coding --ttft nan", "--ttft must be a number >= 0"),
+    ("run coding --tokens-per-s 0", "--tokens-per-s"),
+    ("run coding --seed -1", "--seed must be an integer >= 0 and <= 4294967295"),
+    ("run coding --input [1", "--input"),
+    ("run painting", "task_type"),
+    ("run coding --llm-base-url ftp://x", "--llm-base-url"),
+    ("llm-emulator --ttft inf", "--ttft"),
+    ("llm-emulator --tokens-per-s -3", "--tokens-per-s"),
+    ("bench --per-type 0", "--per-type"),
+    ("bench --per-type 1e12", "--per-type"),
+    ("bench --coding-work -1", "--coding-work"),
+    ("bench --repeats 0", "--repeats"),
+    ("bench --tool-threads 0", "--tool-threads"),
+    ("bench --json {tmp}/missing/b.json", "--json '{tmp}/missing/b.json': directory"),
+    ("bench --json {tmp}/dir", "--json '{tmp}/dir' is a directory"),
+    ("demo --out {tmp}/missing/a", "--out '{tmp}/missing/a': its parent"),
+    ("demo --out {tmp}/file", "--out '{tmp}/file' exists and is not a directory"),
+    ("characterize --concurrency 1,x", "--concurrency: '1,x'"),
+    ("characterize --llm-ttft 0.3,nan", "--llm-ttft"),
+    ("characterize --cores 0", "--cores: '0'"),
+    ("characterize --coding-work 0", "--coding-work"),
+    ("characterize --out {tmp}/missing/a", "--out"),
+    ("nosuch", "invalid choice"),
+]
+
+
+@pytest.fixture
+def tmp(tmp_path, monkeypatch):
+    monkeypatch.delenv("AGENTDYN_TOKEN", raising=False)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, needle", CASES, ids=[c[0] for c in CASES])
+def test_malformed_input(argv, needle, tmp, capsys):
+    before = sorted(p.name for p in tmp.rglob("*"))
+    assert main(argv.format(tmp=tmp).split()) == 2
+    err = capsys.readouterr().err
+    assert needle.format(tmp=tmp) in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("agentdyn")
+    assert sorted(p.name for p in tmp.rglob("*")) == before
+
+
+def test_version_and_options_after_the_command(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip().startswith("agentdyn ")
+    assert main(["bench", "--quiet", "--debug", "--per-type", "0"]) == 2
