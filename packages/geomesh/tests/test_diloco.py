@@ -4,6 +4,7 @@ from _workers import all_variants, dies, mismatched, rebalanced, stalls, tiny_mo
 
 import geomesh
 from geomesh import DiLoCo, GeoMeshError, spawn
+from hwtopo.launch import RankError
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +47,9 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, comp):
 def test_mismatched_models_and_dead_rank_are_clear_errors():
     with pytest.raises(GeoMeshError, match="shapes differ.*rank\\(s\\) \\[1\\]"):
         spawn(mismatched, 2, timeout_s=120, start_method="fork")
-    with pytest.raises(GeoMeshError, match="rank 1 .*exit code 3"):
+    with pytest.raises(GeoMeshError, match="rank 1 .*exited with code 3") as info:
         spawn(dies, 2, timeout_s=120, pg_timeout_s=20, start_method="fork")
+    assert isinstance(info.value, RankError) and info.value.rank == 1 and info.value.exitcode == 3
 
 
 def test_single_process_matches_manual_nesterov():

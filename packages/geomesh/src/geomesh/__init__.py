@@ -15,7 +15,7 @@ from .balance import (
     uniform_plan,
 )
 from .diloco import COMPRESSIONS, DiLoCo, GeoMeshError, SyncStats
-from .launch import free_port, init_from_env, spawn
+from .launch import LaunchError, free_port, init_from_env, spawn
 from .netns import WAN_MODES, NetnsError, NetnsWan, WanDecision, wan_mode
 from .signcompress import SignCodec, SignCompressor, contraction, pack_signs, unpack_signs
 from .wan import WanEmulator, ring_wire_bytes
@@ -26,6 +26,7 @@ __all__ = [
     "COMPRESSIONS",
     "DiLoCo",
     "GeoMeshError",
+    "LaunchError",
     "SyncStats",
     "free_port",
     "init_from_env",

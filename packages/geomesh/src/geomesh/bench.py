@@ -212,29 +212,89 @@ def _profile_phase(cfg, model, opt, sampler, dl: DiLoCo, max_tokens: int) -> lis
     return [[b, sum(t) / len(t)] for b, t in times.items() if t]
 
 
-def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out):
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
-    seq, b, h = cfg.seq_len, cfg.batch, cfg.inner_steps
-    target = world * b * h * seq  # tokens per outer step of uniform DiLoCo
+def _make_diloco(cfg, method: str, model, opt, wan, worker: str) -> DiLoCo:
     balanced = method.startswith("geomesh")
-    comp = "sign" if method == "geomesh" else method.split("-")[1]
-    dl = DiLoCo(
+    return DiLoCo(
         model,
         opt,
-        1 << 30 if balanced else h,  # geomesh: the first phase is time-boxed (synced by hand below)
+        1 << 30 if balanced else cfg.inner_steps,  # geomesh: the first phase is time-boxed (synced by hand)
         outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum,
-        compression=comp,
+        compression="sign" if method == "geomesh" else method.split("-")[1],
         chunk_size=cfg.chunk_size,
         scale=cfg.scale,
         error_feedback=cfg.error_feedback,
         ef_decay=cfg.ef_decay,
         rotate=cfg.rotate,
         rotate_seed=cfg.seed,  # one rotation per run, the same on every worker; each repeated seed draws its own
-        batch_size=b,
+        batch_size=cfg.batch,
         wan=wan,
-        worker_name=machines[rank],
+        worker_name=worker,
     )
+
+
+def _profiles(cfg, machines, cluster, got: list[torch.Tensor]) -> list:
+    """Every worker's profile from the exchanged (batch, s/step) pairs and post-sync time."""
+    profiles = []
+    for m, g in zip(machines, got):
+        pairs = [(int(g[k]), float(g[k + 1])) for k in (0, 2) if g[k] > 0]
+        mem = cluster.machine(m).accelerator_memory_bytes or math.inf
+        prof = fit_profile(m, pairs, cfg.seq_len, mem)
+        profiles.append(replace(prof, sync_overhead_s=float(g[4])))
+    return profiles
+
+
+def _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, cluster, after_sync, out):
+    """GeoMesh's first phase: time-boxed training that profiles every worker, a sync, then the plan that
+    every worker computes alike from the exchanged measurements; the rebalancer that keeps it."""
+    seq, b, h = cfg.seq_len, cfg.batch, cfg.inner_steps
+    target = world * b * h * seq
+    # (capped at twice a uniform worker's share of tokens, for tiny configs that run very fast)
+    samples = _profile_phase(cfg, model, opt, sampler, dl, 2 * target // world)
+    steps_done = dl.local_step  # sync() resets it
+    st = dl.sync()
+    after_sync(st, 0, steps_done)
+    # share the measured step times and sync CPU time; every worker computes the same plan
+    deadline = cfg.phase_mode == "deadline"
+    # a fixed-H plan balances each worker's own sync CPU work (the collective is common to all);
+    # a time-boxed phase starts at the common sync point, so the whole post-sync time counts
+    post = dl._last_post_s if deadline else st.sync_cpu_s
+    flat = [x for pair in samples for x in pair] + [0.0] * (4 - 2 * len(samples)) + [post]
+    mine = torch.tensor(flat, dtype=torch.float64)
+    got = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine)
+    anchor = time.perf_counter()  # the gather released every worker at about this instant
+    params = sum(p.numel() for p in model.parameters())
+    memory = MemoryModel(fixed_bytes=16 * params, bytes_per_sample=4 * seq * cfg.hidden * cfg.layers * 16)
+    profiles = _profiles(cfg, machines, cluster, got)
+    kw = {"memory": memory, "max_batch": 2 * b, "preferred_batch": b}
+    if cfg.balance_by == "batch":
+        kw["preferred_steps"] = h
+    p = plan(profiles, seq, target, **kw)
+    out["plan"] = p.to_dict()
+    out["profile"] = [g.tolist() for g in got]
+    # under time-boxed phases the clock absorbs imbalance: re-plan b_i on throughput drift only
+    thr = cfg.rebalance_threshold
+    rb = Rebalancer(p, threshold=thr, ema=0.3, imbalance_threshold=1.0 if deadline else 0.03, **kw)
+    dl.rebalancer = rb
+    if deadline:
+        mine_plan = p.worker(machines[rank])
+        dl.phase_clock = PhaseClock(p.phase_s, mine_plan.batch, profiles[rank], seq, target_tokens=target)
+    dl.apply_plan(p)
+    if deadline:
+        # this phase starts right after the gather, not after a sync's collective and codec work:
+        # end it earlier by the throughput-weighted post-sync time the cycle allows for
+        rates = [pr.tokens_per_s for pr in profiles]
+        lead = sum(r * pr.sync_overhead_s for r, pr in zip(rates, profiles)) / sum(rates)
+        dl.start_phase(anchor=anchor - lead)
+    return rb
+
+
+def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out):
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
+    target = world * cfg.batch * cfg.inner_steps * cfg.seq_len  # tokens per outer step of uniform DiLoCo
+    balanced = method.startswith("geomesh")
+    dl = _make_diloco(cfg, method, model, opt, wan, machines[rank])
     tokens_done = 0
     out["phases"] = []  # per outer step of this worker: (b_i, H_i) used and where the time went
 
@@ -258,49 +318,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
 
     rb = None
     if balanced:
-        # (capped at twice a uniform worker's share of tokens, for tiny configs that run very fast)
-        samples = _profile_phase(cfg, model, opt, sampler, dl, 2 * target // world)
-        steps_done = dl.local_step  # sync() resets it
-        st = dl.sync()
-        after_sync(st, 0, steps_done)
-        # share the measured step times and sync CPU time; every worker computes the same plan
-        deadline = cfg.phase_mode == "deadline"
-        # a fixed-H plan balances each worker's own sync CPU work (the collective is common to all);
-        # a time-boxed phase starts at the common sync point, so the whole post-sync time counts
-        post = dl._last_post_s if deadline else st.sync_cpu_s
-        flat = [x for pair in samples for x in pair] + [0.0] * (4 - 2 * len(samples)) + [post]
-        mine = torch.tensor(flat, dtype=torch.float64)
-        got = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(got, mine)
-        anchor = time.perf_counter()  # the gather released every worker at about this instant
-        params = sum(p.numel() for p in model.parameters())
-        memory = MemoryModel(fixed_bytes=16 * params, bytes_per_sample=4 * seq * cfg.hidden * cfg.layers * 16)
-        profiles = []
-        for m, g in zip(machines, got):
-            pairs = [(int(g[k]), float(g[k + 1])) for k in (0, 2) if g[k] > 0]
-            mem = cluster.machine(m).accelerator_memory_bytes or math.inf
-            prof = fit_profile(m, pairs, seq, mem)
-            profiles.append(replace(prof, sync_overhead_s=float(g[4])))
-        kw = {"memory": memory, "max_batch": 2 * b, "preferred_batch": b}
-        if cfg.balance_by == "batch":
-            kw["preferred_steps"] = h
-        p = plan(profiles, seq, target, **kw)
-        out["plan"] = p.to_dict()
-        out["profile"] = [g.tolist() for g in got]
-        # under time-boxed phases the clock absorbs imbalance: re-plan b_i on throughput drift only
-        thr = cfg.rebalance_threshold
-        rb = Rebalancer(p, threshold=thr, ema=0.3, imbalance_threshold=1.0 if deadline else 0.03, **kw)
-        dl.rebalancer = rb
-        if deadline:
-            mine_plan = p.worker(machines[rank])
-            dl.phase_clock = PhaseClock(p.phase_s, mine_plan.batch, profiles[rank], seq, target_tokens=target)
-        dl.apply_plan(p)
-        if deadline:
-            # this phase starts right after the gather, not after a sync's collective and codec work:
-            # end it earlier by the throughput-weighted post-sync time the cycle allows for
-            rates = [pr.tokens_per_s for pr in profiles]
-            lead = sum(r * pr.sync_overhead_s for r, pr in zip(rates, profiles)) / sum(rates)
-            dl.start_phase(anchor=anchor - lead)
+        rb = _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, cluster, after_sync, out)
     # geomesh runs until it has trained on as many tokens as uniform DiLoCo's outer steps (its first,
     # time-boxed phase has its own token count); the decision uses the exchanged counts, same everywhere
     while (tokens_done < cfg.outer_steps * target) if balanced else (dl.outer_step < cfg.outer_steps):
@@ -549,7 +567,6 @@ def _run_methods(cfg, world, train, val, evaluator, results, emulated, net, prog
             start_method="fork",
             pg_timeout_s=120,
             setup=net.enter if net is not None else None,
-            master_addr=net.address(0) if net is not None else "127.0.0.1",
         )
         snaps = sorted((s for o in outs for s in o["snapshots"]), key=lambda s: s[0])
         curve = []
