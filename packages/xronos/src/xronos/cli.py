@@ -282,15 +282,6 @@ def _run_compare(args, cfg, speeds, variants):
     return results, summary, headline(summary), time.perf_counter() - t0
 
 
-def _out_dir(out: str | None) -> Path:
-    """``--out`` checked (only the directory named is ever created), or the documented default
-    ``demo-output/xronos`` when none was given."""
-    if out is None:
-        Path("demo-output").mkdir(exist_ok=True)
-        out = "demo-output/xronos"
-    return console.output_dir(out, "--out")
-
-
 def _demo_report(cfg, speeds, summary, head, rows, plotted: bool) -> str:
     md = [
         f"# xronos demo ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
@@ -316,7 +307,7 @@ def cmd_demo(args) -> int:
 
     speeds = _speeds(args.speeds)
     cfg = _cfg(args, lora_r=8)
-    out = _out_dir(args.out)
+    out = console.output_dir(args.out, "--out")
     if not args.quiet:
         print(
             f"xronos demo: LoRA fine-tune on {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps",
@@ -514,7 +505,9 @@ def _train_parser(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap, sub = console.parser("xronos", "Heterogeneity-aware tensor parallelism on CPUs.", __version__)
     d = console.command(sub, "demo", "short LoRA fine-tune on an emulated heterogeneous pair, table + timeline plot")
-    d.add_argument("--out", help="output directory for report.md and timeline.png (default: demo-output/xronos)")
+    d.add_argument(
+        "--out", default="demo-output/xronos", help="directory for report.md and timeline.png (its parent must exist)"
+    )
     d.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
     _model_args(d, steps=10)
     _emulation_args(d)
