@@ -282,7 +282,7 @@ def test_noise_range_quantiles_for_few_pairs_and_the_running_default():
     lo_2, hi_2 = gns.interval(z=2.0, window=8)
     assert lo_t < lo_2 and hi_t > hi_2  # 7 degrees of freedom: wider than +-2 standard errors
     assert (lo_t, hi_t) == pytest.approx(gns.interval(z=t_quantile_975(7), window=8))
-    from cona.train import BenchConfig
+    from cona.config import BenchConfig
 
     cfg = BenchConfig()  # running decisions: half a standard error (a switch is reversible a second later)
     assert cfg.range_z == 0.5 and cfg.margin > 0
@@ -294,8 +294,8 @@ def test_one_standard_error_switches_where_the_t_range_holds_back_and_the_way_ba
     """gb128 at 1.2x gb64's samples/s wins under the square-root model (1% margin, 5 s left) above a noise scale of
     ~95. Pairs whose ratio of means reads ~150 bound it above that at one standard error (switch) but not at the t
     quantile (stay); back on gb128, gb64 must win at the range's far end, not at the point estimate."""
+    from cona.config import BenchConfig
     from cona.space import Strategy
-    from cona.train import BenchConfig
 
     a, b = Strategy(2, 1, 2, 32, 64), Strategy(4, 1, 1, 32, 128)
     tput = {a: 2500.0, b: 3000.0}

@@ -163,8 +163,9 @@ def test_step0_range_uses_the_student_t_quantile_for_its_pairs():
     (2.36), whatever its running decisions use."""
     import random
 
+    from cona.bench import step0_range
+    from cona.config import BenchConfig
     from cona.gns import t_quantile_975
-    from cona.train import BenchConfig, step0_range
 
     rng = random.Random(3)
     pairs = [(1.0 + rng.gauss(0, 0.2), 40 + rng.gauss(0, 8)) for _ in range(8)]
@@ -291,7 +292,7 @@ def test_growth_is_unknown_without_positions_or_pairs_and_bad_positions_are_name
 
 
 def test_carry_inputs_are_checked_and_states_without_positions_load():
-    from cona.train import BenchConfig
+    from cona.config import BenchConfig
 
     gns = GradientNoiseScale(reference_batch=8)
     for n in range(1, 13):

@@ -6,19 +6,21 @@ import math
 import pytest
 from conftest import expected_models, state_digest
 
+from cona.config import BenchConfig
 from cona.dist import launch
+from cona.harness import smoothed, time_to_target
 from cona.model import tiny_llama_config
+from cona.oracle import oracle_shortlist, pick_branch
 from cona.space import ModelDims, enumerate_strategies
-from cona.train import BenchConfig, oracle_shortlist, pick_branch, smoothed, time_to_target
 
 
 def _worker(rank, world):
-    import cona.train as T
+    from cona import bench, harness, oracle
 
     cfg = BenchConfig(world=1, global_batches=(8, 16, 32), micro_batches=(8,), budget_s=2.6, oracle_phase_s=1.0,
                       target_ppl=1.5, val_samples=16, probe_cache=False, probe_steps=1, seeds=1,
                       corpus_bytes=200_000)  # fmt: skip
-    tr = T._Trainer(cfg)
+    tr = bench.Trainer(cfg)
     tr.probe()
     starts, ends, reads = [], [], []
     plain = tr.variant
@@ -30,7 +32,7 @@ def _worker(rank, world):
         return plain(run, s, state, chainer, gns, consumed, held_out)
 
     tr.variant = variant
-    end_phase = T._Oracle._end_phase
+    end_phase = oracle.Oracle._end_phase
 
     def end(self):
         ends.append([{"strategy": s.name, "consumed": v.consumed, "state": state_digest(v.ex.full_state()),
@@ -39,17 +41,17 @@ def _worker(rank, world):
                      for s, b, v, _ in self.branches])  # fmt: skip
         end_phase(self)
 
-    T._Oracle._end_phase = end
-    rt = T.remaining_time
+    oracle.Oracle._end_phase = end
+    rt = harness.remaining_time
 
     def remaining(trace, *a):
         reads.append([tuple(p) for p in trace])
         return rt(trace, *a)
 
-    T.remaining_time = remaining
+    harness.remaining_time = remaining
     best = max(tr.candidates, key=lambda s: tr.cost.throughput(s)[0])
     shortlist = [s.name for s in oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches)]
-    res = T._run_seed(tr, best, 0.01)
+    res = bench.run_seed(tr, best, 0.01)
     return {"starts": starts, "ends": ends, "reads": reads, "res": res, "shortlist": shortlist,
             "target": cfg.target_loss, "window": cfg.target_window}  # fmt: skip
 
@@ -78,7 +80,7 @@ def test_oracle_shortlist_is_every_distinct_global_batch_at_its_fastest_strategy
 def test_held_out_split_is_text_after_the_corpus_and_leaves_train_and_validation_as_they_were():
     import torch
 
-    import cona.train as T
+    from cona.bench import Trainer
     from cona.model import TextData, stdlib_tokens
 
     tokens = stdlib_tokens(260_000)
@@ -98,11 +100,11 @@ def test_held_out_split_is_text_after_the_corpus_and_leaves_train_and_validation
         with pytest.raises(ValueError, match="held_out_bytes must be above 2 x seq_len"):
             BenchConfig(held_out_bytes=bad)
     with pytest.raises(ValueError, match="corpus_bytes \\+ held_out_bytes"):
-        T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000, held_out_bytes=90_000_000))
+        Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000, held_out_bytes=90_000_000))
 
 
 def test_pick_held_out_compares_at_the_first_hit_on_the_measuring_windows():
-    from cona.train import pick_held_out
+    from cona.oracle import pick_held_out
 
     target = 2.0
     # measuring windows: b reaches the target first (at 2.0) by a lucky dip; c never does in the phase
@@ -255,7 +257,7 @@ def test_cona_decisions_read_only_charged_evaluations_spaced_apart(out):
 def test_cona_reads_its_own_quarter_of_the_validation_windows():
     import torch
 
-    import cona.train as T
+    from cona.bench import Trainer
 
     assert BenchConfig().decision_val_samples == 32 and BenchConfig(world=4, val_samples=20).decision_val_samples == 4
     assert BenchConfig(val_samples=128).decision_val_samples == 32  # a quarter, at most 32: more measuring windows
@@ -267,17 +269,17 @@ def test_cona_reads_its_own_quarter_of_the_validation_windows():
         BenchConfig(world=4, held_out_samples=6)
     with pytest.raises(ValueError, match="val_samples must be >= 2 x world"):
         BenchConfig(world=4, val_samples=4, decision_val_samples=4)
-    tr = T._Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000))
+    tr = Trainer(BenchConfig(world=2, val_samples=16, corpus_bytes=200_000))
     val, held, sub = tr.val, tr.held_out, tr.decision_val
     assert torch.equal(held, tr.data.held_out(16))  # the oracle's: 16 windows of the text after the corpus
     assert not any(bool((val[i] == r).all()) for r in held for i in range(len(val)))  # not a measuring window
     assert sub.shape == (4, val.shape[1])
     rows = [next(i for i in range(len(val)) if bool((val[i] == r).all())) for r in sub]
     assert rows == [0, 5, 10, 15]  # evenly spaced over the measuring windows, first and last included
-    big = T._Trainer(BenchConfig(world=2, val_samples=64, held_out_samples=8, corpus_bytes=200_000))
+    big = Trainer(BenchConfig(world=2, val_samples=64, held_out_samples=8, corpus_bytes=200_000))
     assert big.val.shape[0] == 64 and torch.equal(big.held_out, big.data.held_out(8))  # the oracle's count is its own
-    assert T._Trainer(BenchConfig(world=2, val_samples=256, corpus_bytes=200_000)).held_out.shape[0] == 128
-    few = T._Trainer(BenchConfig(world=4, val_samples=16, held_out_samples=10, corpus_bytes=200_000))
+    assert Trainer(BenchConfig(world=2, val_samples=256, corpus_bytes=200_000)).held_out.shape[0] == 128
+    few = Trainer(BenchConfig(world=4, val_samples=16, held_out_samples=10, corpus_bytes=200_000))
     assert torch.equal(few.held_out, few.data.held_out(10)[:8])  # cut to a multiple of world
 
 
@@ -311,7 +313,7 @@ def _stamp_worker(rank, world):
 
     import torch
 
-    import cona.train as T
+    from cona import harness
     from cona.executor import StepResult
     from cona.gns import GradientNoiseScale
     from cona.space import Strategy
@@ -331,8 +333,8 @@ def _stamp_worker(rank, world):
     cfg = BenchConfig(world=1, gns_every=2, eval_every_s=1.0, budget_s=5.0)
     data = SimpleNamespace(samples=lambda start, count: torch.full((count, 1), start))
     tr = SimpleNamespace(cfg=cfg, data=data, val=None, executor=lambda s, state: Ex())
-    run, gns = T.Run("cona"), GradientNoiseScale(reference_batch=8)
-    v = T._Variant(tr, run, Strategy(1, 1, 1, 8, 32), None, None, gns, consumed=96)
+    run, gns = harness.Run("cona"), GradientNoiseScale(reference_batch=8)
+    v = harness.Variant(tr, run, Strategy(1, 1, 1, 8, 32), None, None, gns, consumed=96)
     run.samples = 96  # the samples step 0 trained on
     v.advance(0.08)
     return {"at": list(gns.at), "starts": starts}
@@ -351,9 +353,9 @@ def test_early_models_latch_at_the_first_growth_fit():
     estimator's own model, and a later failed fit does not reopen it."""
     from types import SimpleNamespace
 
-    import cona.train as T
     from cona.gns import GradientNoiseScale
+    from cona.harness import Variant
 
     v = SimpleNamespace(grown=False, tr=SimpleNamespace(cfg=BenchConfig()), gns=GradientNoiseScale(reference_batch=8))
-    seq = [T._Variant._running_models(v, fit) for fit in (None, None, (0.6, 0.1), None, (0.5, 0.2))]
+    seq = [Variant._running_models(v, fit) for fit in (None, None, (0.6, 0.1), None, (0.5, 0.2))]
     assert seq == [("sqrt", "tuned"), ("sqrt", "tuned"), None, None, None]

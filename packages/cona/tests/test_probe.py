@@ -6,9 +6,17 @@ import math
 import pytest
 
 from cona.dist import launch
-from cona.probe import DIGEST_SOURCES, CostModel, ProbeCache, code_digest, paired_rates, round_steps, time_steps
+from cona.probe import (
+    DIGEST_SOURCES,
+    CostModel,
+    ProbeCache,
+    code_digest,
+    merge_paired,
+    paired_rates,
+    round_steps,
+    time_steps,
+)
 from cona.space import Strategy
-from cona.train import merge_paired
 
 
 def test_probe_cache_round_trip_and_old_format(tmp_path):
@@ -54,15 +62,16 @@ def test_cost_model_prefers_measurement_and_fits_the_rest():
 
 
 def _probe_twice(rank, world, cfg_dict):
-    from cona.train import BenchConfig, _Trainer
+    from cona.bench import Trainer
+    from cona.config import BenchConfig
 
     cfg = BenchConfig(**cfg_dict)
-    first = _Trainer(cfg).probe()
-    second_tr = _Trainer(cfg)
+    first = Trainer(cfg).probe()
+    second_tr = Trainer(cfg)
     second = second_tr.probe()
     table = {s.name: second_tr.cost.throughput(s) for s in second_tr.candidates}
     # every measured strategy's fastest round is known, from this run's rounds or the cache's (pair_contenders)
-    assert set(second_tr.cost.measured) <= set(second_tr.fastest_round_s)
+    assert set(second_tr.cost.measured) <= set(second_tr.prober.fastest_round_s)
     return (first, second, table) if rank == 0 else None
 
 
@@ -111,8 +120,8 @@ def test_a_strategy_whose_median_round_fell_in_a_slow_spell_is_still_paired():
     2901 samples/s behind the pp2 leader of gb256 (3533), and gb128's leader read 4513; by its fastest round it
     leads gb256, so the cycles time it. Fastest rounds are set against fastest rounds: a strategy within the band of
     a leader's median but not of its global batch's best round is left out, the leaders never."""
+    from cona.probe import pair_contenders
     from cona.space import Strategy
-    from cona.train import pair_contenders
 
     dp256, pp256 = Strategy(2, 1, 1, 32, 256), Strategy(1, 1, 2, 32, 256)
     dp128, mb16_128, mb8_128 = Strategy(2, 1, 1, 32, 128), Strategy(2, 1, 1, 16, 128), Strategy(2, 1, 1, 8, 128)
@@ -163,7 +172,7 @@ def test_a_slow_strategy_is_timed_for_fewer_steps():
 
 
 def test_probe_round_seconds_must_be_positive():
-    from cona.train import BenchConfig
+    from cona.config import BenchConfig
 
     with pytest.raises(ValueError, match="probe_round_s must be > 0 seconds"):
         BenchConfig(probe_round_s=0)
@@ -198,7 +207,7 @@ def test_paired_rates_cancel_a_speed_common_to_a_cycle():
 
 
 def test_paired_settings_are_checked():
-    from cona.train import BenchConfig
+    from cona.config import BenchConfig
 
     with pytest.raises(ValueError, match="probe_paired_cycles must be >= 0"):
         BenchConfig(probe_paired_cycles=-1)

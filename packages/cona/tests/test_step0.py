@@ -5,17 +5,17 @@ import pytest
 import torch
 from conftest import state_digest
 
+from cona.config import BenchConfig
 from cona.dist import launch
 from cona.probe import CostModel
-from cona.train import BenchConfig
 
 
 def _worker(rank, world):
-    import cona.train as T
+    from cona import bench
 
     cfg = BenchConfig(world=world, global_batches=(32, 64), micro_batches=(8, 32), val_samples=16, oracle=False,
                       probe_cache=False, seeds=1, corpus_bytes=200_000)  # fmt: skip
-    tr = T._Trainer(cfg)
+    tr = bench.Trainer(cfg)
     tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})  # a table, no probing
     st0 = tr.gns_at_step0()
     out = {"strategy": st0.strategy.name, "warm_s": st0.warm_s, "seconds": st0.seconds, "pairs": len(st0.pairs)}
@@ -44,7 +44,7 @@ def _worker(rank, world):
         }
         out["scale"] = {kind: max(float(t.abs().max()) for t in ref.tensors[kind].values()) for kind in ref.tensors}
     # and without a warm batch: no gradient is kept
-    off = T._Trainer(BenchConfig(**{**cfg.__dict__, "step0_warm_batches": 0}))
+    off = bench.Trainer(BenchConfig(**{**cfg.__dict__, "step0_warm_batches": 0}))
     off.cost = tr.cost
     st_off = off.gns_at_step0()
     out["off"] = (st_off.warm is None, st_off.ex is None, len(st_off.pairs) == len(st0.pairs))
@@ -53,12 +53,12 @@ def _worker(rank, world):
 
 def _seed_worker(rank, world, trains):
     """One short seed of the bench (no oracle) on global batch 64 alone: where each variant starts."""
-    import cona.train as T
+    from cona import bench
 
     cfg = BenchConfig(world=world, global_batches=(64,), micro_batches=(8, 32), val_samples=16, oracle=False,
                       probe_cache=False, seeds=1, corpus_bytes=200_000, budget_s=0.4, target_ppl=1.5,
                       step0_warm_batches=1 if trains else 0)  # fmt: skip
-    tr = T._Trainer(cfg)
+    tr = bench.Trainer(cfg)
     tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})
     starts, handed = {}, []
     plain, first = tr.variant, tr.first_step
@@ -74,7 +74,7 @@ def _seed_worker(rank, world, trains):
         return state, secs
 
     tr.variant, tr.first_step = variant, first_step
-    res = T._run_seed(tr, tr.candidates[0], 0.01)
+    res = bench.run_seed(tr, tr.candidates[0], 0.01)
     return {"starts": starts, "step0": res["step0"], "handed": handed, "state0": state_digest(tr.state0)}
 
 

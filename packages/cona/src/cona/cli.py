@@ -86,7 +86,7 @@ def _config_value(name: str, text: str, annotation: str):
 def _config_sets(items: list[str]) -> dict:
     """``--set FIELD=VALUE`` (repeatable): any BenchConfig field by its Python name, e.g. ``gns_every=16`` for A/B
     runs of a setting that has no flag of its own; the run's JSON records the whole config."""
-    from .train import BenchConfig
+    from .config import BenchConfig
 
     fields = BenchConfig.__dataclass_fields__
     out = {}
@@ -112,7 +112,7 @@ def _load_spec(text: str) -> hwtopo.Cluster:
 
 
 def _run_config(args, quick: bool):
-    from .train import BenchConfig
+    from .config import BenchConfig
 
     kw = dict(QUICK if quick else FULL)
     for name in ("world", "target_ppl", "budget_s", "global_batches", "micro_batches", "oracle_branches", "seeds",
@@ -192,8 +192,8 @@ def _headline(runs: dict, cfg, seed: int | None = None) -> tuple[dict, list[str]
 
 
 def _execute(args, quick: bool) -> dict:
+    from .bench import bench_worker
     from .dist import launch
-    from .train import bench_worker
 
     cfg = _run_config(args, quick)
     if not args.quiet:

@@ -1,7 +1,10 @@
-"""Throughput: short real probes of a strategy (cached per strategy) and a cost model fitted from them.
+"""Throughput: real probes of strategies, a per-layout cost model fitted from them, and a cache across runs.
 
-The cost model is per (dp, tp, pp) layout: a step runs ``slots`` sequential micro-batch slots
-(``accum`` for pp=1, ``accum + pp - 1`` for GPipe), so
+``Prober`` measures a bench's table: every strategy of the probe plan, the model's fastest and the fastest of
+every global batch, each in interleaved rounds (the median round kept), then every global batch's contenders
+against each other in paired cycles (``paired_rates``): a drift of the machine's speed lands on every strategy
+alike instead of on whichever was timed during it. The cost model is per (dp, tp, pp) layout: a step runs
+``slots`` sequential micro-batch slots (``accum`` for pp=1, ``accum + pp - 1`` for GPipe), so
 
     step_s = c0 + c1 * slots + c2 * slots * micro_batch        (c >= 0, least squares)
 
@@ -16,14 +19,18 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 import hwtopo
 
+from . import dist as cdist
 from .space import Strategy
 
 __all__ = [
@@ -31,14 +38,21 @@ __all__ = [
     "code_digest",
     "CostModel",
     "ProbeCache",
+    "Prober",
     "probe_key",
     "paired_rates",
+    "pair_contenders",
+    "merge_paired",
     "probe_plan",
     "round_steps",
     "time_steps",
+    "fastest_per_batch",
+    "rank0",
+    "rank0_all",
 ]
 
 log = logging.getLogger(__name__)
+progress = logging.getLogger("cona.progress")  # the bench's progress lines (rank 0 only)
 
 
 def cache_dir() -> Path:
@@ -167,9 +181,8 @@ def paired_rates(cycles: list[dict], reference: dict | None = None) -> dict:
     strategy -> samples/s of its block). Each strategy's figure is its median over cycles of its rate relative to
     the cycle's geometric mean, so a drift or a burst of the machine's speed that a cycle's blocks share cancels
     from the ratios. ``reference``: strategy -> samples/s measured otherwise (the probe rounds); the figures are put
-    at its level, the median over the strategies of reference / figure (one reference read in a slow spell moves
-    no figure: a geometric mean lowered all seven of a 2-rank table by ~7% for one at 0.62 of its speed, 2026-12-02).
-    Default level: the geometric mean of the strategies' median block rates."""
+    at its level, the median over the strategies of reference / figure, so that one reference read in a slow
+    spell moves no figure. Default level: the geometric mean of the strategies' median block rates."""
     if not cycles or any(set(c) != set(cycles[0]) for c in cycles):
         raise ValueError("paired_rates needs at least one cycle, each timing the same strategies")
     names = list(cycles[0])
@@ -189,10 +202,8 @@ DIGEST_SOURCES = ("executor.py", "model.py", "dist.py", "space.py", "probe.py") 
 def code_digest() -> str:
     """Short hash of the source that sets a step's time (executor, model, process groups, strategy space,
     probe) and the transformers version the model runs through: a cache entry measured by other code is
-    stale. (The 4-rank entries reused until 2026-11-30 21:51 UTC had been measured at 12:44 UTC, before the
-    executor's 17:46 changes, under load 2.5: gb256 read 4178 samples/s against 3660-4060 measured in
-    training, gb64 2545 against 2520-2970.) Where the sources cannot be read (a bytecode-only install) the
-    package version stands in, marked so, and every process computes the same value."""
+    stale. Where the sources cannot be read (a bytecode-only install) the package version stands in, marked
+    so, and every process computes the same value."""
     import hashlib
     from importlib import metadata, resources
 
@@ -261,15 +272,16 @@ class ProbeCache:
         e = self.entry(s)
         return float(e["step_s"]) if e else None
 
-    def put(self, s: Strategy, step_s: float, cost_s: float | None = None, rounds: list[float] | None = None,
-            **extra) -> None:  # fmt: skip
+    def put(
+        self, s: Strategy, step_s: float, cost_s: float | None = None, rounds: list[float] | None = None, **extra
+    ) -> None:
         if not step_s > 0:
             raise ValueError(f"step time of {s.name} must be > 0, got {step_s}")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         # the load it was measured under: a cache filled on a busy machine is visible (re-probe with
         # `cona bench --no-probe-cache`)
-        self.data.setdefault(self.key, {})[s.name] = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp,
-                                                      "loadavg_1m": os.getloadavg()[0], "rounds": rounds} | extra  # fmt: skip
+        entry = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp, "loadavg_1m": os.getloadavg()[0]}
+        self.data.setdefault(self.key, {})[s.name] = entry | {"rounds": rounds} | extra
 
     def clear(self) -> None:
         self.data.pop(self.key, None)
@@ -277,3 +289,284 @@ class ProbeCache:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         hwtopo.atomic_write_text(self.path, json.dumps(self.data, indent=1, sort_keys=True))
+
+
+def rank0_all(*xs: float) -> list[float]:
+    """Rank 0's values on every rank, in one broadcast: measured times drive identical decisions on every rank."""
+    t = torch.tensor(xs, dtype=torch.float64, device=cdist.current_device())
+    dist.broadcast(t, 0)
+    return t.tolist()
+
+
+def rank0(x: float) -> float:
+    """Rank 0's value on every rank."""
+    return rank0_all(x)[0]
+
+
+Throughput = Callable[[Strategy], tuple[float, str]]
+
+
+def fastest_per_batch(candidates: Iterable[Strategy], throughput: Throughput) -> list[Strategy]:
+    """The fastest strategy (by ``throughput(s) -> (samples/s, source)``) of every global batch, smallest first
+    (ties: the first listed)."""
+    fastest: dict[int, Strategy] = {}
+    for s in candidates:
+        if s.global_batch not in fastest or throughput(s)[0] > throughput(fastest[s.global_batch])[0]:
+            fastest[s.global_batch] = s
+    return [fastest[g] for g in sorted(fastest)]
+
+
+def fastest_first(candidates: Iterable[Strategy], throughput: Throughput) -> list[Strategy]:
+    """Candidates, fastest first (name breaks ties)."""
+    return sorted(candidates, key=lambda c: (-throughput(c)[0], c.name))
+
+
+def pair_contenders(
+    candidates: Sequence[Strategy],
+    step_s: Mapping[Strategy, float],
+    fastest_round_s: Mapping[Strategy, float],
+    leaders: Sequence[Strategy],
+    band: float,
+) -> list[Strategy]:
+    """The strategies the paired cycles time again, in ``candidates``' order: every global batch's leader in the
+    table (``leaders``) and every measured strategy (``step_s``) whose samples/s by its fastest round (or by its
+    table figure, if faster) reach ``1 - band`` of the best such figure of its global batch. Fastest rounds are
+    compared with fastest rounds: interference only slows a round, so a strategy whose median round fell in a slow
+    spell is a contender all the same, and the band is not widened by setting one's best against another's median."""
+
+    def rate(s: Strategy) -> float:
+        return s.global_batch / min(fastest_round_s.get(s, math.inf), step_s[s])
+
+    best: dict[int, float] = {}
+    for s in candidates:
+        if s in step_s:
+            best[s.global_batch] = max(best.get(s.global_batch, 0.0), rate(s))
+    lead = set(leaders)
+    return [s for s in candidates if s in lead or (s in step_s and rate(s) >= (1 - band) * best[s.global_batch])]
+
+
+def merge_paired(before: dict | None, later: dict) -> dict:
+    """The report of every paired pass so far: ``later`` (one measured pass) folded into ``before`` (the passes
+    before it, or None). Contenders are the union in the order first timed, costs and passes add up, and a
+    strategy timed again keeps its latest figures (what the cost model and the cache hold)."""
+    if before is None:
+        return later
+    return later | {
+        "contenders": list(dict.fromkeys(before["contenders"] + later["contenders"])),
+        "cost_s": before["cost_s"] + later["cost_s"],
+        "passes": before["passes"] + later["passes"],
+        "block_steps": before["block_steps"] | later["block_steps"],
+        "rate_vs_rounds": before["rate_vs_rounds"] | later["rate_vs_rounds"],
+    }
+
+
+def bench_probe_key(cfg) -> str:
+    """The cache key of a bench's probes (``BenchConfig``): the machine, the model, the world and the settings
+    that decide what a probe measures."""
+    c = cfg
+    return probe_key(
+        world=c.world,
+        model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
+        seq_len=c.seq_len,
+        backend=cdist.backend(),
+        clip=c.clip_norm is not None,
+        probe_steps=c.probe_steps,
+        probe_rounds=c.probe_rounds,
+        code=code_digest(),
+        round_s=c.probe_round_s,
+        paired=[c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band],
+    )
+
+
+class Prober:
+    """Measures the throughput table of a bench trainer ``tr`` (its ``cfg``, ``candidates``, ``data``, ``state0``,
+    ``cost`` and ``executor(strategy, state)``) into ``tr.cost``, from the ``ProbeCache`` where an earlier run
+    measured the same strategies under the same key, else now (and cached)."""
+
+    def __init__(self, tr) -> None:
+        self.tr, self.cfg, self.cost = tr, tr.cfg, tr.cost
+        self.round_step_s: dict[Strategy, float] = {}  # each probed strategy's figure from its rounds alone
+        self.fastest_round_s: dict[Strategy, float] = {}  # and its fastest round (a contender by it)
+        self.cache: ProbeCache | None = None
+        self.measured_now: list[str] = []
+        self.cost_s = 0.0  # seconds of measuring in this run
+        self.spreads: list[float] = []  # (slowest - fastest round) / median, per strategy measured now
+
+    def run(self) -> dict:
+        """Measure (or reuse) the table; the report the bench's JSON carries."""
+        cfg, tr = self.cfg, self.tr
+        t0 = time.perf_counter()
+        if cfg.probe_cache and dist.get_rank() == 0:
+            self.cache = ProbeCache.open(bench_probe_key(cfg))
+        box = [{s.name: self.cache.entry(s) for s in tr.candidates if self.cache.entry(s)} if self.cache else {}]
+        dist.broadcast_object_list(box, 0)  # every rank takes the same path: measure or reuse
+        cached: dict = box[0]
+        reused = self._reuse(cached)
+        plan = probe_plan(tr.candidates)
+        fresh = [s for s in plan if s.name not in cached]
+        if fresh:
+            limit = f", fewer past {cfg.probe_round_s:g} s" if cfg.probe_round_s else ""
+            where = "cached for later runs" if cfg.probe_cache else "not cached"
+            msg = "probing %d strategies: %d interleaved rounds of %d steps each%s (%s)"
+            progress.info(msg, len(fresh), cfg.probe_rounds, cfg.probe_steps, limit, where)
+        self._measure(plan)
+        self._verify()
+        paired = self._paired_passes({n for n, e in cached.items() if e.get("paired")})
+        if self.cache is not None and (self.measured_now or (paired and paired["measured"])):
+            self.cache.save()
+        old_cost = sum((cached[n].get("cost_s") or 0.0) for n in reused)
+        loads = [cached[n].get("loadavg_1m") for n in reused if cached[n].get("loadavg_1m") is not None]
+        return {
+            "measured_now": self.measured_now,
+            "from_cache": reused,
+            "probe_s": rank0(time.perf_counter() - t0),
+            "probe_measure_s": self.cost_s,
+            "cached_probe_cost_s": old_cost,
+            "total_probe_cost_s": self.cost_s + old_cost,
+            "cache": str(self.cache.path) if self.cache is not None else None,
+            "cached_measured_at": sorted({cached[n].get("measured_at") or "?" for n in reused}),
+            "cached_max_loadavg_1m": max(loads) if loads else None,
+            "cost_model_loo_rel_error": self.cost.relative_error(),
+            "probe_rounds": cfg.probe_rounds,
+            "round_spread_median": statistics.median(self.spreads) if self.spreads else None,
+            "paired": paired,
+        }
+
+    def _reuse(self, cached: dict) -> list[str]:
+        """Every strategy an earlier run measured goes into the table, so that its table is this one's."""
+        reused = []
+        for s in self.tr.candidates:
+            if s.name in cached:
+                e = cached[s.name]
+                self.cost.add(s, e["step_s"])
+                self.round_step_s[s] = (e.get("paired") or {}).get("rounds_step_s", e["step_s"])
+                self.fastest_round_s[s] = min(e.get("rounds") or [self.round_step_s[s]])
+                reused.append(s.name)
+        return reused
+
+    def _measure(self, todo: list[Strategy]) -> None:
+        """Time the strategies not measured yet in ``probe_rounds`` interleaved rounds (each round builds and times
+        every strategy once) and keep each one's median round (the lower middle one for an even count, so always a
+        measured round)."""
+        cfg, tr = self.cfg, self.tr
+        fresh = [s for s in dict.fromkeys(todo) if s not in self.cost.measured]
+        times: dict[Strategy, list[float]] = {s: [] for s in fresh}
+        costs = dict.fromkeys(fresh, 0.0)
+
+        def steps(first_s: float) -> int:
+            return round_steps(rank0(first_s), cfg.probe_steps, cfg.probe_round_s)
+
+        for _ in range(cfg.probe_rounds):
+            for s in fresh:
+                tp = time.perf_counter()
+                ex = tr.executor(s, tr.state0)
+                batch = tr.data.samples(0, s.global_batch)
+                secs = time_steps(partial(ex.train_step, batch, gns=False), cfg.probe_steps, steps_after_first=steps)
+                secs, cost = rank0_all(secs, time.perf_counter() - tp)
+                times[s].append(secs)
+                costs[s] += cost
+                del ex
+        for s in fresh:
+            secs = statistics.median_low(times[s])
+            self.cost.add(s, secs)
+            self.round_step_s[s] = secs
+            self.fastest_round_s[s] = min(times[s])
+            self.measured_now.append(s.name)
+            self.cost_s += costs[s]
+            self.spreads.append((max(times[s]) - min(times[s])) / secs)
+            if self.cache is not None:
+                self.cache.put(s, secs, costs[s], rounds=times[s])
+
+    def _verify(self) -> None:
+        """An offline searcher measures its pick: the model's fastest strategies are probed, and so is the
+        fastest of every global batch, which cona and the oracle choose among (a modelled figure can be far off)."""
+        for _ in range(4):
+            top = fastest_first(self.tr.candidates, self.cost.throughput)[: self.cfg.probe_verify_top]
+            top += fastest_per_batch(self.tr.candidates, self.cost.throughput)
+            todo = [c for c in dict.fromkeys(top) if c not in self.cost.measured]
+            if not todo:
+                return
+            self._measure(todo)
+
+    def _paired_passes(self, done: set[str]) -> dict | None:
+        """Up to 3 passes of paired cycles (``_paired``): their figures refit the cost model and can change which
+        strategy leads a global batch, so each pass verifies again and the next times the new leaders too. A table
+        reused whole from the cache stands as it is. Leaders left without paired figures are named, not hidden."""
+        if not self.cfg.probe_paired_cycles:
+            return None
+        paired = None
+        if not self.measured_now:
+            leaders = fastest_per_batch(self.tr.candidates, self.cost.throughput)
+            paired = {"contenders": [s.name for s in leaders], "measured": False}
+        for _ in range(3 if self.measured_now else 0):
+            p = self._paired(done)
+            if not p["measured"]:
+                paired = paired or p
+                break
+            self.cost_s += p["cost_s"]
+            paired = merge_paired(paired, p)
+            done |= set(p["contenders"])
+            self._verify()
+        leaders = fastest_per_batch(self.tr.candidates, self.cost.throughput)
+        paired["unpaired_leaders"] = left = [s.name for s in leaders if s.name not in done]
+        if left:
+            msg = "after 3 paired passes these global-batch leaders have no paired timing (their figures are their rounds'): %s"
+            progress.warning(msg, ", ".join(left))
+        return paired
+
+    def _cycles(self, cons: list[Strategy], steps: dict[Strategy, int]) -> list[dict]:
+        """``probe_paired_cycles`` cycles of one block per contender, executors kept alive, the order rotated per
+        cycle: per cycle, strategy -> samples/s of its block."""
+        tr = self.tr
+        exs = {s: tr.executor(s, tr.state0) for s in cons}
+        batches = {s: tr.data.samples(0, s.global_batch) for s in cons}
+        for s in cons:  # one warm-up step each
+            exs[s].train_step(batches[s], gns=False)
+        cycles = []
+        for c in range(self.cfg.probe_paired_cycles):
+            row = {}
+            for s in cons[c % len(cons) :] + cons[: c % len(cons)]:
+                tb = time.perf_counter()
+                for _ in range(steps[s]):
+                    exs[s].train_step(batches[s], gns=False)
+                row[s] = steps[s] * s.global_batch / rank0(time.perf_counter() - tb)
+            cycles.append(row)
+        return cycles
+
+    def _paired(self, done: set[str]) -> dict:
+        """Time the contenders again in cycles (``_cycles``) and replace their step times by ``paired_rates``:
+        ratios read within each cycle, at the level of their rounds. The contenders are every global batch's leader
+        and every measured strategy within ``probe_paired_band`` of its best (``pair_contenders``), so that the
+        cycles, not the rounds, decide a leader the rounds could not tell from its neighbour. Nothing is measured
+        when every leader is in ``done`` (timed so already, now or by a cached run)."""
+        cfg, tr = self.cfg, self.tr
+        leaders = fastest_per_batch(tr.candidates, self.cost.throughput)
+        if all(s.name in done for s in leaders):
+            return {"contenders": [s.name for s in leaders], "measured": False}
+        band = cfg.probe_paired_band
+        cons = pair_contenders(tr.candidates, self.cost.measured, self.fastest_round_s, leaders, band)
+        t0 = time.perf_counter()
+        steps = {s: max(2, math.ceil(cfg.probe_paired_block_s / self.cost.measured[s])) for s in cons}
+        cycles = self._cycles(cons, steps)
+        cost = rank0(time.perf_counter() - t0)
+        before = {s: self.round_step_s.get(s, self.cost.measured[s]) for s in cons}
+        rates = paired_rates(cycles, reference={s: s.global_batch / before[s] for s in cons})
+        for s in cons:
+            self.cost.add(s, s.global_batch / rates[s])
+            if self.cache is not None:
+                e = self.cache.entry(s) or {}
+                paired = {"cycles": cfg.probe_paired_cycles, "block_steps": steps[s], "rounds_step_s": before[s]}
+                spent = (e.get("cost_s") or 0.0) + cost / len(cons)
+                self.cache.put(s, s.global_batch / rates[s], spent, e.get("rounds"), paired=paired)
+        ratio = {s.name: before[s] * rates[s] / s.global_batch for s in cons}  # paired over the rounds' figure
+        shown = ", ".join(f"{n} x{r:.2f}" for n, r in ratio.items())
+        progress.info("paired timing of %d contenders, %d cycles (%.0f s): %s", len(cons), len(cycles), cost, shown)
+        return {
+            "contenders": [s.name for s in cons],
+            "measured": True,
+            "cycles": len(cycles),
+            "cost_s": cost,
+            "passes": 1,
+            "block_steps": {s.name: steps[s] for s in cons},
+            "rate_vs_rounds": ratio,
+        }

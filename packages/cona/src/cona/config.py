@@ -1,0 +1,196 @@
+"""The bench's settings: model, data, variants, cona's decision rule and the throughput probes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .gns import GradientNoiseScale, efficiency_models
+
+__all__ = ["BenchConfig"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _whole(value, low: int) -> bool:
+    return isinstance(value, int) and value >= low
+
+
+@dataclass
+class BenchConfig:
+    """One bench run. Every field can be set from the command line (``cona bench --set FIELD=VALUE``)."""
+
+    # the model (a tiny Llama, random init) and the ranks it runs on
+    world: int = 2
+    layers: int = 2
+    hidden: int = 32
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 96
+    seq_len: int = 32
+    # the strategy space: every dp x tp x pp of world with these global and micro-batches
+    global_batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+    micro_batches: tuple[int, ...] = (8, 16, 32)
+    # every variant trains AdamW at lr * sqrt(global batch / reference_batch), clipped at clip_norm
+    reference_batch: int = 8
+    lr: float = 2e-3
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    clip_norm: float | None = 1.0
+    # time to target: the first evaluation (every eval_every_s of training clock, on val_samples windows) at
+    # which the mean of the last target_window evaluations is at or below log(target_ppl)
+    target_ppl: float = 5.9
+    eval_every_s: float = 0.1
+    target_window: int = 10  # a mean of 10 trails the latest loss by ~0.45 s, alike for every variant
+    val_samples: int = 512  # enough windows that one evaluation's own noise moves time to target little
+    budget_s: float = 30.0  # training clock per variant; a variant that misses the target is censored here
+    seed: int = 0
+    seeds: int = 3  # seeds seed, seed+1, ...: the headline is their median, with the spread
+    corpus_bytes: int = 1_000_000
+    held_out_bytes: int = 300_000  # text after the corpus, never trained or measured on: the oracle picks on it
+    slice_s: float = 0.5  # the variants advance in turns of this much training clock, so they share the load
+    # the oracle: every oracle_phase_s, branch the fastest strategy of every global batch (or oracle_branches of
+    # them) from one checkpoint and keep the branch lowest on held_out_samples windows of the held-out text
+    oracle: bool = True
+    oracle_phase_s: float = 3.0
+    oracle_branches: int | None = None
+    held_out_samples: int | None = None  # None: as many as val_samples, at most 128
+    # step 0: the squared gradients of step0_warm_batches batches stand in for Adam's v; every micro-batch of
+    # step0_batches global batches bounds the initial noise scale; the first warm batch trains as the first step
+    # when the initial choice runs its global batch
+    step0_warm_batches: int = 1
+    step0_batches: int = 1
+    initial_models: tuple[str, ...] = ("sqrt", "tuned")  # the initial choice holds under each efficiency model
+    # gradient statistics: a pair every gns_every steps, in Adam's preconditioned metric, smoothed per pair
+    gns_every: int = 8
+    gns_precondition: bool = True
+    gns_decay: float = 0.64  # the noise scale grows fast early: a short EMA follows it
+    # cona's running decisions, every decide_every_s
+    decide_every_s: float = 1.0
+    range_window: int = 8  # pairs behind the noise-scale range (about what the EMA weighs)
+    range_z: float = 0.5  # standard errors the range spans: a switch is cheap to undo, holding back is not
+    growth_pairs: int = 24  # pairs the noise scale's growth is fitted over, to carry the range ahead
+    margin: float = 0.01  # a switch must gain this much over the time left at every noise scale in the range
+    decision_eval_every_s: float = 2.0  # cona reads (and pays for) its own evaluations this far apart
+    decision_val_samples: int | None = None  # windows of those; None: a quarter of val_samples, at most 32
+    trend_window_s: float = 5.0  # the time left is fitted to cona's evaluations of this last stretch
+    # throughput: the probe plan and the model's fastest strategies timed in probe_rounds interleaved rounds of
+    # probe_steps steps (fewer past probe_round_s), median round kept; then every global batch's contenders (its
+    # leader and strategies within probe_paired_band of it) timed against each other in probe_paired_cycles
+    # cycles of probe_paired_block_s blocks
+    probe_steps: int = 20
+    probe_round_s: float | None = 1.0
+    probe_rounds: int = 3
+    probe_paired_cycles: int = 32
+    probe_paired_block_s: float = 0.12
+    probe_paired_band: float = 0.1
+    probe_verify_top: int = 3
+    probe_cache: bool = True  # reuse step times an earlier run measured with the same key (ProbeCache)
+
+    def __post_init__(self) -> None:
+        self.global_batches = tuple(self.global_batches)
+        self.micro_batches = tuple(self.micro_batches)
+        for name in ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl", "lr", "slice_s"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("world", "probe_rounds", "probe_steps", "gns_every", "reference_batch", "seq_len", "seeds"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.target_ppl > 1, f"target_ppl must be > 1, got {self.target_ppl}")
+        self.initial_models = efficiency_models(self.initial_models, "initial_models")
+        self._check_windows()
+        self._check_statistics()
+        self._check_probes()
+        self.adam_betas = tuple(float(b) for b in self.adam_betas)
+
+    def _check_windows(self) -> None:
+        w = self.world
+        _require(
+            self.val_samples >= 2 * w,
+            f"val_samples must be >= 2 x world ({2 * w}): evaluations split the windows over dp, got {self.val_samples}",
+        )
+        if self.decision_val_samples is None:
+            self.decision_val_samples = max(w, min(self.val_samples // 4, 32) // w * w)
+        _require(
+            1 <= self.decision_val_samples <= self.val_samples and self.decision_val_samples % w == 0,
+            f"decision_val_samples must be in 1..val_samples ({self.val_samples}) and divisible by world ({w}), "
+            f"got {self.decision_val_samples}",
+        )
+        _require(
+            self.held_out_samples is None or self.held_out_samples >= 2 * w,
+            f"held_out_samples must be >= 2 x world ({2 * w}): the oracle picks on as many held-out windows, cut "
+            f"to a multiple of world (or None: up to 128), got {self.held_out_samples}",
+        )
+        _require(
+            self.held_out_bytes > 2 * self.seq_len,
+            f"held_out_bytes must be above 2 x seq_len ({2 * self.seq_len}): the oracle picks on windows of that "
+            f"text, got {self.held_out_bytes}",
+        )
+        _require(self.target_window >= 1, f"target_window must be >= 1 (evaluations averaged), got {self.target_window}")
+        _require(
+            self.oracle_branches is None or self.oracle_branches >= 1,
+            f"oracle_branches must be >= 1, got {self.oracle_branches}",
+        )
+
+    def _check_statistics(self) -> None:
+        _require(
+            self.step0_batches >= 1 and self.step0_warm_batches >= 0,
+            f"step0_batches must be >= 1 and step0_warm_batches >= 0, got {self.step0_batches} and "
+            f"{self.step0_warm_batches}",
+        )
+        betas = self.adam_betas
+        ok = isinstance(betas, (tuple, list)) and len(betas) == 2
+        _require(
+            ok and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
+            f"adam_betas must be two numbers in [0, 1), got {betas!r}",
+        )
+        _require(
+            _whole(self.growth_pairs, 9) and self.growth_pairs <= 256,
+            f"growth_pairs must be a whole number of statistics pairs in 9..256 (3 groups of 3 at least; 256 are "
+            f"kept), got {self.growth_pairs!r}",
+        )
+        _require(
+            _whole(self.range_window, 2),
+            f"range_window must be a whole number of statistics pairs >= 2, got {self.range_window!r}",
+        )
+        z = self.range_z
+        _require(
+            isinstance(z, (int, float)) and math.isfinite(z) and z >= 0,
+            f"range_z must be a number of standard errors >= 0, got {z}",
+        )
+        _require(
+            self.clip_norm is None or self.clip_norm > 0,
+            f"clip_norm must be > 0 (or None for no clipping), got {self.clip_norm}",
+        )
+
+    def _check_probes(self) -> None:
+        _require(
+            self.probe_round_s is None or self.probe_round_s > 0,
+            f"probe_round_s must be > 0 seconds (or None for no limit), got {self.probe_round_s}",
+        )
+        _require(
+            self.probe_paired_cycles >= 0,
+            f"probe_paired_cycles must be >= 0 (0: no paired timing), got {self.probe_paired_cycles}",
+        )
+        _require(
+            0 <= self.probe_paired_band < 1, f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}"
+        )
+        _require(
+            self.probe_paired_block_s > 0, f"probe_paired_block_s must be > 0 seconds, got {self.probe_paired_block_s}"
+        )
+
+    @property
+    def seed_list(self) -> list[int]:
+        return [self.seed + i for i in range(self.seeds)]
+
+    @property
+    def target_loss(self) -> float:
+        return math.log(self.target_ppl)
+
+    def noise_scale_estimator(self) -> GradientNoiseScale:
+        """A fresh estimator for the square-root learning-rate rule every variant trains with."""
+        return GradientNoiseScale(self.reference_batch, decay=self.gns_decay)
+
+    def lr_for(self, global_batch: int) -> float:
+        """Square-root learning-rate scaling from the reference batch (the same rule for every variant)."""
+        return self.lr * math.sqrt(global_batch / self.reference_batch)
