@@ -195,16 +195,22 @@ def _check_profiles(args) -> None:
 # ---------------------------------------------------------------- commands
 
 
-def cmd_serve(args) -> int:
+def _token(args) -> str | None:
+    """``--token`` or $AGENTDYN_TOKEN, refused (exit 2) when missing for a host beyond loopback."""
     from hwtopo.httpguard import check_bind, token_from_env
-
-    from .service import serve
 
     token = args.token or token_from_env("AGENTDYN_TOKEN")
     try:
-        check_bind(args.host, token)  # before the harness starts its emulator, site and sampler
+        check_bind(args.host, token)
     except ValueError as e:
         raise console.UsageError(str(e)) from None
+    return token
+
+
+def cmd_serve(args) -> int:
+    from .service import serve
+
+    token = _token(args)  # before the harness starts its emulator, site and sampler
     _check_profiles(args)
     h = _harness(args)
     progress = _progress(args)
@@ -247,7 +253,7 @@ def cmd_run(args) -> int:
 def cmd_llm_emulator(args) -> int:
     from .emulator import LLMEmulator
 
-    emu = LLMEmulator(_emulator(args), host=args.host, port=args.port)
+    emu = LLMEmulator(_emulator(args), host=args.host, port=args.port, token=_token(args))
 
     async def go():
         url = await emu.start()
@@ -445,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = console.command(sub, "llm-emulator", "the OpenAI-compatible LLM emulator")
     e.add_argument("--host", default="127.0.0.1", help="address to bind")
     e.add_argument("--port", type=_number("--port", int, 0, 65535), default=8000, help="TCP port (0: any free port)")
+    e.add_argument(
+        "--token",
+        help="bearer token (an OpenAI client's API key) every request must carry (default: "
+        "$AGENTDYN_TOKEN, else none); required when --host is beyond loopback",
+    )
     _emulator_options(e, 0.4, 60.0)
     _bench_parsers(sub)
     _characterize_parser(sub)

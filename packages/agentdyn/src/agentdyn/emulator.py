@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 from aiohttp import web
 
+from hwtopo.httpguard import BadRequest, middleware, read_json
+
 from .tools.coding import BUGGY_LINE, FIXED_LINE
 
 __all__ = ["EmulatorConfig", "LLMEmulator", "plan_step", "PLANS"]
@@ -94,11 +96,12 @@ def plan_step(messages: list[dict]) -> tuple[list[dict] | None, str]:
     m = re.search(r"task_type:\s*(\w+)", system)
     task = m.group(1) if m else ""
     user = next((m for m in messages if m.get("role") == "user"), {})
+    content = user.get("content") or "{}"
     try:
-        inp = json.loads(user.get("content") or "{}")
+        inp = json.loads(content) if isinstance(content, str) else {}
         inp = inp if isinstance(inp, dict) else {}
     except json.JSONDecodeError:
-        inp = {"question": user.get("content", "")}
+        inp = {"question": content}
     step = sum(1 for m in messages if m.get("role") == "assistant")
     planner = PLANS.get(task)
     calls = planner(inp, step) if planner else None
@@ -109,11 +112,25 @@ def plan_step(messages: list[dict]) -> tuple[list[dict] | None, str]:
     return calls, ""
 
 
+# An agent's conversation carries its tool results (retrieved passages, test logs): generous, bounded.
+MAX_BODY_BYTES = 16 << 20
+MAX_JSON_DEPTH = 64
+
+
+def _error(status: int, message: str, field: str | None = None) -> web.Response:
+    """An OpenAI-shaped error answer."""
+    err = {"message": message, "type": "invalid_request_error", **({"param": field} if field else {})}
+    return web.json_response({"error": err}, status=status)
+
+
 class LLMEmulator:
     """aiohttp app answering ``POST /v1/chat/completions`` and ``GET /v1/models``."""
 
-    def __init__(self, config: EmulatorConfig | None = None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self, config: EmulatorConfig | None = None, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+    ):
         self.config = config or EmulatorConfig()
+        self.token = token
         self.rng = random.Random(self.config.seed)
         self.host, self.port = host, port
         self.runner: web.AppRunner | None = None
@@ -128,14 +145,19 @@ class LLMEmulator:
 
     async def _chat(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response({"error": {"message": "body: not valid JSON"}}, status=400)
+            body = await read_json(request, max_bytes=MAX_BODY_BYTES, max_depth=MAX_JSON_DEPTH)
+        except BadRequest as e:
+            return _error(e.status, f"body: {e}", "body")
         msgs = body.get("messages") if isinstance(body, dict) else None
         if not isinstance(msgs, list) or not msgs:
-            return web.json_response({"error": {"message": "messages: required, a non-empty list"}}, status=400)
+            return _error(400, "messages: required, a non-empty list", "messages")
+        if not all(isinstance(m, dict) for m in msgs):
+            return _error(400, "messages: every message must be a JSON object", "messages")
         self.requests += 1
-        calls, answer = plan_step(msgs)
+        try:
+            calls, answer = plan_step(msgs)
+        except (TypeError, ValueError) as e:  # an input field of the wrong type, e.g. "shard": "x"
+            return _error(400, f"messages: the user message's input does not fit the task's plan ({e})", "messages")
         tokens = self.config.tool_call_tokens if calls else self.config.answer_tokens
         if self.gate is not None:
             await self.gate.wait()
@@ -172,7 +194,8 @@ class LLMEmulator:
         )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        guard = middleware(self.token, MAX_BODY_BYTES, _error)
+        app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         return app

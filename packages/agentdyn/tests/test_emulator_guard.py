@@ -1,0 +1,92 @@
+"""The LLM emulator's HTTP surface: malformed requests get 4xx answers, never a 500 or a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from agentdyn.emulator import EmulatorConfig, LLMEmulator
+
+FAST = EmulatorConfig(ttft_s=0.0, ttft_sigma=0.0, tokens_per_s=1e6, tps_sigma=0.0)
+GOOD = {"messages": [{"role": "system", "content": "task_type: rag_qa"}, {"role": "user", "content": "{}"}]}
+
+
+def _user(content) -> dict:
+    return {"messages": [{"role": "system", "content": "task_type: rag_qa"}, {"role": "user", "content": content}]}
+
+
+MALFORMED: list[tuple[str, str, bytes]] = [
+    ("POST", "/v1/chat/completions", b""),
+    ("POST", "/v1/chat/completions", b"{"),
+    ("POST", "/v1/chat/completions", b"null"),
+    ("POST", "/v1/chat/completions", b"[]"),
+    ("POST", "/v1/chat/completions", b'"text"'),
+    ("POST", "/v1/chat/completions", b"\xff\xfe"),
+    ("POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000),
+    ("POST", "/v1/chat/completions", b'{"messages": NaN}'),
+    ("POST", "/v1/chat/completions", b'{"messages": 1e999}'),
+    ("POST", "/v1/chat/completions", b'{"messages": []}'),
+    ("POST", "/v1/chat/completions", b'{"messages": "hi"}'),
+    ("POST", "/v1/chat/completions", b'{"messages": [1, 2]}'),
+    ("POST", "/v1/chat/completions", b'{"messages": [null]}'),
+    ("POST", "/v1/chat/completions", b'{"messages": [[]]}'),
+    ("POST", "/v1/chat/completions", json.dumps(_user('{"shard": "x"}')).encode()),
+    ("POST", "/v1/chat/completions", json.dumps(_user('{"shards": [1]}')).encode()),
+    ("GET", "/v1/chat/completions", b""),
+    ("PUT", "/v1/models", b"{}"),
+    ("POST", "/v1/nothing", b"{}"),
+    ("GET", "/../../etc/passwd", b""),
+]
+
+
+async def _answers(emu: LLMEmulator, requests, headers=None) -> list[tuple[int, str]]:
+    url = (await emu.start()).rsplit("/v1", 1)[0]
+    out = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            for method, path, body in requests:
+                async with s.request(method, url + path, data=body, headers=headers or {}) as r:
+                    out.append((r.status, await r.text()))
+    finally:
+        await emu.stop()
+    return out
+
+
+# Odd but answerable: content as a list of parts (as OpenAI allows), a question of another type.
+ODD = [_user(["a", "list"]), _user('{"question": 5}'), _user("not json at all")]
+
+
+def test_odd_inputs_are_answered_not_crashed_on():
+    requests = [("POST", "/v1/chat/completions", json.dumps(b).encode()) for b in ODD]
+    for status, text in asyncio.run(_answers(LLMEmulator(FAST), requests)):
+        assert status < 500 and "Traceback" not in text, (status, text[:200])
+
+
+def test_malformed_requests_get_client_errors_without_tracebacks():
+    answers = asyncio.run(_answers(LLMEmulator(FAST), MALFORMED))
+    for (method, path, body), (status, text) in zip(MALFORMED, answers):
+        assert 400 <= status < 500, (method, path, body[:40], status, text[:200])
+        assert "Traceback" not in text
+    assert (
+        asyncio.run(_answers(LLMEmulator(FAST), [("POST", "/v1/chat/completions", json.dumps(GOOD).encode())]))[0][0]
+        == 200
+    )
+
+
+@pytest.mark.parametrize("header, status", [(None, 401), ("Bearer wrong", 401), ("Bearer s3cret", 200)])
+def test_token_is_required_when_set(header, status):
+    headers = {"Authorization": header} if header else {}
+    req = [("POST", "/v1/chat/completions", json.dumps(GOOD).encode())]
+    got = asyncio.run(_answers(LLMEmulator(FAST, token="s3cret"), req, headers))[0][0]
+    assert got == status
+
+
+def test_cli_refuses_a_public_host_without_a_token(capsys, monkeypatch):
+    from agentdyn.cli import main
+
+    monkeypatch.delenv("AGENTDYN_TOKEN", raising=False)
+    assert main(["llm-emulator", "--host", "0.0.0.0"]) == 2
+    assert "--token" in capsys.readouterr().err
