@@ -6,7 +6,7 @@ MLSYSKIT_TORCH to another requirement (e.g. a CUDA build) or to "" to drop the p
 
     nox -s tests                          hwtopo, then each package alone, then tests-integration/
     nox -s "tests(package='xronos')"      one of them
-    nox -s lint | demo | bench | build
+    nox -s lint | demo | bench | build | release_check
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import nox
@@ -223,26 +222,31 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(results), str(out / "bench.json"), external=True)
 
 
-def _check_wheel_metadata(session: nox.Session, wheel: Path) -> None:
-    with zipfile.ZipFile(wheel) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        text = z.read(meta).decode()
-    bad = [ln for ln in text.splitlines() if ln.startswith("Requires-Dist:") and ("@ file:" in ln or "@ /" in ln)]
-    if bad:
-        session.error(f"{wheel.name} declares a path dependency: {bad[0]}")
+RELEASE_CHECK = ROOT / ".github" / "scripts" / "release_check.py"
+RELEASE_CHECK_DEPS = ("packaging", "trove-classifiers", "tomli; python_version < '3.11'")
 
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """A wheel and an sdist for each package into dist/; no wheel may hold a path dependency."""
-    session.install("--quiet", "build")
+    """A wheel and an sdist for each package into dist/, then `twine check --strict` and the release
+    gate's artifact checks (no path dependency, LICENSE, py.typed, Project-URLs) on all of them."""
+    session.install("--quiet", "build", "twine", *RELEASE_CHECK_DEPS)
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for name in ["hwtopo", *(session.posargs or PACKAGES)]:
         session.run("python", "-m", "build", "--outdir", str(dist), str(_pkg_dir(name)), silent=True)
-    for wheel in sorted(dist.glob("*.whl")):
-        _check_wheel_metadata(session, wheel)
-        session.log(f"ok: {wheel.name}")
+    artifacts = sorted(str(p) for p in dist.iterdir())
+    session.run("twine", "check", "--strict", *artifacts)
+    session.run("python", str(RELEASE_CHECK), "--artifacts", str(dist))
+
+
+@nox.session
+def release_check(session: nox.Session) -> None:
+    """The release gate in dry-run mode for every package (what blocks a release is reported, faults
+    of the tree fail), after its own tests. Arguments go to the script, e.g. `-- --offline`."""
+    session.install("--quiet", "pytest", *RELEASE_CHECK_DEPS)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(RELEASE_CHECK.parent))
+    session.run("python", str(RELEASE_CHECK), "--dry-run", *session.posargs)
 
 
 if __name__ == "__main__":  # pragma: no cover
