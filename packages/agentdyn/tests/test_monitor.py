@@ -90,3 +90,33 @@ def test_profiles_learn_and_roundtrip(tmp_path):
     st2 = ProfileStore.load(tmp_path / "p.json")
     assert st2.to_dict() == st.to_dict()
     assert st2.classes()["coding"]["cpu_s"] == 1.0
+
+
+def test_group_pids_and_usage_match_procfs(tmp_path):
+    # a sleeping group (a shell and its child): psutil's numbers must be procfs's own, to the tick and byte
+    from agentdyn.monitor import _read_hwm, group_pids
+
+    p = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    try:
+        for _ in range(200):
+            pids = group_pids(p.pid)
+            if len(pids) == 2:
+                break
+            import time
+
+            time.sleep(0.01)
+        assert p.pid in pids and len(pids) == 2
+        u = proc_usage(pids)
+        tick = os.sysconf("SC_CLK_TCK")
+        cpu, rss = 0.0, 0
+        for pid in pids:
+            rest = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # rest[0] is field 3
+            cpu += sum(int(x) for x in rest[11:15]) / tick  # fields 14-17: utime stime cutime cstime
+            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+            rss += int(status["VmRSS"].split()[0]) * 1024  # exact; stat's field 24 lags per-CPU batches
+        assert abs(u.cpu_s - cpu) < 1e-9
+        assert u.peak_rss_bytes == max(rss, max(_read_hwm(pid) for pid in pids))
+    finally:
+        os.killpg(p.pid, 9)
+        p.wait()
+    assert p.pid not in group_pids(p.pid)  # reaped (the orphaned sleep waits for init to reap it)

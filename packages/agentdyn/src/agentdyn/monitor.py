@@ -1,8 +1,9 @@
 """Resource monitor: what each request and each tool call costs, and how pressed the system is.
 
-Per process (group): CPU time, wall time, disk read/write bytes and peak RSS, read from
-``/proc/<pid>/{stat,io,status}`` while it runs and from ``getrusage``/``/proc/self/io`` of the
-sandbox wrapper when it exits (reaped children are folded into both by the kernel).
+Per process (group): CPU time, wall time, disk read/write bytes and peak RSS, read with psutil
+(plus ``/proc/<pid>/status`` VmHWM and per-thread ``schedstat`` run-queue wait, which psutil does
+not expose) while it runs and from ``getrusage`` and the I/O counters of the sandbox wrapper when
+it exits (reaped children are folded into both by the kernel).
 System: CPU/IO/memory pressure from Linux PSI (``/proc/pressure/*``); where PSI is missing, CPU
 pressure is estimated from the load average and the runnable count over the usable cores.
 
@@ -19,6 +20,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import psutil
 
 __all__ = [
     "Usage",
@@ -37,8 +40,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 PROC = Path("/proc")
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass
@@ -309,30 +310,31 @@ class SystemSampler:
 # ---------------------------------------------------------------- per-process usage
 
 
-def _read_stat(pid: int) -> tuple[int, float, int] | None:
-    """(pgid, utime+stime seconds incl. waited-for children, rss bytes) of one pid."""
+def _pgid(pid: int) -> int | None:
     try:
-        raw = (PROC / str(pid) / "stat").read_text()
-    except OSError:
+        return os.getpgid(pid)
+    except OSError:  # gone, or not ours to ask about
         return None
-    rest = raw[raw.rfind(")") + 2 :].split()
-    # rest[0] = state (field 3); field N is rest[N-3]
-    pgid = int(rest[2])
-    utime, stime, cutime, cstime = (int(x) for x in rest[11:15])
-    rss_pages = int(rest[21])
-    return pgid, (utime + stime + cutime + cstime) / CLK_TCK, rss_pages * PAGE
 
 
-def _read_io(pid: int) -> tuple[int, int]:
+def _cpu_rss(proc: psutil.Process) -> tuple[float, int] | None:
+    """(user+system seconds incl. waited-for children, resident bytes) of one process, None if gone."""
     try:
-        text = (PROC / str(pid) / "io").read_text()
-    except OSError:
+        with proc.oneshot():
+            t = proc.cpu_times()
+            rss = proc.memory_info().rss
+    except psutil.Error:
+        return None
+    return t.user + t.system + t.children_user + t.children_system, rss
+
+
+def _read_io(proc: psutil.Process) -> tuple[int, int]:
+    """(bytes read, bytes written) from storage; (0, 0) where not permitted or not accounted."""
+    try:
+        io = proc.io_counters()
+    except (psutil.Error, AttributeError):  # AttributeError: no per-process I/O counters on this OS
         return 0, 0
-    vals = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        vals[k.strip()] = int(v)
-    return vals.get("read_bytes", 0), vals.get("write_bytes", 0)
+    return io.read_bytes, io.write_bytes
 
 
 def read_run_wait(pid: int) -> float:
@@ -361,15 +363,8 @@ def _read_hwm(pid: int) -> int:
 
 
 def group_pids(pgid: int) -> list[int]:
-    """Live pids in process group ``pgid`` (a scan of /proc; used for sampling and cleanup)."""
-    out = []
-    for d in PROC.iterdir():
-        if not d.name.isdigit():
-            continue
-        st = _read_stat(int(d.name))
-        if st is not None and st[0] == pgid:
-            out.append(int(d.name))
-    return out
+    """Live pids in process group ``pgid`` (a scan of all pids; used for sampling and cleanup)."""
+    return [pid for pid in psutil.pids() if _pgid(pid) == pgid]
 
 
 def proc_usage(pids: list[int]) -> Usage:
@@ -377,12 +372,16 @@ def proc_usage(pids: list[int]) -> Usage:
     u = Usage()
     rss_total = 0
     for pid in pids:
-        st = _read_stat(pid)
-        if st is None:
+        try:
+            proc = psutil.Process(pid)
+        except psutil.Error:
             continue
-        u.cpu_s += st[1]
-        rss_total += st[2]
-        r, w = _read_io(pid)
+        got = _cpu_rss(proc)
+        if got is None:
+            continue
+        u.cpu_s += got[0]
+        rss_total += got[1]
+        r, w = _read_io(proc)
         u.read_bytes += r
         u.write_bytes += w
         u.run_wait_s += read_run_wait(pid)
@@ -397,7 +396,7 @@ def self_usage(wall_s: float) -> Usage:
 
     s = resource.getrusage(resource.RUSAGE_SELF)
     c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r, w = _read_io(os.getpid())
+    r, w = _read_io(psutil.Process())
     if r == 0 and w == 0:  # no /proc/self/io: fall back to block counts (512-byte units)
         r, w = (s.ru_inblock + c.ru_inblock) * 512, (s.ru_oublock + c.ru_oublock) * 512
     return Usage(
@@ -443,19 +442,17 @@ class GroupWatcher:
 
     def _discover(self) -> None:
         wanted = set(self.groups)
-        for d in PROC.iterdir():
-            if not d.name.isdigit():
-                continue
-            st = _read_stat(int(d.name))
-            if st is not None and st[0] in wanted:
-                self._members.setdefault(st[0], set()).add(int(d.name))
+        for pid in psutil.pids():
+            g = _pgid(pid)
+            if g in wanted:
+                self._members.setdefault(g, set()).add(pid)
 
     def scan(self, discover: bool = True) -> None:
         c0 = time.thread_time()
         if discover:
             self._discover()
         for g in list(self.groups):
-            pids = [p for p in self._members.get(g, ()) if (PROC / str(p)).exists()]
+            pids = [p for p in self._members.get(g, ()) if psutil.pid_exists(p)]
             self._members[g] = set(pids)
             if not pids:
                 continue
