@@ -143,3 +143,11 @@ def test_atomic_file_appears_whole_or_not_at_all(tmp_path):
     with hwtopo.atomic_file(target) as fh:
         fh.write(b"new")
     assert target.read_bytes() == b"new"
+
+
+def test_a_bare_key_error_keeps_its_type_name(capsys):
+    def missing(args):
+        raise KeyError("rank3")
+
+    assert _cli(missing)(["run"]) == 1
+    assert capsys.readouterr().err.strip() == "demo-cli: error: KeyError: 'rank3'"

@@ -97,7 +97,9 @@ def run(
     except Exception as e:  # noqa: BLE001 - the one place a failure becomes an exit code
         if args.debug:
             traceback.print_exc()
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        # a bare KeyError or an empty message says nothing without its type
+        text = f"{type(e).__name__}: {e}" if isinstance(e, LookupError) or not str(e) else str(e)
+        print(f"{p.prog}: error: {text}", file=sys.stderr)
         return 1
 
 
