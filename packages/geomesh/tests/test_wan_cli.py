@@ -107,4 +107,4 @@ def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_plan", boom)
     assert cli.main(["plan"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "geomesh: error: 'use-a100'"
+    assert err == "geomesh: error: KeyError: 'use-a100'"

@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import hwtopo
+
 from .balance import PhaseClock, Plan, Rebalancer, token_weights
 from .signcompress import SignCompressor
 from .wan import WanEmulator, ring_wire_bytes
@@ -342,18 +344,15 @@ class DiLoCo:
         self._phase_start = time.perf_counter()
 
     def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
-        """Atomic checkpoint (temp file + os.replace) of this worker's whole state.
+        """Atomic checkpoint (a whole file or none, fsynced) of this worker's whole state.
 
         ``extra`` holds plain values only (numbers, strings, None, tensors and lists, tuples or dicts of
         them): :meth:`load` reads with ``weights_only=True``, which unpickles nothing else.
         """
         extra = extra or {}
         _check_plain(extra, "extra")
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"diloco": self.state_dict(), "extra": extra}, tmp)
-        os.replace(tmp, path)
+        with hwtopo.atomic_file(path, "wb") as f:
+            torch.save({"diloco": self.state_dict(), "extra": extra}, f)
 
     def load(self, path: str | os.PathLike) -> dict:
         """Restore from ``save``; returns the ``extra`` dict stored with it.
