@@ -52,7 +52,7 @@ def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_partition", boom)
     assert cli.main(["partition"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "xronos: error: 'rank3'"
+    assert err == "xronos: error: KeyError: 'rank3'"
 
 
 @pytest.mark.slow
