@@ -515,6 +515,7 @@ def release_gate(tag: str, args: argparse.Namespace) -> Report:
         with open(args.github_output, "a") as f:
             f.write(f"package={pkg.name}\ndist={pkg.dist}\nversion={pkg.version}\n")
             f.write(f"dir={pkg.path.relative_to(ROOT).as_posix()}\n")
+            f.write(f"pythons={json.dumps(pkg.python_versions)}\n")
     return report
 
 
@@ -553,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index-url", default=PYPI, help=f"the index to check against (default {PYPI})")
     ap.add_argument("--offline", action="store_true", help="skip the checks that ask the index")
     ap.add_argument("--main-ref", default="origin/main", help="the branch a tag must be on (default origin/main)")
-    ap.add_argument("--github-output", metavar="FILE", help="append package/dist/version/dir for later steps")
+    ap.add_argument(
+        "--github-output", metavar="FILE", help="append package, dist, version, dir, pythons for later steps"
+    )
     args = ap.parse_args(argv)
     if sum([bool(args.tag), args.dry_run, args.artifacts is not None, args.ci_matrix]) != 1:
         ap.error("give exactly one of: a tag, --dry-run, --artifacts DIR, --ci-matrix")
