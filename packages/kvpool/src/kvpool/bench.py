@@ -18,7 +18,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -138,16 +138,28 @@ def _serial_ttft(model, ids, serial: SerialTiers, T: int, out: KVBuffers):
     return time.perf_counter() - t0, logits, load
 
 
-def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress, cold, ssds: int | None = None) -> dict:
-    """One run (emulated caps or raw). ``cold``: (logits, per-layer KV) of the full recompute.
+_SERIES = ("pool_ttft", "pool_blocked", "pool_ret", "ser_ttft", "ser_ret", "fs_frac", "kern_frac")
 
-    ``ssds``: how many SSD slabs kvpool stripes over (default ``cfg.ssds``); the serialized tiers
-    always have one disk tier, as LMCache's local-disk backend (one path per process).
-    """
-    ssds = cfg.ssds if ssds is None else ssds
+
+@dataclass
+class _WarmReps:
+    """What the warm reps of one ``_mode`` run measured: per-rep series, maxima and the last rep's."""
+
+    series: dict = field(default_factory=lambda: {k: [] for k in _SERIES})
+    diffs: list = field(default_factory=list)
+    cached_delta: list = field(default_factory=list)
+    pool_bytes: int = 0
+    ser_bytes: int = 0
+    pc_pool_max: int = 0
+    pc_ser_max: int = 0
+    last_pool_ret: dict | None = None
+    last_ser: dict | None = None
+    cached_tokens: int | None = None
+
+
+def _build_caches(model, cfg: BenchConfig, workdir: Path, emulated: bool, ssds: int, prefix_chunks: int):
+    """kvpool on ``ssds`` slabs and the serialized tiers, equal memory and caps so only reads differ."""
     layout = layout_for(model, cfg.chunk_tokens)
-    T = ids.shape[1]
-    prefix_chunks = (T - 1) // cfg.chunk_tokens
     mem_total = int(prefix_chunks * layout.chunk_bytes * cfg.memory_share)
     mem_each = max(layout.chunk_bytes, mem_total // max(1, cfg.memory_modules))
     ssd_each = int(prefix_chunks * layout.chunk_bytes * 1.2 / max(1, ssds)) + (8 << 20)
@@ -174,61 +186,84 @@ def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress,
         disk_dir=workdir / "serial",
         throttle=Throttle(cap) if cap else None,
     )
+    return layout, devs, pool, serial
+
+
+def _timed_put(cache, tokens: list, kv) -> tuple:
+    """``cache.put(tokens, kv)`` and its seconds, so each cache's store cost is reported apart."""
+    t0 = time.perf_counter()
+    stored = cache.put(tokens, kv)
+    return stored, time.perf_counter() - t0
+
+
+def _pool_rep(model, ids, pool: KVPool, bufs: KVBuffers, ref, acc: _WarmReps) -> None:
+    """One warm kvpool rep: TTFT through ``prefill``, then a bare retrieval to isolate its bandwidth."""
+    T = ids.shape[1]
+    c0 = meminfo_cached_bytes()
+    r = prefill(model, ids, pool, store=False, out=bufs)
+    c1 = meminfo_cached_bytes()
+    if c0 is not None and c1 is not None:
+        acc.cached_delta.append(c1 - c0)
+    acc.series["pool_ttft"].append(r.ttft_s)
+    acc.series["pool_blocked"].append(r.blocked_s)
+    acc.diffs.append(float((r.logits - ref).abs().max()))
+    acc.cached_tokens = r.cached_tokens
+    acc.pc_pool_max = max(acc.pc_pool_max, pool.page_cache_bytes())
+    load = pool.retrieve(ids[0].tolist(), max_tokens=T - 1, out=bufs).join()
+    acc.series["pool_ret"].append(load.elapsed_s)
+    acc.pool_bytes = load.bytes_read
+    acc.last_pool_ret = load.describe()
+
+
+def _serial_rep(model, ids, serial: SerialTiers, bufs: KVBuffers, ref, acc: _WarmReps) -> None:
+    """One warm serialized-tiers rep: TTFT, then a bare retrieval, each from a dropped page cache."""
+    T = ids.shape[1]
+    serial.drop_page_cache()
+    t, logits, _ = _serial_ttft(model, ids, serial, T, bufs)
+    acc.series["ser_ttft"].append(t)
+    acc.diffs.append(float((logits - ref).abs().max()))
+    acc.pc_ser_max = max(acc.pc_ser_max, serial.page_cache_bytes())
+    serial.drop_page_cache()
+    sload = serial.retrieve(ids[0].tolist(), max_tokens=T - 1, out=bufs)
+    acc.series["ser_ret"].append(sload.elapsed_s)
+    acc.series["fs_frac"].append(sload.fs_time_frac)
+    acc.series["kern_frac"].append(sload.kernel_time_frac)
+    acc.ser_bytes = sload.bytes["memory"] + sload.bytes["disk"]
+    acc.last_ser = sload.describe()
+
+
+def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress, cold, ssds: int | None = None) -> dict:
+    """One run (emulated caps or raw). ``cold``: (logits, per-layer KV) of the full recompute.
+
+    ``ssds``: how many SSD slabs kvpool stripes over (default ``cfg.ssds``); the serialized tiers
+    always have one disk tier, as LMCache's local-disk backend (one path per process).
+    """
+    ssds = cfg.ssds if ssds is None else ssds
+    T = ids.shape[1]
+    prefix_chunks = (T - 1) // cfg.chunk_tokens
+    layout, devs, pool, serial = _build_caches(model, cfg, workdir, emulated, ssds, prefix_chunks)
     try:
         # the cold request: its KV (from the recompute) goes into both caches
         ref, kv = cold
-        t0 = time.perf_counter()
-        stored = pool.put(ids[0].tolist(), kv)
-        pool_store_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        serial.put(ids[0].tolist(), kv)
-        serial_store_s = time.perf_counter() - t0
+        stored, pool_store_s = _timed_put(pool, ids[0].tolist(), kv)
+        _, serial_store_s = _timed_put(serial, ids[0].tolist(), kv)
         # one set of pre-touched destination buffers, reused by both methods (same memory, no page faults)
         bufs = KVBuffers(layout, T)
         progress(
             f"{'emulated' if emulated else 'raw'} ({ssds} SSDs): stored {stored} chunks in {pool_store_s:.2f}s "
             f"(serialized tiers: {serial_store_s:.2f}s)"
         )
-        out = {k: [] for k in ("pool_ttft", "pool_blocked", "pool_ret", "ser_ttft", "ser_ret", "fs_frac", "kern_frac")}
-        diffs = []
-        pool_bytes = ser_bytes = 0
-        pc_pool_max = pc_ser_max = 0
-        cached_delta = []
-        last_pool_ret = None
-        last_ser = None
+        acc = _WarmReps()
         for _ in range(cfg.reps):
             serial.drop_page_cache()
-            c0 = meminfo_cached_bytes()
-            r = prefill(model, ids, pool, store=False, out=bufs)
-            c1 = meminfo_cached_bytes()
-            if c0 is not None and c1 is not None:
-                cached_delta.append(c1 - c0)
-            out["pool_ttft"].append(r.ttft_s)
-            out["pool_blocked"].append(r.blocked_s)
-            diffs.append(float((r.logits - ref).abs().max()))
-            pc_pool_max = max(pc_pool_max, pool.page_cache_bytes())
-            load = pool.retrieve(ids[0].tolist(), max_tokens=T - 1, out=bufs).join()
-            out["pool_ret"].append(load.elapsed_s)
-            pool_bytes = load.bytes_read
-            last_pool_ret = load.describe()
-            serial.drop_page_cache()
-            t, logits, sload = _serial_ttft(model, ids, serial, T, bufs)
-            out["ser_ttft"].append(t)
-            diffs.append(float((logits - ref).abs().max()))
-            pc_ser_max = max(pc_ser_max, serial.page_cache_bytes())
-            serial.drop_page_cache()
-            sload = serial.retrieve(ids[0].tolist(), max_tokens=T - 1, out=bufs)
-            out["ser_ret"].append(sload.elapsed_s)
-            out["fs_frac"].append(sload.fs_time_frac)
-            out["kern_frac"].append(sload.kernel_time_frac)
-            ser_bytes = sload.bytes["memory"] + sload.bytes["disk"]
-            last_ser = sload.describe()
-        m = {k: _median([x for x in v if x is not None]) for k, v in out.items()}
+            _pool_rep(model, ids, pool, bufs, ref, acc)
+            _serial_rep(model, ids, serial, bufs, ref, acc)
+        m = {k: _median([x for x in v if x is not None]) for k, v in acc.series.items()}
         kv_bytes = prefix_chunks * layout.chunk_bytes
-        res = {
+        return {
             "emulated": emulated,
             "ssds": ssds,
-            "cached_tokens": r.cached_tokens,
+            "cached_tokens": acc.cached_tokens,
             "kv_bytes": kv_bytes,
             "kvpool": {
                 "store_s": pool_store_s,
@@ -236,10 +271,10 @@ def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress,
                 "blocked_io_s": m["pool_blocked"],
                 "retrieval_s": m["pool_ret"],
                 "retrieval_bytes_per_s": kv_bytes / m["pool_ret"],
-                "bytes_read": pool_bytes,
-                "page_cache_bytes": pc_pool_max,
-                "meminfo_cached_delta_bytes": _median(cached_delta),
-                "retrieval": last_pool_ret,
+                "bytes_read": acc.pool_bytes,
+                "page_cache_bytes": acc.pc_pool_max,
+                "meminfo_cached_delta_bytes": _median(acc.cached_delta),
+                "retrieval": acc.last_pool_ret,
                 "devices": {s.name: s.describe() for s in devs.stores},
                 "bandwidths_measured": devs.bandwidths,
                 "placement": pool.placement.snapshot(),
@@ -250,17 +285,16 @@ def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress,
                 "blocked_io_s": m["ser_ret"],
                 "retrieval_s": m["ser_ret"],
                 "retrieval_bytes_per_s": kv_bytes / m["ser_ret"],
-                "bytes_read": ser_bytes,
-                "page_cache_bytes": pc_ser_max,
+                "bytes_read": acc.ser_bytes,
+                "page_cache_bytes": acc.pc_ser_max,
                 "fs_time_frac": m["fs_frac"],
                 "kernel_time_frac": m["kern_frac"],
-                "retrieval": last_ser,
+                "retrieval": acc.last_ser,
                 "files": len(serial.files()),
             },
-            "max_abs_logit_diff_vs_recompute": max(diffs),
+            "max_abs_logit_diff_vs_recompute": max(acc.diffs),
             "emulation": devs.emulated if emulated else False,
         }
-        return res
     finally:
         pool.close()
         devs.close()
