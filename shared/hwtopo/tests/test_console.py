@@ -151,3 +151,33 @@ def test_a_bare_key_error_keeps_its_type_name(capsys):
 
     assert _cli(missing)(["run"]) == 1
     assert capsys.readouterr().err.strip() == "demo-cli: error: KeyError: 'rank3'"
+
+
+def test_integer_and_number_bounds(capsys):
+    port = console.integer("--port", 0, 65535)
+    assert port("0") == 0 and port("65535") == 65535
+    for bad in ("-1", "65536", "1.5", "x"):
+        with pytest.raises(Exception, match="--port must be an integer >= 0 and <= 65535"):
+            port(bad)
+    ttft = console.number("--ttft", 0.0, 60.0)
+    assert ttft("0") == 0.0
+    with pytest.raises(Exception, match="--ttft must be a number >= 0 and <= 60"):
+        ttft("nan")
+
+
+def test_testing_helper_checks_code_message_traceback_and_files(tmp_path):
+    from hwtopo import testing
+
+    def tidy(argv):
+        print("tidy: error: --out is bad", file=__import__("sys").stderr)
+        return 2
+
+    def messy(argv):
+        (tmp_path / "made").mkdir()
+        raise SystemExit(2)
+
+    testing.assert_fails(tidy, "run --out {tmp}/x", 2, "--out is bad", tmp=tmp_path, prog="tidy")
+    with pytest.raises(AssertionError, match="changed"):
+        testing.assert_fails(messy, ["run"], 2, "", tmp=tmp_path)
+    with pytest.raises(AssertionError, match="exit 2, wanted 1"):
+        testing.assert_fails(tidy, "run", 1, "--out")

@@ -29,6 +29,8 @@ __all__ = [
     "parser",
     "command",
     "run",
+    "integer",
+    "number",
     "positive_int",
     "positive_float",
     "fraction",
@@ -116,6 +118,16 @@ def _number(text: str, field: str, kind: type, low: float, high: float | None, c
     return v
 
 
+def integer(field: str, low: int, high: int) -> Callable[[str], int]:
+    """argparse type: an integer in [``low``, ``high``] (a port, a seed, a count), the error naming ``field``."""
+    return lambda text: int(_number(text, field, int, low, high, True))
+
+
+def number(field: str, low: float, high: float | None = None, *, inclusive: bool = True) -> Callable[[str], float]:
+    """argparse type: a finite number >= ``low`` (> with ``inclusive=False``) and <= ``high``."""
+    return lambda text: _number(text, field, float, low, high, inclusive)
+
+
 def positive_int(field: str, maximum: int | None = None) -> Callable[[str], int]:
     """argparse type: an integer >= 1 (and <= ``maximum``), the error naming ``field``."""
     return lambda text: int(_number(text, field, int, 1, maximum, True))
@@ -123,12 +135,12 @@ def positive_int(field: str, maximum: int | None = None) -> Callable[[str], int]
 
 def positive_float(field: str, maximum: float | None = None) -> Callable[[str], float]:
     """argparse type: a finite number > 0 (and <= ``maximum``), the error naming ``field``."""
-    return lambda text: _number(text, field, float, 0.0, maximum, False)
+    return number(field, 0.0, maximum, inclusive=False)
 
 
 def fraction(field: str) -> Callable[[str], float]:
     """argparse type: a number in [0, 1]."""
-    return lambda text: _number(text, field, float, 0.0, 1.0, True)
+    return number(field, 0.0, 1.0)
 
 
 def output_file(path: str | os.PathLike, field: str) -> Path:
