@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from hwtopo import console
+
 from .model import DiffusionLM
 from .task import TableTask, TaskSpec
 
@@ -58,11 +60,8 @@ class Recipe:
 
 
 def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/mlsyskit/bicache`` (or ``~/.cache/...``); ``BICACHE_CACHE_DIR`` overrides."""
-    if os.environ.get("BICACHE_CACHE_DIR"):
-        return Path(os.environ["BICACHE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlsyskit" / "bicache"
+    """The user cache (``~/.cache/mlsyskit/bicache`` on Linux); ``BICACHE_CACHE_DIR`` overrides."""
+    return console.cache_dir("bicache", "BICACHE_CACHE_DIR")
 
 
 def compose_table_embeddings(dlm: DiffusionLM, seed: int = 0) -> None:
