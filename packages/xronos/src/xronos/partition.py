@@ -306,34 +306,24 @@ def _units_within(fixed: float, per_unit: float, limit_t: float, hi: int) -> int
 
 
 def partition(shape: ModelShape, costs: list[RankCost], min_units: int = 1) -> Partition:
-    """Shard sizes minimising the per-layer time of the slowest rank at both synchronisation points."""
+    """Shard sizes minimising the per-layer time of the slowest rank at both synchronisation points.
+
+    With ``g_r`` attention units and ``m_r`` MLP units on rank r, it solves exactly::
+
+        min  max_r attn_r(g_r) + max_r mlp_r(m_r)
+        s.t. sum_r g_r = G,  sum_r m_r = N,  g_r >= min_units,  m_r >= min_units,
+             g_r * attn_unit_bytes + m_r * mlp_unit_bytes <= memory_r
+
+    Without memory limits the two maxima decouple and a water-fill of each is exact. With them,
+    :class:`_MemorySearch` finds the attention split and MLP time of the least sum; the MLP units are
+    then water-filled under the caps that split and time leave each rank.
+    """
     world = len(costs)
     _check_world(shape, world, min_units)
     if min_units < 0:
         raise PartitionError(f"min_units must be >= 0, not {min_units}")
+    _check_memory(shape, costs, min_units)
     G, N = shape.attn_units, shape.mlp_units
-    bg, bm = shape.attn_unit_bytes(), shape.mlp_unit_bytes()
-
-    def mem_cap_attn(r: int) -> int:
-        m = costs[r].memory_bytes
-        return G if m is None else min(G, math.floor((m - min_units * bm) / bg)) if bg else G
-
-    def mem_cap_mlp(r: int, g: int) -> int:
-        m = costs[r].memory_bytes
-        return N if m is None else min(N, math.floor((m - g * bg) / bm))
-
-    need = (min_units * bg + min_units * bm) if min_units else 0
-    for r, c in enumerate(costs):
-        if c.memory_bytes is not None and c.memory_bytes < need:
-            raise PartitionError(
-                f"rank {r} has {c.memory_bytes:.0f} bytes for shards but its smallest shard "
-                f"({min_units} KV group + {min_units} MLP block) needs {need} bytes"
-            )
-    total_mem = sum(c.memory_bytes for c in costs if c.memory_bytes is not None)
-    if all(c.memory_bytes is not None for c in costs) and total_mem < G * bg + N * bm:
-        raise PartitionError(
-            f"the model's shards need {G * bg + N * bm} bytes in all but the ranks offer only {total_mem:.0f}"
-        )
     lo = [min_units] * world
     attn_t = lambda r, u: costs[r].attn_time(u)  # noqa: E731
     mlp_t = lambda r, u: costs[r].mlp_time(u)  # noqa: E731
@@ -344,23 +334,135 @@ def partition(shape: ModelShape, costs: list[RankCost], min_units: int = 1) -> P
         assert attn is not None and mlp is not None
         return _finish(shape, costs, attn, mlp)
 
-    a_caps = [mem_cap_attn(r) for r in range(world)]
-    t_a_cands = sorted({costs[r].attn_time(g) for r in range(world) for g in range(min_units, a_caps[r] + 1)})
-    t_m_cands = sorted({costs[r].mlp_time(m) for r in range(world) for m in range(min_units, N + 1)})
+    search = _MemorySearch(shape, costs, min_units)
+    g, t_m = search.best()
+    caps = [min(search.mlp_cap(r, g[r]), search.mlp_within(r, t_m)) for r in range(world)]
+    mlp = _waterfill(N, lo, caps, mlp_t)
+    assert mlp is not None
+    # g is already optimal for its attention time: no rebalancing of attention within the same memory
+    return _finish(shape, costs, g, mlp)
 
-    def feasible(a_hi: list[int], t_m: float) -> list[int] | None:
+
+def _check_memory(shape: ModelShape, costs: list[RankCost], min_units: int) -> None:
+    """Fail early, naming the rank, when a rank cannot hold its smallest shard or all ranks the model."""
+    bg, bm = shape.attn_unit_bytes(), shape.mlp_unit_bytes()
+    need = (min_units * bg + min_units * bm) if min_units else 0
+    for r, c in enumerate(costs):
+        if c.memory_bytes is not None and c.memory_bytes < need:
+            raise PartitionError(
+                f"rank {r} has {c.memory_bytes:.0f} bytes for shards but its smallest shard "
+                f"({min_units} KV group + {min_units} MLP block) needs {need} bytes"
+            )
+    total_need = shape.attn_units * bg + shape.mlp_units * bm
+    total_mem = sum(c.memory_bytes for c in costs if c.memory_bytes is not None)
+    if all(c.memory_bytes is not None for c in costs) and total_mem < total_need:
+        raise PartitionError(
+            f"the model's shards need {total_need} bytes in all but the ranks offer only {total_mem:.0f}"
+        )
+
+
+class _MemorySearch:
+    """The exact search when ranks have memory limits, which couple a rank's two segments.
+
+    At the optimum the attention time is ``attn_r(g)`` for some rank r and count g, and the MLP time
+    ``mlp_r(m)`` for some r and m, so only those values are candidates. A candidate attention time
+    ``t_a`` caps each rank at ``a_hi[r]`` attention units (its time and its memory); a candidate MLP
+    time ``t_m`` is feasible when some split of the G attention units within ``a_hi`` leaves room, in
+    every rank's memory and within ``t_m``, for N MLP units in all. Feasibility only grows with
+    ``t_m``, so the least feasible one is found by bisection; ``t_a`` ascends, so the search stops
+    once ``t_a`` alone reaches the best sum.
+    """
+
+    def __init__(self, shape: ModelShape, costs: list[RankCost], min_units: int) -> None:
+        self.costs = costs
+        self.min_units = min_units
+        self.world = len(costs)
+        self.G, self.N = shape.attn_units, shape.mlp_units
+        self.bg, self.bm = shape.attn_unit_bytes(), shape.mlp_unit_bytes()
+        self.a_caps = [self.attn_cap(r) for r in range(self.world)]
+
+    def attn_cap(self, r: int) -> int:
+        """Most attention units rank r's memory holds beside its smallest MLP share."""
+        m = self.costs[r].memory_bytes
+        G = self.G
+        return G if m is None else min(G, math.floor((m - self.min_units * self.bm) / self.bg)) if self.bg else G
+
+    def mlp_cap(self, r: int, g: int) -> int:
+        """Most MLP units rank r's memory holds beside ``g`` attention units."""
+        m = self.costs[r].memory_bytes
+        return self.N if m is None else min(self.N, math.floor((m - g * self.bg) / self.bm))
+
+    def mlp_within(self, r: int, t_m: float) -> int:
+        """Most MLP units rank r computes within ``t_m`` seconds (-1 when not even its fixed cost fits)."""
+        return _units_within(self.costs[r].mlp_fixed_s, self.costs[r].mlp_per_unit_s, t_m, self.N)
+
+    def attn_limits(self, t_a: float) -> list[int]:
+        """Most attention units each rank holds within ``t_a`` seconds and its memory."""
+        return [
+            min(self.a_caps[r], _units_within(c.attn_fixed_s, c.attn_per_unit_s, t_a, self.G))
+            for r, c in enumerate(self.costs)
+        ]
+
+    def candidates(self) -> tuple[list[float], list[float]]:
+        """Every attention and every MLP time some rank takes at an allowed unit count, ascending."""
+        lo, costs = self.min_units, self.costs
+        t_a = sorted({c.attn_time(g) for r, c in enumerate(costs) for g in range(lo, self.a_caps[r] + 1)})
+        t_m = sorted({c.mlp_time(m) for c in costs for m in range(lo, self.N + 1)})
+        return t_a, t_m
+
+    def best(self) -> tuple[list[int], float]:
+        """The attention split and MLP time of the least ``t_a + t_m``; raises when nothing fits memory."""
+        t_a_cands, t_m_cands = self.candidates()
+        best_val, best_alloc = math.inf, None
+        for t_a in t_a_cands:
+            if t_a >= best_val:
+                break
+            a_hi = self.attn_limits(t_a)
+            if any(a < self.min_units for a in a_hi) or sum(a_hi) < self.G:
+                continue
+            t_m = self.least_mlp_time(a_hi, t_m_cands)
+            if t_m is not None and t_a + t_m < best_val - 1e-15:
+                best_val, best_alloc = t_a + t_m, (self.feasible(a_hi, t_m), t_m)
+        if best_alloc is None:
+            raise PartitionError(
+                "no partition fits every rank's memory; give the ranks more memory, add ranks or shrink the model"
+            )
+        return best_alloc
+
+    def least_mlp_time(self, a_hi: list[int], t_m_cands: list[float]) -> float | None:
+        """Bisect the ascending candidates for the least feasible MLP time (None: not even the largest)."""
+        lo_i, hi_i = 0, len(t_m_cands) - 1
+        if self.feasible(a_hi, t_m_cands[hi_i]) is None:
+            return None
+        while lo_i < hi_i:
+            mid = (lo_i + hi_i) // 2
+            if self.feasible(a_hi, t_m_cands[mid]) is not None:
+                hi_i = mid
+            else:
+                lo_i = mid + 1
+        return t_m_cands[lo_i]
+
+    def feasible(self, a_hi: list[int], t_m: float) -> list[int] | None:
         """Attention units g (g_r <= a_hi[r], sum G) leaving room for N MLP units within t_m, or None."""
-        # best[s]: max MLP units over ranks so far with s attention units; choice[r][s] for backtracking
+        tables = self._most_mlp(a_hi, t_m)
+        return None if tables is None else self._pick_attn(a_hi, t_m, tables)
+
+    def _most_mlp(self, a_hi: list[int], t_m: float) -> list[dict[int, int]] | None:
+        """Dynamic programme over ranks: ``tables[r][s]`` = most MLP units ranks < r hold beside s attention units.
+
+        None when the ranks cannot hold all G attention units and N MLP units together.
+        """
+        G, min_units = self.G, self.min_units
         best = {0: 0}
         tables = []
-        for r in range(world):
-            u_t = _units_within(costs[r].mlp_fixed_s, costs[r].mlp_per_unit_s, t_m, N)
+        for r in range(self.world):
+            u_t = self.mlp_within(r, t_m)
             nxt: dict[int, int] = {}
             for s, v in best.items():
                 for g in range(min_units, a_hi[r] + 1):
                     if s + g > G:
                         break
-                    cap = min(mem_cap_mlp(r, g), u_t)
+                    cap = min(self.mlp_cap(r, g), u_t)
                     if cap < min_units:
                         continue
                     val = v + cap
@@ -370,20 +472,27 @@ def partition(shape: ModelShape, costs: list[RankCost], min_units: int = 1) -> P
             best = nxt
             if not best:
                 return None
-        if best.get(G, -1) < N:
+        if best.get(G, -1) < self.N:
             return None
-        # backtrack from the last rank, preferring the attention share closest to speed-proportional
-        inv = [1.0 / costs[r].attn_per_unit_s for r in range(world)]
-        target = [G * w / sum(inv) for w in inv]
-        g_alloc = [0] * world
-        s_left, n_left = G, N
-        for r in range(world - 1, -1, -1):
+        return tables
+
+    def _pick_attn(self, a_hi: list[int], t_m: float, tables: list[dict[int, int]]) -> list[int] | None:
+        """Backtrack from the last rank; among feasible shares, the one closest to speed-proportional.
+
+        Many attention splits meet the same two times; preferring the share proportional to each rank's
+        attention speed gives equal ranks the even split.
+        """
+        inv = [1.0 / c.attn_per_unit_s for c in self.costs]
+        target = [self.G * w / sum(inv) for w in inv]
+        g_alloc = [0] * self.world
+        s_left, n_left = self.G, self.N
+        for r in range(self.world - 1, -1, -1):
             prev = tables[r]
-            u_t = _units_within(costs[r].mlp_fixed_s, costs[r].mlp_per_unit_s, t_m, N)
+            u_t = self.mlp_within(r, t_m)
             options = []
-            for g in range(min_units, min(a_hi[r], s_left) + 1):
-                cap = min(mem_cap_mlp(r, g), u_t)
-                if cap < min_units or (s_left - g) not in prev:
+            for g in range(self.min_units, min(a_hi[r], s_left) + 1):
+                cap = min(self.mlp_cap(r, g), u_t)
+                if cap < self.min_units or (s_left - g) not in prev:
                     continue
                 if prev[s_left - g] + cap >= n_left:
                     options.append((abs(g - target[r]), g, cap))
@@ -394,42 +503,6 @@ def partition(shape: ModelShape, costs: list[RankCost], min_units: int = 1) -> P
             s_left -= g
             n_left = max(0, n_left - cap)
         return g_alloc
-
-    best_val, best_alloc = math.inf, None
-    for t_a in t_a_cands:
-        if t_a >= best_val:
-            break
-        a_hi = [
-            min(a_caps[r], _units_within(costs[r].attn_fixed_s, costs[r].attn_per_unit_s, t_a, G)) for r in range(world)
-        ]
-        if any(a < min_units for a in a_hi) or sum(a_hi) < G:
-            continue
-        lo_i, hi_i = 0, len(t_m_cands) - 1
-        if feasible(a_hi, t_m_cands[hi_i]) is None:
-            continue
-        while lo_i < hi_i:
-            mid = (lo_i + hi_i) // 2
-            if feasible(a_hi, t_m_cands[mid]) is not None:
-                hi_i = mid
-            else:
-                lo_i = mid + 1
-        t_m = t_m_cands[lo_i]
-        if t_a + t_m < best_val - 1e-15:
-            g = feasible(a_hi, t_m)
-            best_val, best_alloc = t_a + t_m, (g, t_m)
-    if best_alloc is None:
-        raise PartitionError(
-            "no partition fits every rank's memory; give the ranks more memory, add ranks or shrink the model"
-        )
-    g, t_m = best_alloc
-    caps = [
-        min(mem_cap_mlp(r, g[r]), _units_within(costs[r].mlp_fixed_s, costs[r].mlp_per_unit_s, t_m, N))
-        for r in range(world)
-    ]
-    mlp = _waterfill(N, lo, caps, mlp_t)
-    assert mlp is not None
-    # attention: rebalance within the same memory use per rank is not needed; g is optimal for t_a
-    return _finish(shape, costs, g, mlp)
 
 
 def _finish(shape: ModelShape, costs: list[RankCost], attn: list[int], mlp: list[int]) -> Partition:
