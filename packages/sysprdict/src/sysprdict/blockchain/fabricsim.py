@@ -100,44 +100,39 @@ def _mem_slowdown(mem_gb: float, working_set_gb: float) -> float:
     return 1.0 if mem_gb >= working_set_gb else 1.0 + 2.5 * (working_set_gb / mem_gb - 1.0)
 
 
-def simulate(cfg: FabricConfig, seed: int = 0, params: SimParams | None = None) -> dict:
-    """One simulated Caliper round of `cfg`: metrics in the CSV schema's measured columns."""
-    p = params or SimParams()
-    rng = np.random.default_rng(seed)
-    # Caliper's fixed-rate controller: one transaction every 1/send_rate seconds (small jitter)
-    n = max(1, int(cfg.send_rate_tps * p.duration_s))
-    gap = 1.0 / cfg.send_rate_tps
-    arrivals = np.arange(n) * gap + rng.uniform(0.0, 0.1 * gap, n)
-    is_read = rng.random(n) < cfg.read_fraction
-    e = cfg.endorsers()
-
-    # CPU share that validation takes on each peer (all peers validate every block)
+def _validation_load(cfg: FabricConfig, p: SimParams) -> float:
+    """Core-seconds per second that validating every block takes on each peer (all peers validate)."""
     write_rate = cfg.send_rate_tps * (1 - cfg.read_fraction)
     blocks_per_s = max(write_rate / cfg.block_size, 1.0 / cfg.batch_timeout_s)
-    val_load = (write_rate * e * p.vscc_ms + blocks_per_s * p.block_commit_ms) / 1000.0
+    return (write_rate * cfg.endorsers() * p.vscc_ms + blocks_per_s * p.block_commit_ms) / 1000.0
+
+
+def _chosen_peers(cfg: FabricConfig, rr: int, read: bool) -> list[int]:
+    """Peers that serve the ``rr``-th proposal: one for a query, one per endorsing org for a write."""
+    if read:
+        return [rr % cfg.peers]
+    peers_per_org = max(1, cfg.peers // cfg.orgs)
+    orgs = [(rr + k) % cfg.orgs for k in range(cfg.endorsers())]
+    return [min(cfg.peers - 1, o * peers_per_org + (rr // cfg.orgs) % peers_per_org) for o in orgs]
+
+
+def _execute(cfg: FabricConfig, p: SimParams, rng, arrivals: np.ndarray, is_read: np.ndarray, val_load: float):
+    """Phase 1, endorsement on per-peer FIFO multi-server queues; returns (done times, ok, busy per peer)."""
+    n, e = len(arrivals), cfg.endorsers()
+    # validation runs on the same peers, so it takes its CPU share from endorsement
     val_share = min(0.8, val_load / cfg.peer_cpus)
     workers = max(1, int(round(cfg.peer_cpus)))
     speed = cfg.peer_cpus / workers * (1 - val_share) / _mem_slowdown(cfg.peer_mem_gb, p.working_set_gb)
-
-    # 1. execute: per-peer FIFO multi-server queues (heaps of worker free times)
-    free = [[0.0] * workers for _ in range(cfg.peers)]
+    free = [[0.0] * workers for _ in range(cfg.peers)]  # heaps of worker free times
     busy = np.zeros(cfg.peers)
-    peers_per_org = max(1, cfg.peers // cfg.orgs)
     endorse_done = np.empty(n)
     endorse_ok = np.ones(n, bool)
-    rr = 0
     svc_w = _lognormal(rng, p.endorse_ms / 1000.0, p.sigma, (n, e)) / speed
     svc_r = _lognormal(rng, p.query_ms / 1000.0, p.sigma, n) / speed
     for i in range(n):
         t = arrivals[i] + p.network_rtt_s / 2
-        if is_read[i]:
-            chosen = [rr % cfg.peers]
-        else:
-            orgs = [(rr + k) % cfg.orgs for k in range(e)]
-            chosen = [min(cfg.peers - 1, o * peers_per_org + (rr // cfg.orgs) % peers_per_org) for o in orgs]
-        rr += 1
         done = t
-        for k, pe in enumerate(chosen):
+        for k, pe in enumerate(_chosen_peers(cfg, i, is_read[i])):
             start = max(t, free[pe][0])
             if start - t > p.endorse_timeout_s:
                 # the client's gRPC deadline expired while queued: the call is cancelled, no service
@@ -149,27 +144,20 @@ def simulate(cfg: FabricConfig, seed: int = 0, params: SimParams | None = None) 
             busy[pe] += s * cfg.peer_cpus / workers
             done = max(done, start + s)
         endorse_done[i] = done + p.network_rtt_s / 2
+    return endorse_done, endorse_ok, busy
 
-    complete = np.full(n, np.inf)
-    success = np.zeros(n, bool)
-    rd = is_read & endorse_ok
-    complete[rd] = endorse_done[rd]
-    success[rd] = True
 
-    # 2. order: Raft leader FIFO, block cutting by size or timeout
-    writes = np.where(~is_read & endorse_ok)[0]
-    writes = writes[np.argsort(endorse_done[writes], kind="stable")]
-    ord_cost = p.order_tx_ms / 1000.0 * (1 + p.raft_per_follower * (cfg.orderers - 1)) / cfg.orderer_cpus
-    ord_cost *= _mem_slowdown(cfg.orderer_mem_gb, p.orderer_working_set_gb)
-    consensus = p.consensus_ms / 1000.0 * math.log2(cfg.orderers + 1) / 2.0 / min(cfg.orderer_cpus, 1.0)
-    leader_free = 0.0
+def _order_cost(cfg: FabricConfig, p: SimParams) -> float:
+    """The Raft leader's seconds per transaction: replication to followers over its CPU and memory."""
+    cost = p.order_tx_ms / 1000.0 * (1 + p.raft_per_follower * (cfg.orderers - 1)) / cfg.orderer_cpus
+    return cost * _mem_slowdown(cfg.orderer_mem_gb, p.orderer_working_set_gb)
+
+
+def _cut_blocks(cfg: FabricConfig, writes: np.ndarray, ordered: np.ndarray) -> list[tuple[float, list[int]]]:
+    """Phase 2's block cutter: (cut time, transactions), cut at ``block_size`` or the batch timeout."""
     blocks: list[tuple[float, list[int]]] = []
     cur: list[int] = []
     cur_start = 0.0
-    ordered = np.empty(len(writes))
-    for j, i in enumerate(writes):
-        leader_free = max(leader_free, endorse_done[i]) + ord_cost * rng.lognormal(-0.02, 0.2)
-        ordered[j] = leader_free
     for j, i in enumerate(writes):
         t = ordered[j]
         if cur and t > cur_start + cfg.batch_timeout_s:
@@ -183,10 +171,23 @@ def simulate(cfg: FabricConfig, seed: int = 0, params: SimParams | None = None) 
             cur = []
     if cur:
         blocks.append((cur_start + cfg.batch_timeout_s, cur))
+    return blocks
 
-    # 3. validate and commit (in block order), MVCC on keys
-    hot = rng.random(n) < p.hot_fraction
-    keys = np.where(hot, rng.integers(0, p.hot_keys, n), rng.integers(p.hot_keys, p.keys, n))
+
+def _order(cfg: FabricConfig, rng, writes: np.ndarray, endorse_done: np.ndarray, ord_cost: float):
+    """Phase 2, the Raft leader's FIFO in endorsement order, then block cutting; returns the blocks."""
+    leader_free = 0.0
+    ordered = np.empty(len(writes))
+    for j, i in enumerate(writes):
+        leader_free = max(leader_free, endorse_done[i]) + ord_cost * rng.lognormal(-0.02, 0.2)
+        ordered[j] = leader_free
+    return _cut_blocks(cfg, writes, ordered)
+
+
+def _validate(cfg: FabricConfig, p: SimParams, rng, blocks, keys, endorse_done, complete, success) -> None:
+    """Phase 3, consensus, validation and commit in block order with MVCC on keys; fills completion."""
+    e = cfg.endorsers()
+    consensus = p.consensus_ms / 1000.0 * math.log2(cfg.orderers + 1) / 2.0 / min(cfg.orderer_cpus, 1.0)
     last_commit = {}
     val_free = 0.0
     val_par = max(1.0, min(cfg.peer_cpus, 4.0))
@@ -205,6 +206,34 @@ def simulate(cfg: FabricConfig, seed: int = 0, params: SimParams | None = None) 
                 success[i] = True
         for k in written:
             last_commit[k] = val_free
+
+
+def simulate(cfg: FabricConfig, seed: int = 0, params: SimParams | None = None) -> dict:
+    """One simulated Caliper round of `cfg`: metrics in the CSV schema's measured columns."""
+    p = params or SimParams()
+    rng = np.random.default_rng(seed)
+    # Caliper's fixed-rate controller: one transaction every 1/send_rate seconds (small jitter)
+    n = max(1, int(cfg.send_rate_tps * p.duration_s))
+    gap = 1.0 / cfg.send_rate_tps
+    arrivals = np.arange(n) * gap + rng.uniform(0.0, 0.1 * gap, n)
+    is_read = rng.random(n) < cfg.read_fraction
+    val_load = _validation_load(cfg, p)
+    endorse_done, endorse_ok, busy = _execute(cfg, p, rng, arrivals, is_read, val_load)
+
+    complete = np.full(n, np.inf)
+    success = np.zeros(n, bool)
+    rd = is_read & endorse_ok
+    complete[rd] = endorse_done[rd]
+    success[rd] = True
+
+    writes = np.where(~is_read & endorse_ok)[0]
+    writes = writes[np.argsort(endorse_done[writes], kind="stable")]
+    ord_cost = _order_cost(cfg, p)
+    blocks = _order(cfg, rng, writes, endorse_done, ord_cost)
+    # each write reads and writes one key; a hot set takes most accesses
+    hot = rng.random(n) < p.hot_fraction
+    keys = np.where(hot, rng.integers(0, p.hot_keys, n), rng.integers(p.hot_keys, p.keys, n))
+    _validate(cfg, p, rng, blocks, keys, endorse_done, complete, success)
     late = complete - arrivals > p.tx_timeout_s
     success &= ~late
 
