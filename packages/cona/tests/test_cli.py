@@ -4,7 +4,8 @@ import math
 import pytest
 from conftest import expected_models
 
-from cona.cli import HEADLINE_KEYS, main
+from cona.cli import main
+from cona.report import HEADLINE_KEYS
 
 
 @pytest.mark.slow
@@ -164,7 +165,7 @@ def test_simulate_usage_errors_exit_2_with_one_line(argv, needle, capsys):
 
 
 def test_headline_is_the_median_over_seeds_with_spread():
-    from cona.cli import _aggregate
+    from cona.report import aggregate
 
     per = {
         0: {"ttp_ratio_vs_best_static": 0.5, "gap_to_oracle": None, "switches": 2, "switch_overhead_frac": 0.01,
@@ -174,7 +175,7 @@ def test_headline_is_the_median_over_seeds_with_spread():
         2: {"ttp_ratio_vs_best_static": 0.6, "gap_to_oracle": 0.3, "switches": 3, "switch_overhead_frac": 0.02,
             "gns_overhead_frac": 0.01},
     }  # fmt: skip
-    head, spread = _aggregate(per)
+    head, spread = aggregate(per)
     assert head["ttp_ratio_vs_best_static"] == 0.6 and head["switches"] == 2
     assert head["gap_to_oracle"] == pytest.approx(0.2)  # a seed without a value is left out, and counted
     assert spread["gap_to_oracle"]["seeds_without_value"] == 1
@@ -194,27 +195,27 @@ def test_a_seed_where_cona_misses_the_target_stays_in_the_headline_censored():
     flagged, and the medians include it (they would read 0.5 / 0.0 had the seed been dropped)."""
     from types import SimpleNamespace
 
-    from cona.cli import _aggregate, _headline
+    from cona.report import aggregate, headline
 
     cfg = SimpleNamespace(target_ppl=5.8, budget_s=60.0, target_window=5)
     per, notes = {}, []
     for seed, (c, o) in enumerate([(10.0, 10.0), (None, 12.0), (10.0, 10.0)]):
-        per[seed], n = _headline(_runs(c, o), cfg, seed)
+        per[seed], n = headline(_runs(c, o), cfg, seed)
         notes += n
     assert per[1]["ttp_ratio_vs_best_static"] == pytest.approx(60.0 / 20.0)
     assert per[1]["gap_to_oracle"] == pytest.approx((60.0 - 12.0) / 12.0)
     assert per[1]["censored"] == ["cona"] and any("seed 1: cona did not reach" in x for x in notes)
-    head, spread = _aggregate(per)
+    head, spread = aggregate(per)
     assert head["censored_seeds"] == ["1: cona"]
     assert spread["ttp_ratio_vs_best_static"]["per_seed"] == pytest.approx([0.5, 3.0, 0.5])
     assert spread["gap_to_oracle"]["seeds_without_value"] == 0
     # two of three censored: the medians are the censored values, not the one seed that reached the target
-    per = {seed: _headline(_runs(c, 10.0), cfg, seed)[0] for seed, c in enumerate([None, None, 10.0])}
-    head, _ = _aggregate(per)
+    per = {seed: headline(_runs(c, 10.0), cfg, seed)[0] for seed, c in enumerate([None, None, 10.0])}
+    head, _ = aggregate(per)
     assert head["ttp_ratio_vs_best_static"] == pytest.approx(3.0) and head["gap_to_oracle"] == pytest.approx(5.0)
     assert head["censored_seeds"] == ["0: cona", "1: cona"]
     # a censored oracle is censored too (not a missing gap)
-    h, _ = _headline(_runs(30.0, None), cfg, 0)
+    h, _ = headline(_runs(30.0, None), cfg, 0)
     assert h["gap_to_oracle"] == pytest.approx(-0.5) and h["censored"] == ["oracle"]
 
 

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 from .gns import GradientNoiseScale, efficiency_models
 
-__all__ = ["BenchConfig"]
+__all__ = ["BenchConfig", "QUICK", "FULL"]
+
+# The workloads of `cona bench --quick` and `cona bench` (one place, so README, demo and bench agree): the tiny
+# model's noise scale grows from ~20-40 samples at step 0 to ~250 by the target, while throughput keeps growing up
+# to the largest global batch, so the batch that uses samples best grows during training and stays below the
+# throughput-optimal one. The quick bench fits in 3 minutes with cached probes; its space starts at gb16, since gb8
+# runs only as pp2 or tp2 on 2 ranks, at a quarter of gb64's samples/s, and never contends.
+QUICK = {"world": 2, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1, "global_batches": (16, 32, 64, 128, 256)}
+FULL = {"world": 4, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1}
 
 
 def _require(ok: bool, message: str) -> None:
@@ -126,7 +134,9 @@ class BenchConfig:
             f"held_out_bytes must be above 2 x seq_len ({2 * self.seq_len}): the oracle picks on windows of that "
             f"text, got {self.held_out_bytes}",
         )
-        _require(self.target_window >= 1, f"target_window must be >= 1 (evaluations averaged), got {self.target_window}")
+        _require(
+            self.target_window >= 1, f"target_window must be >= 1 (evaluations averaged), got {self.target_window}"
+        )
         _require(
             self.oracle_branches is None or self.oracle_branches >= 1,
             f"oracle_branches must be >= 1, got {self.oracle_branches}",
@@ -172,9 +182,7 @@ class BenchConfig:
             self.probe_paired_cycles >= 0,
             f"probe_paired_cycles must be >= 0 (0: no paired timing), got {self.probe_paired_cycles}",
         )
-        _require(
-            0 <= self.probe_paired_band < 1, f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}"
-        )
+        _require(0 <= self.probe_paired_band < 1, f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}")
         _require(
             self.probe_paired_block_s > 0, f"probe_paired_block_s must be > 0 seconds, got {self.probe_paired_block_s}"
         )
