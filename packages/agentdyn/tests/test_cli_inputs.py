@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from agentdyn.cli import main
+from hwtopo.testing import assert_fails
 
-# (argv with {tmp} for the test's directory, text the message must contain)
+# (argv with {tmp} for the test's directory and {{ for a literal brace, text the message must contain)
 CASES = [
     ("serve --port 99999", "--port must be an integer >= 0 and <= 65535"),
     ("serve --port -1", "--port"),
@@ -22,18 +23,24 @@ CASES = [
     ("serve --profiles {tmp}/dir", "--profiles '{tmp}/dir' is not a file"),
     ("serve --host 0.0.0.0", "--token"),
     ("serve --policy greedy", "--policy"),
+    ("llm-emulator --port 99999", "--port"),
     ("run coding --profiles {tmp}/file/p.json", "--profiles"),
     ("run coding --site-pages 0", "--site-pages"),
     ("run coding --site-pages 1e30", "--site-pages"),
     ("run coding --tool-timeout -1", "--tool-timeout"),
     ("run coding --ttft nan", "--ttft must be a number >= 0"),
     ("run coding --tokens-per-s 0", "--tokens-per-s"),
-    ("run coding --seed -1", "--seed must be an integer >= 0 and <= 4294967295"),
+    ("run coding --seed -1", "--seed must be an integer >= 0"),
     ("run coding --input [1", "--input"),
+    ("run coding --input {{bad", "--input"),
     ("run painting", "task_type"),
     ("run coding --llm-base-url ftp://x", "--llm-base-url"),
+    ("run coding --llm-base-url localhost:1", "--llm-base-url"),
+    ("run web_search --site-pages 0", "--site-pages"),
     ("llm-emulator --ttft inf", "--ttft"),
     ("llm-emulator --tokens-per-s -3", "--tokens-per-s"),
+    ("bench --quick --ttft -1", "--ttft"),
+    ("bench --quick --tool-threads many", "--tool-threads"),
     ("bench --per-type 0", "--per-type"),
     ("bench --per-type 1e12", "--per-type"),
     ("bench --coding-work -1", "--coding-work"),
@@ -44,8 +51,11 @@ CASES = [
     ("demo --out {tmp}/missing/a", "--out '{tmp}/missing/a': its parent"),
     ("demo --out {tmp}/file", "--out '{tmp}/file' exists and is not a directory"),
     ("characterize --concurrency 1,x", "--concurrency: '1,x'"),
+    ("characterize --concurrency a", "--concurrency: 'a'"),
     ("characterize --llm-ttft 0.3,nan", "--llm-ttft"),
+    ("characterize --llm-ttft -1", "--llm-ttft: '-1'"),
     ("characterize --cores 0", "--cores: '0'"),
+    ("characterize --cores x", "--cores"),
     ("characterize --coding-work 0", "--coding-work"),
     ("characterize --out {tmp}/missing/a", "--out"),
     ("nosuch", "invalid choice"),
@@ -61,13 +71,8 @@ def tmp(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, needle", CASES, ids=[c[0] for c in CASES])
-def test_malformed_input(argv, needle, tmp, capsys):
-    before = sorted(p.name for p in tmp.rglob("*"))
-    assert main(argv.format(tmp=tmp).split()) == 2
-    err = capsys.readouterr().err
-    assert needle.format(tmp=tmp) in err and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("agentdyn")
-    assert sorted(p.name for p in tmp.rglob("*")) == before
+def test_malformed_input(argv, needle, tmp):
+    assert_fails(main, argv, 2, needle, tmp=tmp, prog="agentdyn")
 
 
 def test_version_and_options_after_the_command(capsys):

@@ -1,6 +1,7 @@
 """The HTTP service: validation (400/422), LLM down (502), hung tools, 200 concurrent, SIGTERM drain."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,12 +22,18 @@ from agentdyn.sandbox import zombie_children
 from agentdyn.service import make_app
 
 
-async def _serve(h: Harness, **app_kw):
+@contextlib.asynccontextmanager
+async def _served(h: Harness, **app_kw):
+    """``h`` behind the HTTP service on a free loopback port: yields the base URL, stops both after."""
     await h.start()
     runner = web.AppRunner(make_app(h, **app_kw), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+        await h.stop()
 
 
 def _fast():
@@ -36,25 +43,20 @@ def _fast():
 def test_malformed_and_unknown_requests():
     async def go():
         h = Harness(emulator=_fast(), site_pages=30)
-        runner, url = await _serve(h)
         out = []
-        try:
-            async with aiohttp.ClientSession() as s:
-                for body in [
-                    b"{not json",
-                    b"[1,2]",
-                    b'{"input": {}}',
-                    b'{"task_type": 3}',
-                    b'{"task_type": "coding", "input": 5}',
-                    b'{"task_type": "coding", "tool_timeout_s": -1}',
-                    b'{"task_type": "coding", "colour": 1}',
-                    b'{"task_type": "painting"}',
-                ]:
-                    async with s.post(url + "/v1/agent", data=body) as r:
-                        out.append((r.status, await r.json()))
-        finally:
-            await runner.cleanup()
-            await h.stop()
+        async with _served(h) as url, aiohttp.ClientSession() as s:
+            for body in [
+                b"{not json",
+                b"[1,2]",
+                b'{"input": {}}',
+                b'{"task_type": 3}',
+                b'{"task_type": "coding", "input": 5}',
+                b'{"task_type": "coding", "tool_timeout_s": -1}',
+                b'{"task_type": "coding", "colour": 1}',
+                b'{"task_type": "painting"}',
+            ]:
+                async with s.post(url + "/v1/agent", data=body) as r:
+                    out.append((r.status, await r.json()))
         return out
 
     out = asyncio.run(go())
@@ -76,14 +78,9 @@ def test_llm_down_gives_clear_per_request_error(free_port):
     async def go():
         llm = LLMConfig(base_url=f"http://127.0.0.1:{free_port}/v1", retries=1, backoff_s=0.01, timeout_s=1)
         h = Harness(llm=llm, site_pages=30)
-        runner, url = await _serve(h)
-        try:
-            async with aiohttp.ClientSession() as s:
-                async with s.post(url + "/v1/agent", json={"task_type": "rag_qa"}) as r:
-                    return r.status, await r.json()
-        finally:
-            await runner.cleanup()
-            await h.stop()
+        async with _served(h) as url, aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/agent", json={"task_type": "rag_qa"}) as r:
+                return r.status, await r.json()
 
     status, body = asyncio.run(go())
     assert status == 502 and body["ok"] is False
@@ -94,15 +91,10 @@ def test_llm_down_gives_clear_per_request_error(free_port):
 def test_hung_tool_is_killed_and_the_request_still_answers():
     async def go():
         h = Harness(emulator=_fast(), site_pages=30)
-        runner, url = await _serve(h)
-        try:
-            async with aiohttp.ClientSession() as s:
-                body = {"task_type": "coding", "input": {"variant": "hang", "work": 500}, "tool_timeout_s": 25}
-                async with s.post(url + "/v1/agent", json=body) as r:
-                    return r.status, await r.json()
-        finally:
-            await runner.cleanup()
-            await h.stop()
+        async with _served(h) as url, aiohttp.ClientSession() as s:
+            body = {"task_type": "coding", "input": {"variant": "hang", "work": 500}, "tool_timeout_s": 25}
+            async with s.post(url + "/v1/agent", json=body) as r:
+                return r.status, await r.json()
 
     status, body = asyncio.run(go())
     assert status == 200, body
@@ -119,11 +111,10 @@ def test_hung_tool_is_killed_and_the_request_still_answers():
 def test_holds_200_concurrent_requests():
     async def go():
         h = Harness(emulator=_fast(), site_pages=30, sampler=SystemSampler(0.1).start())
-        runner, url = await _serve(h)
         gate = asyncio.Event()
-        h.emulator.gate = gate  # the LLM answers nobody until all 200 requests are in flight
         try:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async with _served(h) as url, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                h.emulator.gate = gate  # the LLM answers nobody until all 200 requests are in flight
 
                 async def one(i):
                     # most answer from the model; every 20th also runs a (real, sandboxed) search
@@ -145,8 +136,6 @@ def test_holds_200_concurrent_requests():
                     stats = await r.json()
                 return res, peak, stats
         finally:
-            await runner.cleanup()
-            await h.stop()
             h.sampler.stop()
 
     res, peak, stats = asyncio.run(go())
@@ -316,17 +305,12 @@ def test_malformed_request_corpus_gets_no_500_and_no_traceback():
 
     async def go():
         h = Harness(emulator=_fast(), site_pages=30)
-        runner, url = await _serve(h)
         out = []
-        try:
-            async with aiohttp.ClientSession() as s:
-                for method, path, body, headers in corpus:
-                    async with s.request(method, url + path, data=body, headers=headers) as r:
-                        out.append((method, path, (body or b"")[:40], r.status, await r.text()))
-                accepted = h.runtime.completed + h.runtime.failed
-        finally:
-            await runner.cleanup()
-            await h.stop()
+        async with _served(h) as url, aiohttp.ClientSession() as s:
+            for method, path, body, headers in corpus:
+                async with s.request(method, url + path, data=body, headers=headers) as r:
+                    out.append((method, path, (body or b"")[:40], r.status, await r.text()))
+            accepted = h.runtime.completed + h.runtime.failed
         return out, accepted
 
     out, ran = asyncio.run(go())
@@ -341,22 +325,17 @@ def test_malformed_request_corpus_gets_no_500_and_no_traceback():
 def test_token_guards_every_route():
     async def go():
         h = Harness(emulator=_fast(), site_pages=30)
-        runner, url = await _serve(h, token="t0ken")
         out = []
-        try:
-            async with aiohttp.ClientSession() as s:
-                for path, headers in (
-                    ("/healthz", {}),
-                    ("/v1/stats", {"Authorization": "Bearer t0ke"}),
-                    ("/healthz", {"Authorization": "Bearer t0ken"}),
-                ):
-                    async with s.get(url + path, headers=headers) as r:
-                        out.append((r.status, r.headers.get("WWW-Authenticate")))
-                async with s.post(url + "/v1/agent", json={"task_type": "coding"}) as r:
+        async with _served(h, token="t0ken") as url, aiohttp.ClientSession() as s:
+            for path, headers in (
+                ("/healthz", {}),
+                ("/v1/stats", {"Authorization": "Bearer t0ke"}),
+                ("/healthz", {"Authorization": "Bearer t0ken"}),
+            ):
+                async with s.get(url + path, headers=headers) as r:
                     out.append((r.status, r.headers.get("WWW-Authenticate")))
-        finally:
-            await runner.cleanup()
-            await h.stop()
+            async with s.post(url + "/v1/agent", json={"task_type": "coding"}) as r:
+                out.append((r.status, r.headers.get("WWW-Authenticate")))
         return out, h.runtime.completed + h.runtime.failed
 
     out, ran = asyncio.run(go())

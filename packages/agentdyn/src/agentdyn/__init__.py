@@ -6,47 +6,23 @@ Imports are lazy so that the sandboxed tool wrapper (``python -m agentdyn.toolex
 
 from __future__ import annotations
 
-import importlib
+import lazy_loader
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "AdmissionPolicy": "admission",
-    "CpuAdmission": "admission",
-    "AllocationPlan": "allocation",
-    "TaskAwareAllocator": "allocation",
-    "plan_allocation": "allocation",
-    "split_threshold": "allocation",
-    "EmulatorConfig": "emulator",
-    "LLMEmulator": "emulator",
-    "LLMClient": "llm",
-    "LLMConfig": "llm",
-    "LLMError": "llm",
-    "SystemSampler": "monitor",
-    "Usage": "monitor",
-    "read_psi": "monitor",
-    "ProfileStore": "profiles",
-    "AgentRequest": "runtime",
-    "AgentResult": "runtime",
-    "Harness": "runtime",
-    "Runtime": "runtime",
-    "TASK_TYPES": "runtime",
-    "Sandbox": "sandbox",
-    "SandboxLimits": "sandbox",
-    "CpuAwarePolicy": "scheduler",
-    "NativePolicy": "scheduler",
-    "StaticLimitPolicy": "scheduler",
-    "make_policy": "scheduler",
-    "FixtureSite": "website",
-}
-
-__all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name: str):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'agentdyn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "admission": ["AdmissionPolicy", "CpuAdmission"],
+        "allocation": ["AllocationPlan", "TaskAwareAllocator", "plan_allocation", "split_threshold"],
+        "emulator": ["EmulatorConfig", "LLMEmulator"],
+        "llm": ["LLMClient", "LLMConfig", "LLMError"],
+        "monitor": ["SystemSampler", "Usage", "read_psi"],
+        "profiles": ["ProfileStore"],
+        "runtime": ["AgentRequest", "AgentResult", "Harness", "Runtime", "TASK_TYPES"],
+        "sandbox": ["Sandbox", "SandboxLimits"],
+        "scheduler": ["CpuAwarePolicy", "NativePolicy", "StaticLimitPolicy", "make_policy"],
+        "website": ["FixtureSite"],
+    },
+)
+__all__ += ["__version__"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import signal
 import sys
@@ -19,22 +18,6 @@ from . import __version__
 MAX_SECONDS = 86_400.0  # a day: any timeout or latency beyond it is a typo
 MAX_COUNT = 10_000  # requests per type, repeats, pages, concurrency
 MAX_WORK = 10**9  # CPU work units of the coding task
-
-
-def _number(field: str, kind: type, low: float, high: float) -> Callable[[str], float]:
-    """argparse type: an ``kind`` in [low, high] (zero allowed where ``low`` is 0), naming ``field``."""
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            v = math.nan
-        if not (math.isfinite(v) and low <= v <= high):
-            what, lo, hi = ("an integer", int(low), int(high)) if kind is int else ("a number", f"{low:g}", f"{high:g}")
-            raise argparse.ArgumentTypeError(f"{field} must be {what} >= {lo} and <= {hi}, not {text!r}")
-        return v
-
-    return parse
 
 
 def _list(field: str, item: Callable[[str], float], example: str) -> Callable[[str], tuple]:
@@ -143,7 +126,10 @@ def _llm_options(p: argparse.ArgumentParser) -> None:
         help="seconds per LLM attempt",
     )
     g.add_argument(
-        "--llm-retries", type=_number("--llm-retries", int, 0, 100), default=2, help="retries after the first attempt"
+        "--llm-retries",
+        type=console.integer("--llm-retries", 0, 100),
+        default=2,
+        help="retries after the first attempt",
     )
     _emulator_options(g, 0.4, 60.0)
     # 0 pages would leave web_search nothing to crawl
@@ -166,7 +152,7 @@ def _llm_options(p: argparse.ArgumentParser) -> None:
 def _emulator_options(g, ttft: float, tokens_per_s: float) -> None:
     g.add_argument(
         "--ttft",
-        type=_number("--ttft", float, 0, MAX_SECONDS),
+        type=console.number("--ttft", 0, MAX_SECONDS),
         default=ttft,
         help="emulated LLM median time to first token, s",
     )
@@ -177,7 +163,7 @@ def _emulator_options(g, ttft: float, tokens_per_s: float) -> None:
         help="emulated LLM median tokens/s",
     )
     g.add_argument(
-        "--seed", type=_number("--seed", int, 0, 2**32 - 1), default=0, help="seed of the emulator and workload"
+        "--seed", type=console.integer("--seed", 0, 2**32 - 1), default=0, help="seed of the emulator and workload"
     )
 
 
@@ -416,7 +402,7 @@ def _characterize_parser(sub) -> None:
     c.add_argument(
         "--concurrency", type=_list("--concurrency", count, "1,2,4"), default="1,2,4", help="requests at once"
     )
-    ttft = _number("--llm-ttft", float, 0, MAX_SECONDS)
+    ttft = console.number("--llm-ttft", 0, MAX_SECONDS)
     c.add_argument("--llm-ttft", type=_list("--llm-ttft", ttft, "0.3,0.05"), default="0.3,0.05", help="LLM TTFTs, s")
     cores = console.positive_int("--cores", 4096)
     c.add_argument("--cores", type=_list("--cores", cores, "1,2"), default="1,2", help="CPUs the tools may use")
@@ -429,10 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     p, sub = console.parser("agentdyn", __doc__.splitlines()[0], __version__)
     s = console.command(sub, "serve", "the agent runtime as an HTTP service")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
-    s.add_argument("--port", type=_number("--port", int, 0, 65535), default=8080, help="TCP port (0: any free port)")
+    s.add_argument("--port", type=console.integer("--port", 0, 65535), default=8080, help="TCP port (0: any free port)")
     s.add_argument(
         "--drain-timeout",
-        type=_number("--drain-timeout", float, 0, MAX_SECONDS),
+        type=console.number("--drain-timeout", 0, MAX_SECONDS),
         default=120.0,
         help="seconds to finish in-flight requests on SIGTERM",
     )
@@ -450,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = console.command(sub, "llm-emulator", "the OpenAI-compatible LLM emulator")
     e.add_argument("--host", default="127.0.0.1", help="address to bind")
-    e.add_argument("--port", type=_number("--port", int, 0, 65535), default=8000, help="TCP port (0: any free port)")
+    e.add_argument("--port", type=console.integer("--port", 0, 65535), default=8000, help="TCP port (0: any free port)")
     e.add_argument(
         "--token",
         help="bearer token (an OpenAI client's API key) every request must carry (default: "
