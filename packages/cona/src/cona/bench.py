@@ -82,7 +82,9 @@ class Trainer:
         # the oracle picks on windows of the text after the corpus, as many as split over every dp degree
         self.held_out = None
         if cfg.oracle:
-            held = self.data.held_out(min(cfg.val_samples, 128) if cfg.held_out_samples is None else cfg.held_out_samples)
+            held = self.data.held_out(
+                min(cfg.val_samples, 128) if cfg.held_out_samples is None else cfg.held_out_samples
+            )
             self.held_out = held[: len(held) // cfg.world * cfg.world]
         # cona's own evaluations: evenly spaced measuring windows (its time-left trend compares them with the target)
         self.decision_val = self.val[torch.linspace(0, cfg.val_samples - 1, cfg.decision_val_samples).round().long()]
@@ -191,7 +193,12 @@ def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, 
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = cfg.noise_scale_estimator()
     chainer = Chainer(
-        tr.candidates, tr.cost.throughput, gns_run, margin=cfg.margin, switch_cost_s=reshard_s, initial_models=cfg.initial_models
+        tr.candidates,
+        tr.cost.throughput,
+        gns_run,
+        margin=cfg.margin,
+        switch_cost_s=reshard_s,
+        initial_models=cfg.initial_models,
     )
     t_decide = time.perf_counter()
     first = chainer.initial((lo, hi), 0, gns0_s)
@@ -264,7 +271,13 @@ def run_seed(tr: Trainer, best_static: Strategy, reshard_s: float) -> dict:
     def started(name: str) -> Run:
         clock, d_s = start["clock"] + step0["decision_s"], step0["decision_s"]
         return Run(
-            name, clock=clock, start_s=start["clock"], decision_s=d_s, gns_s=start["gns_s"], steps=steps, samples=start["consumed"]
+            name,
+            clock=clock,
+            start_s=start["clock"],
+            decision_s=d_s,
+            gns_s=start["gns_s"],
+            steps=steps,
+            samples=start["consumed"],
         )
 
     runs = {"best_static": Run("best_static"), "surrogate_static": started("surrogate_static"), "cona": started("cona")}

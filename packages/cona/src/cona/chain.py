@@ -37,8 +37,9 @@ __all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switc
 log = logging.getLogger(__name__)
 
 
-def goodput(throughput_samples_per_s: float, batch: int, noise_scale: float, reference_batch: int,
-            lr_scaling: str = "sqrt") -> float:  # fmt: skip
+def goodput(
+    throughput_samples_per_s: float, batch: int, noise_scale: float, reference_batch: int, lr_scaling: str = "sqrt"
+) -> float:
     """Reference-batch-equivalent samples per second (Pollux goodput) under the learning-rate rule
     ``lr_scaling`` ("sqrt": Adam at lr0 sqrt(M/M0); "tuned": Pollux's per-batch tuned LR)."""
     return throughput_samples_per_s * batch_efficiency(batch, noise_scale, reference_batch, lr_scaling)
@@ -53,8 +54,13 @@ class Estimate:
     source: str  # "probe" or "model"
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy.name, "throughput": self.throughput, "efficiency": self.efficiency,
-                "goodput": self.goodput, "source": self.source}  # fmt: skip
+        return {
+            "strategy": self.strategy.name,
+            "throughput": self.throughput,
+            "efficiency": self.efficiency,
+            "goodput": self.goodput,
+            "source": self.source,
+        }
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,17 @@ def noise_grid(lo: float, hi: float, points: int = 25) -> list[float]:
     return [0.0, *grid] if lo == 0.0 else grid
 
 
-def switch_gain(new_tput: float, new_batch: int, cur_tput: float, cur_batch: int, noise_scales: Sequence[float],
-                horizon_s: float, switch_cost_s: float, reference_batch: int, lr_scaling: str = "sqrt") -> float:  # fmt: skip
+def switch_gain(
+    new_tput: float,
+    new_batch: int,
+    cur_tput: float,
+    cur_batch: int,
+    noise_scales: Sequence[float],
+    horizon_s: float,
+    switch_cost_s: float,
+    reference_batch: int,
+    lr_scaling: str = "sqrt",
+) -> float:
     """Worst case over ``noise_scales`` of the progress a switch makes over ``horizon_s`` (paying
     ``switch_cost_s`` first) relative to staying, minus 1: > 0 means switching wins wherever the noise scale
     lies in the range; -1 when the switch cost eats the whole horizon."""
@@ -119,12 +134,10 @@ def switch_gain(new_tput: float, new_batch: int, cur_tput: float, cur_batch: int
 
 def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, window_s: float, cap_s: float) -> float:
     """Training time left until the loss reaches ``target_loss``, from the ``(clock, loss)`` points of the last
-    ``window_s``: the loss is taken to fall linearly in log(clock) at the slope fitted over the window (a
-    decelerating trend: a line in clock read ~0.4 s left at 2 s into a 10 s run), from its current level
-    (mean of the last 3 points). 0 when the level is at the target, ``cap_s`` when the loss does not fall or
-    there are fewer than 3 points. A trend fit, not a forecast, and biased both ways: measured against the
-    realised times (README) it under-estimated the time left early in training and over-estimated it late.
-    The bench feeds it only the evaluations cona is charged for (>= 2 s apart), over a 5 s window."""
+    ``window_s``: the loss is taken to fall linearly in log(clock) (a decelerating trend) at the slope fitted over
+    the window, from its current level (mean of the last 3 points). 0 when the level is at the target, ``cap_s``
+    when the loss does not fall or there are fewer than 3 points. A trend fit, not a forecast: it under-estimates
+    the time left early in training and over-estimates it late."""
     if not trace:
         return cap_s
     t_last = trace[-1][0]
@@ -149,27 +162,24 @@ def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, win
     return max(math.exp(ln_target) - t_last, 0.0)
 
 
-def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int,
-                  points: int = 25, lr_scaling: str | Sequence[str] = "sqrt", tie: float = 0.0,
-                  ) -> tuple[Strategy, float]:  # fmt: skip
+def robust_choice(
+    tputs: Mapping[Strategy, float],
+    lo: float,
+    hi: float,
+    reference_batch: int,
+    points: int = 25,
+    lr_scaling: str | Sequence[str] = "sqrt",
+    tie: float = 0.0,
+) -> tuple[Strategy, float]:
     """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi] and every
     efficiency model in ``lr_scaling`` (one name or several), and that worst ratio (max over strategies of the
     min over the range and the models of goodput / best goodput).
 
-    For a decision under an uncertain noise scale (at step 0 one batch's micro-batches only bound it): a
-    point estimate from a near-zero |G|^2 can be off by orders of magnitude either way, while the
-    worst-case ratio tells how much progress a choice can lose wherever in the range the truth lies.
-    Several models: at step 0 nothing has shown which learning-rate regime training is in (see
-    ``Chainer.initial_models``), so the choice must hold under each.
-
-    ``tie``: strategies whose worst ratio is within this fraction of the best one's are level (the throughput
-    table is no more exact than that); of those, the largest global batch is taken, then the fastest. The noise
-    scale grows from the initial weights on (on the bench's model from ~20 samples to ~40-110 within one or two
-    seconds of training, its first decision intervals), so over the time the choice holds a larger batch only
-    gains on a smaller one it tied with at the start. (2 ranks, 2026-12-03: seed 0's range 14..29 put gb32 at
-    0.854 and gb64, 1.45x its samples/s, at 0.853; started on gb32, cona's chain needed 4-12% more time to the
-    target than the oracle's gb64 start on streams neither was chosen on, ``experiments/chain_replay.py``.)
-    """
+    A point estimate from a near-zero |G|^2 can be off by orders of magnitude either way, while the worst-case
+    ratio tells how much progress a choice can lose wherever in the range the truth lies. ``tie``: strategies
+    whose worst ratio is within this fraction of the best one's are level (the throughput table is no more exact
+    than that); of those the largest global batch is taken, then the fastest: the noise scale grows from the
+    initial weights on, so over the time the choice holds a larger batch only gains on one it tied with."""
     if not (isinstance(tie, (int, float)) and 0.0 <= tie < 1.0):
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie}")
     worst = worst_ratios(tputs, lo, hi, reference_batch, points, lr_scaling)
@@ -177,13 +187,22 @@ def robust_choice(tputs: Mapping[Strategy, float], lo: float, hi: float, referen
     return pick, worst[pick]
 
 
-def worst_ratios(tputs: Mapping[Strategy, float], lo: float, hi: float, reference_batch: int, points: int = 25,
-                 lr_scaling: str | Sequence[str] = "sqrt") -> dict[Strategy, float]:  # fmt: skip
+def worst_ratios(
+    tputs: Mapping[Strategy, float],
+    lo: float,
+    hi: float,
+    reference_batch: int,
+    points: int = 25,
+    lr_scaling: str | Sequence[str] = "sqrt",
+) -> dict[Strategy, float]:
     """Each strategy's lowest goodput / best goodput over the noise scales in [lo, hi] and the models named."""
     models = efficiency_models(lr_scaling)
     grid = noise_grid(lo, hi, points)
-    table = {(m, phi): {s: goodput(t, s.global_batch, phi, reference_batch, m) for s, t in tputs.items()}
-             for m in models for phi in grid}  # fmt: skip
+    table = {
+        (m, phi): {s: goodput(t, s.global_batch, phi, reference_batch, m) for s, t in tputs.items()}
+        for m in models
+        for phi in grid
+    }
     peak = {k: max(row.values()) for k, row in table.items()}
     return {s: min(table[k][s] / peak[k] for k in table) for s in tputs}
 
@@ -279,23 +298,37 @@ class Chainer:
                 f"initial choice: best goodput {best.goodput:.1f} (throughput {best.throughput:.1f}/s x "
                 f"efficiency {best.efficiency:.3f}, noise scale {phi:.1f})"
             )
-            return self._record(Decision(step, elapsed_s, None, best.strategy, True, reason, phi, 0.0, ranking,
-                                         self.gns.lr_scaling))  # fmt: skip
+            return self._record(
+                Decision(step, elapsed_s, None, best.strategy, True, reason, phi, 0.0, ranking, self.gns.lr_scaling)
+            )
         lo, hi = noise_range
         tputs = {e.strategy: e.throughput for e in ranking}
         models = self.initial_models or (self.gns.lr_scaling,)
         ratios = worst_ratios(tputs, lo, hi, self.gns.reference_batch, lr_scaling=models)  # once, read twice
         pick, alone = take_level(ratios, tputs, self.margin), take_level(ratios, tputs, 0.0)
         under = f" under the {' and '.join(models)} efficiency models" if len(models) > 1 else ""
-        level = (f" (level with {alone.name}'s {ratios[alone]:.3f} within the {self.margin:g} margin: the larger "
-                 f"global batch, as the noise scale grows from here)" if alone != pick else "")  # fmt: skip
-        reason = (f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
-                  f">= {ratios[pick]:.3f} of the best goodput anywhere in that range{under}{level}")  # fmt: skip
+        level = (
+            f" (level with {alone.name}'s {ratios[alone]:.3f} within the {self.margin:g} margin: the larger "
+            f"global batch, as the noise scale grows from here)"
+            if alone != pick
+            else ""
+        )
+        reason = (
+            f"initial choice under an uncertain noise scale in [{lo:.1f}, {hi:.1f}]: {pick.name} keeps "
+            f">= {ratios[pick]:.3f} of the best goodput anywhere in that range{under}{level}"
+        )
         return self._record(Decision(step, elapsed_s, None, pick, True, reason, phi, 0.0, ranking, "+".join(models)))
 
-    def decide(self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0,
-               noise_range: tuple[float, float] | None = None, remaining_s: float | None = None,
-               noise_scale: float | None = None, models: Sequence[str] | str | None = None) -> Decision:  # fmt: skip
+    def decide(
+        self,
+        current: Strategy | None,
+        step: int = 0,
+        elapsed_s: float = 0.0,
+        noise_range: tuple[float, float] | None = None,
+        remaining_s: float | None = None,
+        noise_scale: float | None = None,
+        models: Sequence[str] | str | None = None,
+    ) -> Decision:
         """The running decision: switch from ``current`` only to a strategy whose progress over ``remaining_s``
         (the estimated training time left; ``horizon_s`` when not given), its switch cost paid, beats staying by
         more than ``margin`` at every noise scale in ``noise_range`` (the point estimate alone when not given) and
@@ -323,9 +356,17 @@ class Chainer:
         log.info("step %d: %s", d.step, d.reason)
         return d
 
-    def _running(self, cur: Estimate, ranking: tuple[Estimate, ...], step: int, elapsed_s: float, phi: float,
-                 remaining_s: float | None, noise_range: tuple[float, float] | None,
-                 models: tuple[str, ...]) -> Decision:  # fmt: skip
+    def _running(
+        self,
+        cur: Estimate,
+        ranking: tuple[Estimate, ...],
+        step: int,
+        elapsed_s: float,
+        phi: float,
+        remaining_s: float | None,
+        noise_range: tuple[float, float] | None,
+        models: tuple[str, ...],
+    ) -> Decision:
         """``decide`` once the estimator has statistics: each rival's worst-case gain over the noise-scale range
         and the models (``switch_gain``, at its own kind of switch cost), the most robust one against ``margin``."""
         current = cur.strategy
@@ -335,8 +376,20 @@ class Chainer:
 
         def gain(e: Estimate) -> float:
             cost = self.expected_switch_cost_s(current, e.strategy)
-            return min(switch_gain(e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid,
-                                   h, cost, self.gns.reference_batch, m) for m in models)  # fmt: skip
+            return min(
+                switch_gain(
+                    e.throughput,
+                    e.strategy.global_batch,
+                    cur.throughput,
+                    current.global_batch,
+                    grid,
+                    h,
+                    cost,
+                    self.gns.reference_batch,
+                    m,
+                )
+                for m in models
+            )
 
         gains = sorted(
             ((gain(e), e) for e in ranking if e.strategy != current),
@@ -350,16 +403,20 @@ class Chainer:
             where += f", under the {' and '.join(models)} efficiency models"
         if gains and gains[0][0] > self.margin:
             g, e = gains[0]
-            reason = (f"switch: {e.strategy.name} (goodput {e.goodput:.1f} vs {cur.goodput:.1f}) gains >= {g:+.4f} "
-                      f"of {current.name}'s progress over the remaining time at every noise scale in the range "
-                      f"(margin {self.margin:g}; {where})")  # fmt: skip
+            reason = (
+                f"switch: {e.strategy.name} (goodput {e.goodput:.1f} vs {cur.goodput:.1f}) gains >= {g:+.4f} "
+                f"of {current.name}'s progress over the remaining time at every noise scale in the range "
+                f"(margin {self.margin:g}; {where})"
+            )
             return Decision(step, elapsed_s, current, e.strategy, True, reason, phi, cost, ranking)
         best = ranking[0]
         if best.strategy == current:
             reason = f"stay: {current.name} is still best (goodput {cur.goodput:.1f}; {where})"
         else:
             g, e = gains[0]
-            reason = (f"stay: best {best.strategy.name} goodput {best.goodput:.1f} vs {current.name} {cur.goodput:.1f}, "
-                      f"but the most robust rival {e.strategy.name} gains only {g:+.4f} of the remaining progress "
-                      f"at the worst noise scale in the range (margin {self.margin:g}; {where})")  # fmt: skip
+            reason = (
+                f"stay: best {best.strategy.name} goodput {best.goodput:.1f} vs {current.name} {cur.goodput:.1f}, "
+                f"but the most robust rival {e.strategy.name} gains only {g:+.4f} of the remaining progress "
+                f"at the worst noise scale in the range (margin {self.margin:g}; {where})"
+            )
         return Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)

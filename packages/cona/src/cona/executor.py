@@ -137,9 +137,18 @@ class StepResult:
 class Executor:
     """Holds this rank's shard of model + AdamW state for one strategy and runs training steps."""
 
-    def __init__(self, strategy: Strategy, config, state: FullState, lr: float = 1e-3, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 clip_norm: float | None = None, precondition: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        strategy: Strategy,
+        config,
+        state: FullState,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        clip_norm: float | None = None,
+        precondition: bool = False,
+    ) -> None:
         from .model import model_skeleton
 
         if clip_norm is not None and not clip_norm > 0:
@@ -155,28 +164,10 @@ class Executor:
         self._pre_bufs: list[torch.Tensor] | None = None  # preconditioner and scratch, allocated once
         self._gns_scratch: list[torch.Tensor] = []
 
-        world, rank = dist.get_world_size(), dist.get_rank()
         self.device = cdist.current_device()  # cuda:LOCAL_RANK under NCCL, else the CPU
-        check_strategy(strategy, ModelDims.from_config(config, 1), world)
-        self.s, self.config, self.rank = strategy, config, rank
-        dp, tp, pp = strategy.dp, strategy.tp, strategy.pp
-        self.d, rem = divmod(rank, pp * tp)
-        self.p, self.t = divmod(rem, tp)
-        self.first, self.last = self.p == 0, self.p == pp - 1
-        # groups: every rank creates every group in the same order
-        tp_groups = {(d, p): tuple(d * pp * tp + p * tp + t for t in range(tp)) for d in range(dp) for p in range(pp)}
-        dp_groups = {(p, t): tuple(d * pp * tp + p * tp + t for d in range(dp)) for p in range(pp) for t in range(tp)}
-        for ranks in list(tp_groups.values()) + list(dp_groups.values()):
-            if 1 < len(ranks):
-                cdist.group(ranks)
-        self.tp_group = cdist.group(tp_groups[self.d, self.p]) if tp > 1 else None
-        self.dp_group = cdist.group(dp_groups[self.p, self.t]) if dp > 1 else None
-        self.prev_rank = rank - tp if not self.first else None
-        self.next_rank = rank + tp if not self.last else None
-        # stage layers
-        L = config.num_hidden_layers
-        bounds = [round(i * L / pp) for i in range(pp + 1)]
-        self.lo, self.hi = bounds[self.p], bounds[self.p + 1]
+        check_strategy(strategy, ModelDims.from_config(config, 1), dist.get_world_size())
+        self.s, self.config = strategy, config
+        self._place(dist.get_rank())
         full = model_skeleton(config)
         model = full.model
         self.rotary = type(model.rotary_emb)(config).to(self.device)
@@ -200,10 +191,11 @@ class Executor:
             param = nn.Parameter(piece)
             setattr(modules[mod_name], attr, param)
             self.params[n] = param
-        if tp > 1:
+        if strategy.tp > 1:
             self._install_tp_hooks()
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=lr, betas=betas, eps=eps,
-                                     weight_decay=weight_decay, foreach=False)  # fmt: skip
+        self.opt = torch.optim.AdamW(
+            list(self.params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
         self.step = state.step
         if state.step > 0:
             for n, p in self.params.items():
@@ -213,6 +205,27 @@ class Executor:
                     "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).to(self.device, copy=True),
                 }
         self.owned = [p for n, p in self.params.items() if shard_dim(n) is not None or self.t == 0]
+
+    def _place(self, rank: int) -> None:
+        """This rank's coordinates (d, p, t), its process groups, pipeline neighbours and stage layers."""
+        dp, tp, pp = self.s.dp, self.s.tp, self.s.pp
+        self.rank = rank
+        self.d, rem = divmod(rank, pp * tp)
+        self.p, self.t = divmod(rem, tp)
+        self.first, self.last = self.p == 0, self.p == pp - 1
+        # groups: every rank creates every group in the same order
+        tp_groups = {(d, p): tuple(d * pp * tp + p * tp + t for t in range(tp)) for d in range(dp) for p in range(pp)}
+        dp_groups = {(p, t): tuple(d * pp * tp + p * tp + t for d in range(dp)) for p in range(pp) for t in range(tp)}
+        for ranks in list(tp_groups.values()) + list(dp_groups.values()):
+            if 1 < len(ranks):
+                cdist.group(ranks)
+        self.tp_group = cdist.group(tp_groups[self.d, self.p]) if tp > 1 else None
+        self.dp_group = cdist.group(dp_groups[self.p, self.t]) if dp > 1 else None
+        self.prev_rank = rank - tp if not self.first else None
+        self.next_rank = rank + tp if not self.last else None
+        layers = self.config.num_hidden_layers
+        bounds = [round(i * layers / pp) for i in range(pp + 1)]
+        self.lo, self.hi = bounds[self.p], bounds[self.p + 1]
 
     # --- layout ------------------------------------------------------------------------------------
     def same_layout(self, strategy: Strategy) -> bool:
@@ -226,8 +239,10 @@ class Executor:
         learning rate ``lr`` if given (else each step's ``lr`` argument, or the one set before). A different layout
         needs ``Executor(strategy, config, self.full_state())`` (resharding)."""
         if not self.same_layout(strategy):
-            raise ValueError(f"retarget needs the same dp x tp x pp layout: {strategy.name} is not that of "
-                             f"{self.s.name}; reshard through full_state() instead")  # fmt: skip
+            raise ValueError(
+                f"retarget needs the same dp x tp x pp layout: {strategy.name} is not that of "
+                f"{self.s.name}; reshard through full_state() instead"
+            )
         check_strategy(strategy, ModelDims.from_config(self.config, 1), dist.get_world_size())
         self.s = strategy
         if lr is not None:
@@ -362,8 +377,9 @@ class Executor:
     def _hidden_shape(self, mb: torch.Tensor) -> tuple[int, ...]:
         return (mb.shape[0], mb.shape[1], self.config.hidden_size)
 
-    def _forward_backward(self, mbs: list[torch.Tensor], want_small: bool,
-                          weights=None) -> tuple[torch.Tensor, torch.Tensor, float]:  # fmt: skip
+    def _forward_backward(
+        self, mbs: list[torch.Tensor], want_small: bool, weights=None
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Run all micro-batches; returns (sum of scaled losses, |first micro-batch grad|^2, gns seconds)."""
         accum = len(mbs)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -462,9 +478,17 @@ class Executor:
         compute_s = time.perf_counter() - t0 - gns_s
         b_small = mbs[0].shape[0] if want else s.micro_batch
         return StepResult(
-            loss, sq_small_t, b_small, sq_big_t if want else 0.0, s.global_batch, compute_s, gns_s,
-            {"split": len(mbs) != s.accum}, norm, coef,
-        )  # fmt: skip
+            loss,
+            sq_small_t,
+            b_small,
+            sq_big_t if want else 0.0,
+            s.global_batch,
+            compute_s,
+            gns_s,
+            {"split": len(mbs) != s.accum},
+            norm,
+            coef,
+        )
 
     def micro_batch_stats(self, batches: Sequence[torch.Tensor]) -> tuple[int, list[float], list[float], float]:
         """(micro-batch size b, |g_k|^2 of every micro-batch's gradient g_k, g_k . S, |S|^2) over every micro-batch of
@@ -556,9 +580,7 @@ class Executor:
     def evaluate(self, ids: torch.Tensor, micro_batch: int = 32) -> float:
         """Mean next-token loss over ``ids`` (split across dp replicas); the same value on every rank.
 
-        32 windows per forward: on 2 ranks 128 windows took 26 / 36 / 155 ms (dp2 / pp2 / tp2) 8 at a time and
-        14 / 16 / 63 ms 32 at a time (2026-12-01); the bench evaluates every 0.1 s of training clock and cona
-        pays for its own evaluations."""
+        32 windows per forward: about half the time of 8, and the bench evaluates every 0.1 s of training clock."""
         s = self.s
         if ids.shape[0] % s.dp:
             raise ValueError(f"validation set of {ids.shape[0]} samples does not split over dp={s.dp}")

@@ -91,8 +91,9 @@ def efficiency_models(value, field: str = "lr_scaling") -> tuple[str, ...]:
     """One efficiency-model name or several, as a tuple; ValueError naming ``field`` and the valid names."""
     models = (value,) if isinstance(value, str) else tuple(value)
     if not models or any(m not in LR_SCALINGS for m in models):
-        raise ValueError(f"{field} must name one or more of {', '.join(LR_SCALINGS)}, got "
-                         f"{','.join(map(str, models)) or 'none'}")  # fmt: skip
+        raise ValueError(
+            f"{field} must name one or more of {', '.join(LR_SCALINGS)}, got {','.join(map(str, models)) or 'none'}"
+        )
     return models
 
 
@@ -117,8 +118,38 @@ class GnsSnapshot:
 
 
 # two-sided 95% (0.975) quantiles of Student's t by degrees of freedom (scipy.stats.t.ppf(0.975, df))
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def fieller_interval(pairs: Sequence[tuple[float, float]], z: float | None = None) -> tuple[float, float]:
@@ -200,8 +231,9 @@ class GradientNoiseScale:
         if self.lr_scaling not in LR_SCALINGS:
             raise ValueError(f"lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
 
-    def update(self, sq_small: float, b_small: float, sq_big: float, b_big: float, step: int = -1,
-               at: float | None = None) -> bool:  # fmt: skip
+    def update(
+        self, sq_small: float, b_small: float, sq_big: float, b_big: float, step: int = -1, at: float | None = None
+    ) -> bool:
         """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small.
         ``at``: where in training the pair was taken, in samples trained before the step whose weights the
         gradients were taken at (0: the initial weights; ``growth`` and ``ahead`` read it)."""
@@ -256,12 +288,8 @@ class GradientNoiseScale:
         counts the sampling error of both and their covariance (each pair's two estimates come from the same
         two norms), clipped to phi >= 0. The upper end is ``math.inf`` when |G|^2 is not resolved above zero;
         (0, inf) with fewer than two pairs. ``window``: only the last that many updates (the noise scale
-        drifts during training; the EMA weighs recent ones).
-
-        Until 2026-12-01 only |G|^2 was taken as uncertain (mean tr(Sigma) / (mean |G|^2 +- z se)). With
-        |G|^2 unresolved and tr(Sigma) noisy that put the lower end far above the truth: on 4 ranks at 1.2 s,
-        four pairs gave [101, inf] where the noise scale read 15-40 in the other seeds, and cona left gb64
-        for gb128 there, 1.9 s behind the oracle at the target."""
+        drifts during training; the EMA weighs recent ones). Taking only |G|^2 as uncertain would put the lower end
+        far above the truth while |G|^2 is unresolved and tr(Sigma) noisy."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 pair (or None for all), got {window}")
         pairs = self.raw if window is None else self.raw[-window:]
@@ -308,16 +336,23 @@ class GradientNoiseScale:
         at = self.at[-window:]
         return sum(at) / len(at) if at and all(a is not None for a in at) else None
 
-    def ahead(self, to: float, window: int | None = None, pairs: int = 24, groups: int = 3, z: float = 1.0,
-              limit: float = 1.0, fit: tuple[float, float] | None = None) -> tuple[float, float, float, tuple[float, float] | None]:  # fmt: skip
+    def ahead(
+        self,
+        to: float,
+        window: int | None = None,
+        pairs: int = 24,
+        groups: int = 3,
+        z: float = 1.0,
+        limit: float = 1.0,
+        fit: tuple[float, float] | None = None,
+    ) -> tuple[float, float, float, tuple[float, float] | None]:
         """Factors that carry a noise scale read from the recent statistics (the EMA's, or with ``window`` the
         last ``window`` pairs') from the position it describes to position ``to`` (samples trained) along the
         fitted growth (``growth``): (low, point, high), at the growth's estimate minus, at and plus ``z`` standard
         errors, each exponent clipped to +-``limit``; and the growth fitted. A range carried by (low, high) counts
-        the growth's uncertainty as well as its own. Both estimates lag: on 4 ranks the 8 pairs of a range span
-        ~1.5 s of training, while phi grew ~t^0.4-0.9 in the first seconds, so the range read at 3 s described
-        2.2 s, 15-25% low. Factors 1 where the growth or the position is not known. ``fit``: a growth already
-        fitted (``growth``'s result), so that carrying several estimates fits it once."""
+        the growth's uncertainty as well as its own. Both estimates lag where the noise scale grows fast (the pairs
+        of a range span a second or more of training). Factors 1 where the growth or the position is not known.
+        ``fit``: a growth already fitted (``growth``'s result), so that carrying several estimates fits it once."""
         if not (z >= 0 and limit >= 0):
             raise ValueError(f"z and limit must be >= 0, got z={z}, limit={limit}")
         if fit is None:
@@ -347,9 +382,17 @@ class GradientNoiseScale:
         return GnsSnapshot(step, self.grad_sq, self.variance, self.noise_scale, self.updates)
 
     def state_dict(self) -> dict:
-        return {"reference_batch": self.reference_batch, "decay": self.decay, "g2": self._g2, "s": self._s,
-                "w": self._w, "updates": self.updates, "lr_scaling": self.lr_scaling, "at": self._at,
-                "at_known": self._at_known}  # fmt: skip
+        return {
+            "reference_batch": self.reference_batch,
+            "decay": self.decay,
+            "g2": self._g2,
+            "s": self._s,
+            "w": self._w,
+            "updates": self.updates,
+            "lr_scaling": self.lr_scaling,
+            "at": self._at,
+            "at_known": self._at_known,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.reference_batch = int(state["reference_batch"])

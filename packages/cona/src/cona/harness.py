@@ -233,7 +233,13 @@ class Variant:
         rem, lo, hi, phi, extra = self._decision_inputs(online)
         models = self._running_models(extra.pop("fit"))
         d = self.chainer.decide(
-            s, step=run.steps, elapsed_s=run.clock, noise_range=(lo, hi), remaining_s=rem, noise_scale=phi, models=models
+            s,
+            step=run.steps,
+            elapsed_s=run.clock,
+            noise_range=(lo, hi),
+            remaining_s=rem,
+            noise_scale=phi,
+            models=models,
         )
         pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in self.gns.raw[-cfg.range_window :]]
         extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
@@ -257,5 +263,12 @@ class Variant:
         run.switch_s += sw
         switch = "same layout" if same else "resharded"
         run.chain.append(
-            {"clock": run.clock, "samples": run.samples, "strategy": new.name, "why": why, "switch": switch, "switch_s": sw}
+            {
+                "clock": run.clock,
+                "samples": run.samples,
+                "strategy": new.name,
+                "why": why,
+                "switch": switch,
+                "switch_s": sw,
+            }
         )

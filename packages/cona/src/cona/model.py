@@ -50,8 +50,8 @@ def build_model(config, seed: int = 0):
 
 def model_skeleton(config):
     """LlamaForCausalLM's module tree on the meta device, its weights left uninitialised: an executor puts its
-    own shards in. Initialising them (random draws, even on meta) was most of building an executor (15 ms a build
-    with it, 6 ms without, on one thread; paid at step 0 and at every switch that reshards)."""
+    own shards in. Initialising them (random draws, even on meta) was most of building an executor, paid at step 0
+    and at every switch that reshards."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # a transformers 5 without it: the same tree, initialised
@@ -104,8 +104,10 @@ class TextData:
     def __post_init__(self) -> None:
         n = len(self.tokens) - self.held_out_tokens
         if self.held_out_tokens and not 2 * self.seq_len < self.held_out_tokens < len(self.tokens):
-            raise ValueError(f"held_out_tokens must be above 2 x seq_len ({2 * self.seq_len}) and under the "
-                             f"{len(self.tokens)} tokens, got {self.held_out_tokens}")  # fmt: skip
+            raise ValueError(
+                f"held_out_tokens must be above 2 x seq_len ({2 * self.seq_len}) and under the "
+                f"{len(self.tokens)} tokens, got {self.held_out_tokens}"
+            )
         self._end = n  # validation ends here, the held-out split starts here
         self._split = int(n * (1 - self.val_fraction))
         if self._split <= self.seq_len * 2 or n - self._split <= self.seq_len * 2:

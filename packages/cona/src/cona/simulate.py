@@ -43,9 +43,16 @@ class SimulatedStep:
         return self.strategy.global_batch / self.step_s
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy.name, "step_s": self.step_s, "samples_per_s": self.throughput,
-                "compute_s": self.compute_s, "tp_comm_s": self.tp_comm_s, "pp_comm_s": self.pp_comm_s,
-                "dp_comm_s": self.dp_comm_s, "source": "simulated"}  # fmt: skip
+        return {
+            "strategy": self.strategy.name,
+            "step_s": self.step_s,
+            "samples_per_s": self.throughput,
+            "compute_s": self.compute_s,
+            "tp_comm_s": self.tp_comm_s,
+            "pp_comm_s": self.pp_comm_s,
+            "dp_comm_s": self.dp_comm_s,
+            "source": "simulated",
+        }
 
 
 def _ranks(cluster: hwtopo.Cluster) -> list[tuple[str, float]]:
@@ -73,8 +80,14 @@ def _ring_allreduce_s(nbytes: float, n: int, bw: float, latency: float = 5e-6) -
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency
 
 
-def simulate_step(s: Strategy, dims: ModelDims, cluster: hwtopo.Cluster, mfu: float = 0.4,
-                  bytes_per_value: int = 2, intra_bandwidth_bytes_per_s: float | None = None) -> SimulatedStep:  # fmt: skip
+def simulate_step(
+    s: Strategy,
+    dims: ModelDims,
+    cluster: hwtopo.Cluster,
+    mfu: float = 0.4,
+    bytes_per_value: int = 2,
+    intra_bandwidth_bytes_per_s: float | None = None,
+) -> SimulatedStep:
     """Predicted step time of ``s`` for a model of ``dims`` on ``cluster``.
 
     Bandwidth between accelerators of one machine comes from the spec (``accelerators[].interconnect``)
