@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -15,17 +14,6 @@ from . import __version__
 SERVE_MODES = ("none", "naive", "bicache", "block", "bicache+block")
 MAX_BATCH = 4096
 MAX_BOUND = 10.0  # a relative L2 drift; far above any measured one, so "reuse everywhere"
-
-
-def _bound(text: str) -> float:
-    """argparse type: a drift bound, a finite number in [0, MAX_BOUND]."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0.0 <= v <= MAX_BOUND:
-        raise argparse.ArgumentTypeError(f"--bound must be a number >= 0 and <= {MAX_BOUND:g}, not {text!r}")
-    return v
 
 
 def _checkpoint(text: str) -> Path:
@@ -225,7 +213,11 @@ def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
 
 
 def _bound_arg(c: argparse.ArgumentParser) -> None:
-    c.add_argument("--bound", type=_bound, help="drift bound (default: chosen from calibration requests)")
+    c.add_argument(
+        "--bound",
+        type=console.number("--bound", 0.0, MAX_BOUND),
+        help="drift bound (default: chosen from calibration requests)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
