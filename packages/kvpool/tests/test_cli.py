@@ -5,20 +5,6 @@ import pytest
 from kvpool.cli import main
 
 
-def test_usage_errors_exit_2(capsys):
-    assert main(["bench", "--tokens", "0"]) == 2
-    assert "--tokens must be an integer >= 1" in capsys.readouterr().err
-    assert main(["bench", "--quick", "--tokens", "100"]) == 2
-    assert "tokens must exceed chunk_tokens" in capsys.readouterr().err
-    assert main(["serve", "--layout", "bad"]) == 2
-    assert main(["serve", "--port", "99999"]) == 2
-    assert "--port must be a port number" in capsys.readouterr().err
-    capsys.readouterr()
-    assert main(["bench", "--quick", "--workdir", "/proc/no-such-dir"]) == 2
-    assert "--workdir" in capsys.readouterr().err
-    assert main(["frobnicate"]) == 2
-
-
 @pytest.mark.slow
 def test_bench_json_has_the_headline_keys(tmp_path, capsys):
     out = tmp_path / "b.json"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from hwtopo.testing import assert_fails
 from kvpool.cli import main
 
 # (argv with {tmp} for the test's directory, text the message must contain)
@@ -28,12 +29,13 @@ CASES = [
     ("bench --json {tmp}/dir", "--json '{tmp}/dir' is a directory"),
     ("bench --workdir {tmp}/a/b/c", "--workdir '{tmp}/a/b/c': its parent"),
     ("bench --workdir {tmp}/file", "--workdir '{tmp}/file' exists and is not a directory"),
+    ("bench --quick --workdir /proc/no-such-dir", "--workdir"),
     ("demo --out {tmp}/missing/a", "--out"),
     ("demo --out {tmp}/file", "--out"),
-    ("serve --port 99999", "--port must be a port number"),
+    ("serve --port 99999", "--port must be an integer >= 0 and <= 65535"),
     ("serve --port -1", "--port"),
     ("serve --port x", "--port"),
-    ("serve --memory-modules -1", "--memory-modules must be an integer 0-64"),
+    ("serve --memory-modules -1", "--memory-modules must be an integer >= 0 and <= 64"),
     ("serve --memory-modules 1e3", "--memory-modules"),
     ("serve --memory-bytes 1e400GiB", "--memory-bytes"),
     ("serve --memory-bytes 0", "--memory-bytes"),
@@ -54,13 +56,8 @@ def tmp(tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", CASES, ids=[c[0] for c in CASES])
-def test_malformed_input(argv, needle, tmp, capsys):
-    before = sorted(p.name for p in tmp.rglob("*"))
-    assert main(argv.format(tmp=tmp).split()) == 2
-    err = capsys.readouterr().err
-    assert needle.format(tmp=tmp) in err and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("kvpool")
-    assert sorted(p.name for p in tmp.rglob("*")) == before
+def test_malformed_input(argv, needle, tmp):
+    assert_fails(main, argv, 2, needle, tmp=tmp, prog="kvpool")
 
 
 def test_version_and_options_after_the_command(capsys):

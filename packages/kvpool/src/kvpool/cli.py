@@ -19,28 +19,6 @@ MAX_DEVICES = 64  # SSDs or memory modules of one pool
 MAX_BYTES = 2**50  # 1 PiB per device
 
 
-def _port(text: str) -> int:
-    """argparse type: a TCP port (0 = any free port), checked before devices are built and measured."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--port must be a port number 0-65535, not {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"--port must be a port number 0-65535, not {text!r}")
-    return v
-
-
-def _modules(text: str) -> int:
-    """argparse type: memory modules, 0 (SSDs only) to MAX_DEVICES."""
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v <= MAX_DEVICES:
-        raise argparse.ArgumentTypeError(f"--memory-modules must be an integer 0-{MAX_DEVICES}, not {text!r}")
-    return v
-
-
 def _bandwidth(text: str) -> float:
     import hwtopo
 
@@ -102,9 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     common(b)
     s = console.command(sub, "serve", "serve one pool over HTTP (put/get/lookup/stats) to several processes")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
-    s.add_argument("--port", type=_port, default=8470, help="TCP port (0: any free port)")
+    s.add_argument("--port", type=console.integer("--port", 0, 65535), default=8470, help="TCP port (0: any free port)")
     s.add_argument("--ssd", action="append", default=[], help="an SSD directory (repeat for several)")
-    s.add_argument("--memory-modules", type=_modules, default=2, help="memory modules of the pool")
+    s.add_argument(
+        "--memory-modules",
+        type=console.integer("--memory-modules", 0, MAX_DEVICES),
+        default=2,
+        help="memory modules of the pool",
+    )
     s.add_argument("--memory-bytes", type=_bytes("--memory-bytes"), default="256MiB", help="per memory module")
     s.add_argument("--ssd-bytes", type=_bytes("--ssd-bytes"), default="1GiB", help="slab size per SSD")
     s.add_argument("--model-id", required=False, default="model", help="model identity hashed into keys")
@@ -128,18 +111,9 @@ def _config(args):
     cfg = BenchConfig.quick() if getattr(args, "quick", True) else BenchConfig.full()
     if args.cmd == "demo":
         cfg.tokens, cfg.layers, cfg.reps = 1024 + 32, 16, 2
-    if args.tokens:
-        cfg.tokens = args.tokens
-    if args.layers:
-        cfg.layers = args.layers
-    if args.reps:
-        cfg.reps = args.reps
-    if args.ssd_cap:
-        cfg.ssd_read_cap = args.ssd_cap
-    if args.ssds:
-        cfg.ssds = args.ssds
-    if args.io_backend:
-        cfg.io_backend = args.io_backend
+    for option in ("tokens", "layers", "reps", "ssd_cap", "ssds", "io_backend"):
+        if getattr(args, option):  # an option left out keeps the config's value
+            setattr(cfg, "ssd_read_cap" if option == "ssd_cap" else option, getattr(args, option))
     try:
         cfg.validate()
     except ValueError as e:
