@@ -615,6 +615,44 @@ def _install_routing(module: nn.Module, routing: str) -> list:
     return handles
 
 
+def _trace_stages(fake_model: ZooModel, batch: dict, tr: _Trace, autocast_dtype: torch.dtype | None) -> int:
+    """Trace every stage's forward into ``tr``; returns the bytes the last outputs keep alive for the loss."""
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (tr.on_saved(t), t)[1], lambda t: t):
+        with _Tracer(tr):
+            ctx = (
+                torch.autocast("cpu", dtype=autocast_dtype)
+                if autocast_dtype is not None
+                else torch.autocast("cpu", enabled=False)
+            )
+            with ctx:
+                outs = []
+                for stage, fn in fake_model.stages(batch):
+                    tr.stage = stage
+                    outs.append(fn())
+    held = 0
+    for o in outs[-1:]:
+        held += tr.held_bytes(_output_tensors(o))
+    return held
+
+
+def _attribute_params(tr: _Trace, fake_mod: nn.Module) -> None:
+    """Give every parameter to one record, uncalled modules included, so each weight counts once."""
+    called = set(tr.records)
+    for name, mod in fake_mod.named_modules():
+        if name not in called and any(True for _ in mod.parameters(recurse=False)):
+            tr.stage = "unused"
+            tr.record(mod)  # parameters of modules the forward never calls still occupy memory
+    seen_params: set[int] = set()
+    for r, mod in ((tr.records[n], m) for n, m in fake_mod.named_modules() if n in tr.records):
+        # tied weights (e.g. GPT-2's lm_head = wte) are counted once, at their first owner
+        r.params = r.param_bytes = 0
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                r.params += p.numel()
+                r.param_bytes += _nbytes(p)
+
+
 def decompose(model: ZooModel, shape: Shape, precision: str = "fp32", routing: str = "balanced") -> Decomposition:
     """Per-layer records of `model` for one training batch of `shape` at `precision`.
 
@@ -648,40 +686,13 @@ def decompose(model: ZooModel, shape: Shape, precision: str = "fp32", routing: s
         param_keys = {StorageWeakRef(p.untyped_storage()) for p in fake_mod.parameters()}
         param_keys |= {StorageWeakRef(b.untyped_storage()) for b in fake_mod.buffers()}
         tr = _Trace(fake_mod, param_keys)
-        held = 0
         try:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: (tr.on_saved(t), t)[1], lambda t: t):
-                with _Tracer(tr):
-                    ctx = (
-                        torch.autocast("cpu", dtype=autocast_dtype)
-                        if autocast_dtype is not None
-                        else torch.autocast("cpu", enabled=False)
-                    )
-                    with ctx:
-                        outs = []
-                        for stage, fn in fake_model.stages(batch):
-                            tr.stage = stage
-                            outs.append(fn())
-            for o in outs[-1:]:
-                held += tr.held_bytes(_output_tensors(o))
+            held = _trace_stages(fake_model, batch, tr, autocast_dtype)
         finally:
             tr.close()
             for h in route_handles:
                 h.remove()
-    called = set(tr.records)
-    for name, mod in fake_mod.named_modules():
-        if name not in called and any(True for _ in mod.parameters(recurse=False)):
-            tr.stage = "unused"
-            tr.record(mod)  # parameters of modules the forward never calls still occupy memory
-    seen_params: set[int] = set()
-    for r, mod in ((tr.records[n], m) for n, m in fake_mod.named_modules() if n in tr.records):
-        # tied weights (e.g. GPT-2's lm_head = wte) are counted once, at their first owner
-        r.params = r.param_bytes = 0
-        for p in mod.parameters(recurse=False):
-            if id(p) not in seen_params:
-                seen_params.add(id(p))
-                r.params += p.numel()
-                r.param_bytes += _nbytes(p)
+    _attribute_params(tr, fake_mod)
     records = [r for r in tr.records.values() if r.params or r.ops or r.saved_total]
     unknown = collections.Counter(r.cls for r in records if r.kind == "unknown" and r.ops)
     for cls, n in unknown.items():
