@@ -10,7 +10,7 @@ from cona.config import BenchConfig
 from cona.dist import launch
 from cona.harness import smoothed, time_to_target
 from cona.model import tiny_llama_config
-from cona.oracle import oracle_shortlist, pick_branch
+from cona.oracle import oracle_shortlist
 from cona.space import ModelDims, enumerate_strategies
 
 
@@ -130,16 +130,6 @@ def test_pick_held_out_compares_at_the_first_hit_on_the_measuring_windows():
     assert pick_held_out([first, late], [h_first, h_late], target, window=2, after=1.0) == (1, 1.15)
 
 
-def test_pick_branch_keeps_the_earliest_hit_else_the_lowest_loss():
-    target = 2.0
-    hit_late = [(1.0, 2.5), (2.0, 1.9), (3.0, 1.0)]  # lowest final loss, but reaches the target at 2.0
-    hit_early = [(1.0, 1.95), (2.0, 2.1), (3.0, 2.05)]  # reaches it at 1.0
-    never = [(1.0, 2.5), (2.0, 2.2)]
-    assert pick_branch([hit_late, hit_early, never], target) == 1
-    assert pick_branch([never, [(1.0, 2.4), (2.0, 2.3)], [(1.0, 2.6), (2.0, 2.21)]], target) == 0
-    assert pick_branch([[(1.0, 2.4), (2.0, 2.3)], never], target) == 1
-
-
 def test_time_to_target_reads_the_mean_of_the_last_evaluations():
     trace = [(0.1, 2.2), (0.2, 1.9), (0.3, 2.1), (0.4, 1.95), (0.5, 1.9), (0.6, 1.8)]
     assert time_to_target(trace, 2.0) == 0.2  # one evaluation's dip
@@ -156,21 +146,14 @@ def test_time_to_target_reads_the_mean_of_the_last_evaluations():
         BenchConfig(target_window=0)
 
 
-def test_pick_branch_does_not_keep_a_single_dip_when_averaging():
+def test_time_to_target_does_not_count_the_context_a_phase_starts_with():
+    """Every branch's trace starts with the kept trace's last evaluations (the window's context); a context
+    already at the target (its mean 1.925) must not count as a hit of the new phase: only ``after`` excludes it."""
     target = 2.0
-    dip = [(1.0, 2.3), (2.0, 1.99), (3.0, 2.3), (4.0, 2.2)]  # one evaluation below the target, then back up
-    steady = [(1.0, 2.05), (2.0, 2.02), (3.0, 2.0), (4.0, 1.98)]
-    assert pick_branch([steady, dip], target) == 1
-    assert pick_branch([steady, dip], target, window=2) == 0  # reaches a 2-mean of 1.99 at 4.0
-    # every branch's trace starts with the kept trace's last evaluations (the window's context); a context
-    # already at the target (its mean 1.925) must not count as a hit of the new phase: only ``after`` excludes it
     context = [(0.5, 1.9), (1.0, 1.95)]
     no_hit, hit = context + [(2.0, 2.1), (3.0, 1.99)], context + [(2.0, 1.98), (3.0, 2.2)]
     assert time_to_target(no_hit, target, 2) == 1.0 and time_to_target(no_hit, target, 2, after=1.0) is None
     assert time_to_target(hit, target, 2, after=1.0) == 2.0  # (1.95 + 1.98) / 2
-    assert pick_branch([no_hit, hit], target, window=2) == 0  # both "at 1.0": the lower last mean, 2.045 < 2.09
-    assert pick_branch([no_hit, hit], target, window=2, after=1.0) == 1  # the only hit in the phase
-    assert pick_branch([context + dip[1:], context + steady[1:]], 1.5, window=3, after=1.0) == 1  # 2.0 < 2.16
 
 
 @pytest.mark.slow
@@ -206,15 +189,13 @@ def test_oracle_branches_every_global_batch_from_one_checkpoint_and_keeps_the_be
             assert all(t > clock for t, _ in b["trace"][len(context) :])
             assert [t for t, _ in b["held"]] == [t for t, _ in b["trace"]]  # both read at every evaluation
         # the target (perplexity 1.5) is out of reach: compared at the phase end, the kept branch has the lowest
-        # mean of its last losses on the held-out windows; the pick on the measuring windows is only logged
+        # mean of its last losses on the held-out windows
         assert link["compared_at"] is None
         # (only the phase's own evaluations: a branch with fewer than w of them is not compared on the context)
         lowest = min(ended, key=lambda b: _mean([v for t, v in b["held"] if t > clock][-w:]))
-        on_measured = min(ended, key=lambda b: sum(v for _, v in b["trace"][-w:]))
         kept_new += [(round(t, 4), round(v, 5)) for t, v in lowest["trace"][len(context) :]]
         assert link["strategy"] == lowest["strategy"] and link["clock"] == clock
         assert link["samples"] == branches[0]["consumed"]  # where a replay switches (the samples before the phase)
-        assert link["pick_on_measuring_windows"] == on_measured["strategy"]
         assert [o["strategy"] for o in link["branches"]] == [b["strategy"] for b in ended]
         # each branch's phase: the samples it trained (from the phase's sample position) and its training time
         assert [(o["samples"], o["train_s"]) for o in link["branches"]] == [(b["samples"], b["train_s"]) for b in ended]

@@ -22,7 +22,7 @@ from .harness import Run, Variant, smoothed, time_to_target
 from .probe import fastest_per_batch, rank0
 from .space import Strategy
 
-__all__ = ["Oracle", "oracle_shortlist", "pick_held_out", "pick_branch", "branch_outcome"]
+__all__ = ["Oracle", "oracle_shortlist", "pick_held_out", "branch_outcome"]
 
 Trace = list[tuple[float, float]]
 
@@ -53,18 +53,6 @@ def branch_outcome(
     of one oracle branch's trace."""
     last = _mean_at(trace, math.inf, window)
     return time_to_target(trace, target_loss, window, after), math.inf if last is None else last
-
-
-def pick_branch(traces: list[Trace], target_loss: float, window: int = 1, after: float = -math.inf) -> int:
-    """Index of the branch that reached the target first, else the lowest mean of its last ``window``
-    validation losses (``branch_outcome``; ties: the earlier branch): what a pick on the measuring windows
-    would keep, logged beside the oracle's real pick (``pick_held_out``)."""
-
-    def key(i: int) -> tuple[float, float, int]:
-        hit, last = branch_outcome(traces[i], target_loss, window, after)
-        return (hit if hit is not None else math.inf, last, i)
-
-    return min(range(len(traces)), key=key)
 
 
 def pick_held_out(
@@ -171,14 +159,12 @@ class Oracle:
                     "train_s": b.train_s,
                 }
             )
-        on_measured = self.branches[pick_branch(traces, cfg.target_loss, w, after=start)][0]
         run.chain.append(
             {
                 "clock": start,
                 "samples": start_samples,
                 "strategy": s.name,
                 "branches": outcomes,
-                "pick_on_measuring_windows": on_measured.name,
                 "compared_at": compared_at if math.isfinite(compared_at) else None,
                 "why": f"lowest held-out validation loss (mean of the last {w} evaluations) when the first branch "
                 f"reached the target, else at the phase end, of {len(self.shortlist)} branches",

@@ -33,7 +33,7 @@ _PER_SEED = (
     "decision_eval_frac",
     "decision_s",
 )
-_LINK = ("clock", "samples", "strategy", "switch", "switch_s", "branches", "pick_on_measuring_windows", "compared_at")
+_LINK = ("clock", "samples", "strategy", "switch", "switch_s", "branches", "compared_at")
 _DECISION = (
     "elapsed_s",
     "current",
