@@ -1,20 +1,13 @@
-"""Measured batch-size efficiency from one checkpoint vs what the surrogate's efficiency models predict.
+"""Measured batch-size efficiency from one checkpoint against what cona's efficiency models predict.
 
-One process, one thread, the bench's model, data, learning-rate rule (square root from the reference
-batch 8), clipping and AdamW settings. For every seed (init and data order) and checkpoint, trains
-global batch 64 to the checkpoint, measures the gradient noise scale there (plain and
-Adam-preconditioned, from many micro-batch / batch pairs), then branches each requested batch
-(optionally at a multiple of its learning rate, ``64x2``) from the same weights and Adam state and
-evaluates the validation loss every ``--every`` samples. It then counts, for loss levels every branch
-reaches, the samples each batch needs relative to gb64 (interpolated between evaluations) and sets
-them against the ratios the two efficiency models of ``cona.gns.batch_efficiency`` predict from the
-measured preconditioned noise scale: "tuned" (Pollux, LR tuned per batch) and "sqrt" (Adam under the
-square-root rule the bench uses), and the ratios "sqrt_tensor" predicts: the square-root model per parameter
-tensor, each from its own preconditioned statistics (``tensor_progress``), and those "sqrt_coord" predicts: the
-same rule per coordinate, from AdamW's own moments (``coord_progress``; measured and rejected, README "Efficiency
-model": the moments average ~20 steps of a shrinking gradient, so m^2 falls below the noise share they imply and
-the model reads bigger batches as more sample-efficient than gb64). Samples, not time. The README's figures come
-from:
+One process, one thread, the bench's model, data, learning-rate rule (square root from the reference batch 8),
+clipping and AdamW settings. For every seed (init and data order) and checkpoint it trains global batch 64 to the
+checkpoint, measures the gradient noise scale there (plain and Adam-preconditioned, from many micro-batch / batch
+pairs), then branches each requested batch (optionally at a multiple of its learning rate, ``64x2``) from the same
+weights and Adam state and evaluates the validation loss every ``--every`` samples. For loss levels every branch
+reaches it counts the samples each batch needs relative to gb64 and sets them against the ratios
+``cona.gns.batch_efficiency`` predicts from the measured preconditioned noise scale: "sqrt" (Adam under the
+square-root rule the bench trains with, cona's model) and "tuned" (Pollux, LR tuned per batch). Samples, not time:
 
     python experiments/batch_efficiency.py --seeds 0,1,2 --checkpoints 512,4096,16384 --horizon 8192 \
         --branches 32,64,128,256 --json /tmp/cona-eff.json
@@ -114,37 +107,6 @@ def samples_to(curve: list[tuple[int, float]], level: float) -> float | None:
     return None
 
 
-def tensor_progress(groups: list[dict], batch: int) -> float:
-    """Progress per sample at ``batch`` (up to a constant) under the per-tensor square-root model: the sum over
-    tensors of s sqrt(n) |G'| / sqrt(batch + phi'), phi' = tr Sigma' / |G'|^2 (a tensor whose |G'|^2 estimate is
-    not positive adds nothing)."""
-    total = 0.0
-    for g in groups:
-        if g["g2"] > 0:
-            total += g["s"] * math.sqrt(g["n"] * g["g2"]) / math.sqrt(batch + max(g["tr"], 0.0) / g["g2"])
-    return total
-
-
-def coord_progress(opt, ps, batch: int, trained_batch: int) -> float:
-    """Progress per sample at ``batch`` (up to a constant) under the square-root rule per coordinate, read from
-    AdamW's own moments: E[v] ~ G_i^2 + s_i and E[m^2] ~ G_i^2 + c s_i, with s_i the variance of one
-    ``trained_batch`` gradient's coordinate and c = (1 - beta1) / (1 + beta1) the EMA's share of it, so
-    s_i = (v - m^2) / (1 - c) and G_i^2 = m^2 - c s_i; at batch M the step divides by sqrt(G_i^2 + s_i M0 / M)
-    and per sample, with lr ~ sqrt(M), coordinate i makes G_i^2 / sqrt(M G_i^2 + M0 s_i)."""
-    b1, b2 = opt.param_groups[0]["betas"]
-    c = (1 - b1) / (1 + b1)
-    total = 0.0
-    for p in ps:
-        st = opt.state[p]
-        t = float(st["step"])
-        m = st["exp_avg"].double() / (1 - b1**t)
-        v = st["exp_avg_sq"].double() / (1 - b2**t)
-        s = (v - m * m).clamp(min=0) / (1 - c)
-        g2 = m * m - c * s
-        total += float((g2 / (batch * g2.clamp(min=0) + trained_batch * s).sqrt().clamp(min=1e-30)).sum())
-    return total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0", help="init / data-order seeds, comma separated")
@@ -186,36 +148,20 @@ def one(cfg, tokens, seed: int, checkpoint: int, args) -> dict:
     pre = [1.0 / (x.clamp(min=0.01 * float(x.mean())).sqrt() + 1e-8) for x in v]
     est: dict[str, list[tuple[float, float]]] = {"plain": [], "preconditioned": []}
 
-    def sq_each(grads, w) -> list[float]:
-        """Squared norm of each tensor's gradient in the metric ``w``."""
-        return [float((g * x).double().pow(2).sum()) for g, x in zip(grads, w)]
+    def sq(grads, w) -> float:
+        """Squared norm of the gradient in the metric ``w``."""
+        return sum(float((g * x).double().pow(2).sum()) for g, x in zip(grads, w))
 
-    per_tensor = [[0.0, 0.0] for _ in ps]  # per tensor, summed over pairs: preconditioned (|G|^2, tr Sigma)
     for k in range(args.pairs):
         gs, big = grad_pair(model, data, k)
         for kind, w in (("plain", [1.0] * len(ps)), ("preconditioned", pre)):
-            small = [sum(col) / len(gs) for col in zip(*(sq_each(g, w) for g in gs))]
-            large = sq_each(big, w)
-            est[kind].append(unbiased_estimates(sum(small), 16, sum(large), 256))
-            if kind == "preconditioned":  # the estimates are linear: the tensors' add up to the whole's
-                for j, (a, b) in enumerate(zip(small, large)):
-                    gj, sj = unbiased_estimates(a, 16, b, 256)
-                    per_tensor[j][0] += gj
-                    per_tensor[j][1] += sj
+            small = sum(sq(g, w) for g in gs) / len(gs)
+            est[kind].append(unbiased_estimates(small, 16, sq(big, w), 256))
     for p in ps:
         p.grad = None
     phi = {k: sum(s for _, s in e) / sum(g for g, _ in e) for k, e in est.items()}
-    # per-tensor form of the square-root model: within a tensor Adam's v evens the coordinates out, so each
-    # tensor j is taken as homogeneous in the preconditioned metric, and its progress per sample at batch M is
-    # s_j sqrt(n_j) |G'_j| / sqrt(M + phi'_j) (s_j: the tensor's mean sqrt(v), the scale the metric divided out)
-    groups = []
-    for j, x in enumerate(pre):
-        g2, tr = per_tensor[j][0] / args.pairs, per_tensor[j][1] / args.pairs
-        groups.append({"n": x.numel(), "s": float((1.0 / x).mean()), "g2": g2, "tr": tr})
-    coord = {str(gb): coord_progress(opt, ps, gb, 64) for gb in (32, 64, 128, 256)}
     l0 = loss(model)
-    r = {"coord": coord, "seed": seed, "checkpoint_samples": used, "checkpoint_loss": l0, "noise_scale": phi, "tensors": groups,
-         "branches": {}}  # fmt: skip
+    r = {"seed": seed, "checkpoint_samples": used, "checkpoint_loss": l0, "noise_scale": phi, "branches": {}}
     print(f"seed {seed} checkpoint {used} samples, perplexity {math.exp(l0):.3f}, noise scale {phi}", flush=True)
     for spec in args.branches.split(","):
         gb_text, _, mult_text = spec.partition("x")
@@ -243,18 +189,18 @@ def summarize(out: dict, n_levels: int) -> None:
             gb = int(k)
             meas = [samples_to(c, lv) / samples_to(br["64"], lv) for lv in levels]
             pred = {m: batch_efficiency(64, phi, 8, m) / batch_efficiency(gb, phi, 8, m) for m in ("tuned", "sqrt")}
-            pred["sqrt_tensor"] = tensor_progress(r["tensors"], 64) / tensor_progress(r["tensors"], gb)
-            pred["sqrt_coord"] = r["coord"]["64"] / r["coord"][k]
             r["ratios"][k] = {"measured": meas, "predicted": pred}
-        print(f"seed {r['seed']} ckpt {r['checkpoint_samples']} (ppl {math.exp(l0):.2f}, preconditioned phi "
-              f"{phi:.0f}): samples vs gb64 at ppl " + ", ".join(f"{math.exp(x):.2f}" for x in levels))  # fmt: skip
+        shown = ", ".join(f"{math.exp(x):.2f}" for x in levels)
+        print(
+            f"seed {r['seed']} ckpt {r['checkpoint_samples']} (ppl {math.exp(l0):.2f}, preconditioned phi {phi:.0f}):"
+        )
+        print(f"  samples vs gb64 at ppl {shown}")
         for k, q in r["ratios"].items():
-            print(f"  gb{k}: measured " + ", ".join(f"{x:.2f}" for x in q["measured"])
-                  + f" | tuned {q['predicted']['tuned']:.2f}, sqrt {q['predicted']['sqrt']:.2f}"
-                  + f", sqrt per tensor {q['predicted']['sqrt_tensor']:.2f}"
-                  + f", sqrt per coordinate {q['predicted']['sqrt_coord']:.2f}")  # fmt: skip
+            measured = ", ".join(f"{x:.2f}" for x in q["measured"])
+            pred = q["predicted"]
+            print(f"  gb{k}: measured {measured} | tuned {pred['tuned']:.2f}, sqrt {pred['sqrt']:.2f}")
     # log error of each model over every (run, batch, level)
-    err: dict[str, list[float]] = {"tuned": [], "sqrt": [], "sqrt_tensor": [], "sqrt_coord": []}
+    err: dict[str, list[float]] = {"tuned": [], "sqrt": []}
     for r in out["runs"]:
         for k, q in r.get("ratios", {}).items():
             if k == "64":

@@ -8,7 +8,7 @@ resampling the pooled seeds, how often a run of each run's seed count would read
 configurations differ (other than seeds, wall time and the probe cache) are refused with the field named: pooling
 them would mix two experiments. Reads the runs' JSON only; runs nothing.
 
-    python experiments/pool_gaps.py /work/runs/r24a.json /work/runs/r24b.json --target 0.05 --json /tmp/pool.json
+    python experiments/pool_gaps.py run1.json run2.json --target 0.05 --json pooled.json
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def _bootstrap_medians(values: list[float], n: int, draws: int, rng: random.Rand
     return sorted(statistics.median(rng.choices(values, k=n)) for _ in range(draws))
 
 
-def pool(runs: dict[str, dict], key: str = "gap_to_oracle", target: float = 0.05, draws: int = 20000,
-         seed: int = 0) -> dict:  # fmt: skip
+def pool(
+    runs: dict[str, dict], key: str = "gap_to_oracle", target: float = 0.05, draws: int = 20000, seed: int = 0
+) -> dict:
     """Per run: its seeds and median; pooled: median, mean, the 5-95% bootstrap interval of the pooled median, and
     per seed count of the runs the probability that a run's median reads above ``target``."""
     if not runs:
@@ -111,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n}: {r['seeds']} seeds, median {r['median']:+.3f}")
     pl = out["pooled"]
     lo, hi = pl["median_interval_90"]
-    print(f"pooled: {pl['seeds']} seeds, median {pl['median']:+.3f} (90% bootstrap {lo:+.3f}..{hi:+.3f}), mean "
-          f"{pl['mean']:+.3f}, {pl['at_or_under_target']} at or under {args.target:g}")  # fmt: skip
+    print(
+        f"pooled: {pl['seeds']} seeds, median {pl['median']:+.3f} (90% bootstrap {lo:+.3f}..{hi:+.3f}), mean "
+        f"{pl['mean']:+.3f}, {pl['at_or_under_target']} at or under {args.target:g}"
+    )
     for k, pa in out["p_run_median_above_target"].items():
         print(f"a {k}-seed run's median above {args.target:g}: {pa:.1%} of resampled runs")
     if args.json:
