@@ -12,8 +12,20 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .base import BASE_METHODS, Decomposition, aligned_barycenter, decompose, mean_base
-    from .calibrate import CalibrationData, CalibrationError, LayerCalibration, Reservoir, calibrate
+    from .base import (
+        BASE_METHODS,
+        Decomposition,
+        aligned_barycenter,
+        decompose,
+        mean_base,
+    )
+    from .calibrate import (
+        CalibrationData,
+        CalibrationError,
+        LayerCalibration,
+        Reservoir,
+        calibrate,
+    )
     from .compressed import (
         CompressedExpertList,
         CompressedExperts,
@@ -21,6 +33,7 @@ if TYPE_CHECKING:
         load_compressed,
         save_compressed,
     )
+    from .hf import ParserMoeConfig, ParserMoeForCausalLM
     from .importance import (
         check_keep_ratio,
         element_scores_from_units,
@@ -29,8 +42,15 @@ if TYPE_CHECKING:
         select_units,
         unit_output_importance,
     )
-    from .models import ExpertWeights, MoELayer, NoMoEError, find_moe_layers, module_bytes
+    from .models import (
+        ExpertWeights,
+        MoELayer,
+        NoMoEError,
+        find_moe_layers,
+        module_bytes,
+    )
     from .pipeline import METHODS, Plan, compress_model, prepare
+    from .zoo import load_seed
 
 __version__ = "0.1.0"
 
@@ -65,6 +85,9 @@ _MODULE_OF = {
     "Plan": "pipeline",
     "compress_model": "pipeline",
     "prepare": "pipeline",
+    "ParserMoeConfig": "hf",
+    "ParserMoeForCausalLM": "hf",
+    "load_seed": "zoo",
 }
 
 __all__ = [
@@ -79,8 +102,11 @@ __all__ = [
     "LayerCalibration",
     "MoELayer",
     "NoMoEError",
+    "ParserMoeConfig",
+    "ParserMoeForCausalLM",
     "Plan",
     "Reservoir",
+    "__version__",
     "aligned_barycenter",
     "calibrate",
     "check_keep_ratio",
@@ -91,6 +117,7 @@ __all__ = [
     "find_moe_layers",
     "layer_output_importance",
     "load_compressed",
+    "load_seed",
     "mean_base",
     "module_bytes",
     "prepare",
@@ -98,7 +125,6 @@ __all__ = [
     "select_elements",
     "select_units",
     "unit_output_importance",
-    "__version__",
 ]
 
 

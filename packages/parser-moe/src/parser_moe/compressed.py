@@ -269,65 +269,78 @@ def compressed_modules(model: nn.Module) -> dict[str, CompressedExperts]:
     return out
 
 
-def save_compressed(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write a compressed transformers model as ``model.safetensors`` + ``config.json`` +
-    ``parser_moe.json`` (the compressed layers' shapes), atomically."""
-    from safetensors.torch import save_model
-
-    mods = compressed_modules(model)
-    if not mods:
-        raise ValueError("model has no compressed experts; call compress_model first")
-    layouts = {n: ("per_expert" if isinstance(model.get_submodule(n), CompressedExpertList) else "fused") for n in mods}
-    meta = {
-        "format": FORMAT_VERSION,
-        "layers": {n: {**m.spec(), "layout": layouts[n]} for n, m in mods.items()},
-    }
-
-    def fill(d: Path) -> None:
-        model.config.to_json_file(str(d / "config.json"))
-        (d / "parser_moe.json").write_text(json.dumps(meta, indent=2) + "\n")
-        save_model(model, str(d / "model.safetensors"))
-
-    atomic_dir(Path(path), fill)
-    return Path(path)
+def compressed_layers(model: nn.Module) -> dict[str, dict]:
+    """Shapes, layout and dtype of every compressed experts collection of ``model``, by module path."""
+    out = {}
+    for name, mod in compressed_modules(model).items():
+        layout = "per_expert" if isinstance(model.get_submodule(name), CompressedExpertList) else "fused"
+        out[name] = {**mod.spec(), "layout": layout}
+    return out
 
 
-def load_compressed(path: str | os.PathLike, model_factory: Callable | None = None) -> nn.Module:
-    """Rebuild a model saved by :func:`save_compressed` with transformers and load its tensors.
-
-    ``model_factory(config)`` builds the uncompressed architecture (default:
-    ``AutoModelForCausalLM.from_config``); its experts are then swapped for empty compressed modules.
-    """
-    from safetensors.torch import load_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = Path(path)
-    for f in ("config.json", "parser_moe.json", "model.safetensors"):
-        if not (path / f).is_file():
-            raise FileNotFoundError(f"{path}: missing {f}; not a directory written by save_compressed")
-    meta = json.loads((path / "parser_moe.json").read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path / 'parser_moe.json'}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
-    config = AutoConfig.from_pretrained(str(path))
-    factory = model_factory or AutoModelForCausalLM.from_config
-    model = factory(config)
+def install_empty(model: nn.Module, layers: dict[str, dict]) -> None:
+    """Put empty compressed modules shaped by ``layers`` (from :func:`compressed_layers`) in place of
+    the experts collections of an uncompressed ``model``, ready for its tensors to be loaded."""
     from .models import find_moe_layers
 
     found = {ly.name: ly for ly in find_moe_layers(model)}
-    for name, spec in meta["layers"].items():
+    for name, spec in layers.items():
         if name not in found:
-            raise ValueError(f"{path}: compressed layer {name!r} has no experts collection in the rebuilt model")
+            raise ValueError(f"compressed layer {name!r} has no experts collection in the rebuilt model")
         ly = found[name]
+        sizes = tuple(int(n) for n in spec["sizes"])
         storage = CompressedExperts(
             spec["num_experts"],
             spec["hidden"],
             spec["intermediate"],
             ly.act_fn,
             spec["mode"],
-            tuple(spec["sizes"]),
+            sizes,
             getattr(torch, spec["dtype"]),
         )
         install(model, ly, storage)
+
+
+def save_compressed(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write a compressed transformers model with ``save_pretrained`` (safetensors + a ``parser_moe``
+    config), atomically; ``AutoModelForCausalLM.from_pretrained`` loads it once ``parser_moe.hf`` is
+    imported."""
+    from .hf import ParserMoeForCausalLM
+
+    wrapped = ParserMoeForCausalLM.wrap(model)
+    return atomic_dir(Path(path), lambda d: wrapped.save_pretrained(str(d)))
+
+
+def load_compressed(path: str | os.PathLike, model_factory: Callable | None = None) -> nn.Module:
+    """Load a model written by :func:`save_compressed`; returns the compressed causal LM itself (the
+    ``inner`` model of :class:`parser_moe.hf.ParserMoeForCausalLM`).
+
+    Directories of the first format (``parser_moe.json`` beside the original config) load too;
+    ``model_factory(config)`` builds their uncompressed architecture (default
+    ``AutoModelForCausalLM.from_config``).
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path}: missing config.json or model.safetensors; not written by save_compressed")
+    if (path / "parser_moe.json").is_file():
+        return _load_first_format(path, model_factory)
+    from .hf import ParserMoeForCausalLM
+
+    model = ParserMoeForCausalLM.from_pretrained(str(path)).inner
+    model.eval()
+    return model
+
+
+def _load_first_format(path: Path, model_factory: Callable | None) -> nn.Module:
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    meta = json.loads((path / "parser_moe.json").read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path / 'parser_moe.json'}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+    factory = model_factory or AutoModelForCausalLM.from_config
+    model = factory(AutoConfig.from_pretrained(str(path)))
+    install_empty(model, meta["layers"])
     load_model(model, str(path / "model.safetensors"), strict=True)
     model.eval()
     return model

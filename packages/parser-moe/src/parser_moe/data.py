@@ -1,7 +1,9 @@
 """Real text without downloads: the Python standard library's own sources, as bytes (vocab 256).
 
-Files are split by position in the sorted list, so training, calibration and evaluation text never
-overlap: every 10th file is held out for evaluation, the 5th of every 10 for calibration.
+Files are split by position in the sorted list, so no file is in two splits: the 5th of every 10
+files is calibration text, the 0th of every 10 is evaluation text, everything else trains the tiny
+MoE. Evaluation files alternate between a development split (``dev``: settings of the variants are
+chosen there) and a held-out split (``test``: what the bench reports); ``eval`` is both together.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 
 VOCAB_SIZE = 256
+SPLITS = ("train", "calib", "eval", "dev", "test")
 
 
 def stdlib_files() -> list[Path]:
@@ -22,16 +25,27 @@ def stdlib_files() -> list[Path]:
     return files
 
 
+def _split_of(i: int) -> str:
+    r = i % 20
+    if r == 0:
+        return "dev"
+    if r == 10:
+        return "test"
+    return "calib" if r % 10 == 5 else "train"
+
+
+def split_files(split: str) -> list[Path]:
+    """The standard-library files of ``split``; no file belongs to two of train, calib, dev, test."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+    want = ("dev", "test") if split == "eval" else (split,)
+    return [f for i, f in enumerate(stdlib_files()) if _split_of(i) in want]
+
+
 def split_text(split: str, max_bytes: int | None = None) -> bytes:
-    """Concatenated bytes of the files of ``split`` ('train', 'calib' or 'eval')."""
-    if split not in ("train", "calib", "eval"):
-        raise ValueError(f"split must be 'train', 'calib' or 'eval', got {split!r}")
+    """Concatenated bytes of the files of ``split`` (one of :data:`SPLITS`)."""
     out = bytearray()
-    for i, f in enumerate(stdlib_files()):
-        r = i % 10
-        which = "eval" if r == 0 else "calib" if r == 5 else "train"
-        if which != split:
-            continue
+    for f in split_files(split):
         out += f.read_bytes() + b"\n"
         if max_bytes is not None and len(out) >= max_bytes:
             break
