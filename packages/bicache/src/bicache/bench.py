@@ -77,6 +77,68 @@ def run_variant(dlm, mode, fixed_depth, policy, reqs, max_batch, cfg) -> dict:
     }
 
 
+def _calibrate(dlm, calibration, bound, quick: bool, cfg: DecodeConfig) -> tuple:
+    """(calibration, drift bound, bound search report): each measured only where the caller gave none."""
+    if calibration is None:
+        calibration = depthmod.calibrate(dlm, requests_per_fraction=8 if quick else 16, groups=2)
+    bound_report = {}
+    if bound is None:
+        bound, bound_report = depthmod.choose_bound(
+            dlm, calibration, max_disagreement=0.02, requests_per_fraction=16 if quick else 32, cfg=cfg
+        )
+    return calibration, bound, bound_report
+
+
+def _measure(dlm, policy, work: dict, repeats: int, side_repeats: int, max_batch: int, cfg, progress: bool) -> dict:
+    """Warm every variant up untimed, then time the rounds; returns {variant: {fraction: [run, ...]}}."""
+    vs = variants(dlm)
+    runs: dict[str, dict[float, list[dict]]] = {name: {f: [] for f in work} for name, _, _ in vs}
+    bar = None
+    side = [v for v in vs if v[0] not in HEADLINE_VARIANTS]
+    head_vs = [v for v in vs if v[0] in HEADLINE_VARIANTS]
+    if progress:
+        from tqdm import tqdm
+
+        total = len(vs) + (repeats * len(head_vs) + side_repeats * len(side)) * len(work)
+        bar = tqdm(total=total, desc="bench", unit="run")
+    warm = work[max(work)][: 2 * max_batch]  # two batches (at the default limit: one per prefix group)
+    for _name, mode, d in vs:  # warm-up: first-call costs and heap growth, untimed
+        run_variant(dlm, mode, d, policy, warm, max_batch, cfg)
+        if bar is not None:
+            bar.update(1)
+    gc.collect()
+    gc.freeze()  # long-lived objects (model, workload) leave the collector: the per-pass collect stays short
+    try:
+        _rounds(dlm, policy, work, head_vs, side, repeats, side_repeats, runs, max_batch, cfg, bar)
+    finally:
+        gc.unfreeze()
+    if bar is not None:
+        bar.close()
+    return runs
+
+
+def _summary(rs: list[dict]) -> dict:
+    """One variant at one fraction over its rounds: medians of the timings, the rest from round one."""
+    secs = statistics.median(r["seconds"] for r in rs)
+    cpu = statistics.median(r["cpu_seconds"] for r in rs)
+    return {
+        "accuracy": rs[0]["accuracy"],
+        "tokens": rs[0]["tokens"],
+        "tokens_per_cpu_s": round(rs[0]["tokens"] / cpu, 2),
+        "tokens_per_s": round(rs[0]["tokens"] / secs, 2),
+        "median_cpu_seconds": round(cpu, 5),
+        "median_seconds": round(secs, 5),
+        "latency_p50_s": round(statistics.median(r["latency_p50_s"] for r in rs), 5),
+        "rounds": len(rs),
+        "cpu_seconds_min_max": [
+            round(min(r["cpu_seconds"] for r in rs), 5),
+            round(max(r["cpu_seconds"] for r in rs), 5),
+        ],
+        "token_layers_computed": rs[0]["token_layers_computed"],
+        "depths": rs[0]["depths"],
+    }
+
+
 def run_bench(
     dlm: DiffusionLM,
     quick: bool = True,
@@ -102,62 +164,12 @@ def run_bench(
     groups, per_group = workload or ((2, 192) if quick else (4, 192))
     cfg = DecodeConfig(gen_length=dlm.spec.gen_length, block_length=2, steps=dlm.spec.gen_length)
     t0 = time.perf_counter()
-    if calibration is None:
-        calibration = depthmod.calibrate(dlm, requests_per_fraction=8 if quick else 16, groups=2)
-    bound_report = {}
-    if bound is None:
-        bound, bound_report = depthmod.choose_bound(
-            dlm, calibration, max_disagreement=0.02, requests_per_fraction=16 if quick else 32, cfg=cfg
-        )
+    calibration, bound, bound_report = _calibrate(dlm, calibration, bound, quick, cfg)
     policy = depthmod.DepthPolicy(calibration, bound)
     work = make_workload(dlm, groups=groups, per_group=per_group)
-    vs = variants(dlm)
-    runs: dict[str, dict[float, list[dict]]] = {name: {f: [] for f in work} for name, _, _ in vs}
-    bar = None
-    side = [v for v in vs if v[0] not in HEADLINE_VARIANTS]
-    head_vs = [v for v in vs if v[0] in HEADLINE_VARIANTS]
-    if progress:
-        from tqdm import tqdm
-
-        total = len(vs) + (repeats * len(head_vs) + side_repeats * len(side)) * len(work)
-        bar = tqdm(total=total, desc="bench", unit="run")
-    warm = work[max(work)][: 2 * max_batch]  # two batches (at the default limit: one per prefix group)
-    for _name, mode, d in vs:  # warm-up: first-call costs and heap growth, untimed
-        run_variant(dlm, mode, d, policy, warm, max_batch, cfg)
-        if bar is not None:
-            bar.update(1)
-    gc.collect()
-    gc.freeze()  # long-lived objects (model, workload) leave the collector: the per-pass collect stays short
-    try:
-        _rounds(dlm, policy, work, head_vs, side, repeats, side_repeats, runs, max_batch, cfg, bar)
-    finally:
-        gc.unfreeze()
-    if bar is not None:
-        bar.close()
+    runs = _measure(dlm, policy, work, repeats, side_repeats, max_batch, cfg, progress)
     rounds = _round_ratios(runs, work)
-    results: dict[str, dict] = {}
-    for name, per_f in runs.items():
-        res = {}
-        for f, rs in per_f.items():
-            secs = statistics.median(r["seconds"] for r in rs)
-            cpu = statistics.median(r["cpu_seconds"] for r in rs)
-            res[f"{f:g}"] = {
-                "accuracy": rs[0]["accuracy"],
-                "tokens": rs[0]["tokens"],
-                "tokens_per_cpu_s": round(rs[0]["tokens"] / cpu, 2),
-                "tokens_per_s": round(rs[0]["tokens"] / secs, 2),
-                "median_cpu_seconds": round(cpu, 5),
-                "median_seconds": round(secs, 5),
-                "latency_p50_s": round(statistics.median(r["latency_p50_s"] for r in rs), 5),
-                "rounds": len(rs),
-                "cpu_seconds_min_max": [
-                    round(min(r["cpu_seconds"] for r in rs), 5),
-                    round(max(r["cpu_seconds"] for r in rs), 5),
-                ],
-                "token_layers_computed": rs[0]["token_layers_computed"],
-                "depths": rs[0]["depths"],
-            }
-        results[name] = res
+    results = {name: {f"{f:g}": _summary(rs) for f, rs in per_f.items()} for name, per_f in runs.items()}
     headline = headline_from(results, work)
     return {
         "config": {
