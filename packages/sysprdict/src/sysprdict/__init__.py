@@ -10,79 +10,29 @@ without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .dataset import DatasetError, load_rows, save_rows
-    from .fit import FitResult, OutOfMemoryPredicted, check_fits, largest_batch
-    from .layers import PRECISIONS, Decomposition, LayerRecord, decompose
-    from .memory import MemoryPrediction, TrainSetup, accelerate_style, predict_memory
-    from .timepred import AnalyticalFlops, TimePredictor, allreduce_time_s
-    from .zoo import Shape, ZooModel, build, model_names
+import lazy_loader
+
+if TYPE_CHECKING:  # the names as type checkers see them; at run time each loads on first use
+    from .dataset import DatasetError, load_rows, save_rows  # noqa: F401
+    from .fit import FitResult, OutOfMemoryPredicted, check_fits, largest_batch  # noqa: F401
+    from .layers import PRECISIONS, Decomposition, LayerRecord, decompose  # noqa: F401
+    from .memory import MemoryPrediction, TrainSetup, accelerate_style, predict_memory  # noqa: F401
+    from .timepred import AnalyticalFlops, TimePredictor, allreduce_time_s  # noqa: F401
+    from .zoo import Shape, ZooModel, build, model_names  # noqa: F401
 
 __version__ = "0.1.0"
 
-_MODULE_OF = {
-    "DatasetError": "dataset",
-    "load_rows": "dataset",
-    "save_rows": "dataset",
-    "FitResult": "fit",
-    "OutOfMemoryPredicted": "fit",
-    "check_fits": "fit",
-    "largest_batch": "fit",
-    "PRECISIONS": "layers",
-    "Decomposition": "layers",
-    "LayerRecord": "layers",
-    "decompose": "layers",
-    "MemoryPrediction": "memory",
-    "TrainSetup": "memory",
-    "accelerate_style": "memory",
-    "predict_memory": "memory",
-    "AnalyticalFlops": "timepred",
-    "TimePredictor": "timepred",
-    "allreduce_time_s": "timepred",
-    "Shape": "zoo",
-    "ZooModel": "zoo",
-    "build": "zoo",
-    "model_names": "zoo",
-}
-
-__all__ = [
-    "PRECISIONS",
-    "AnalyticalFlops",
-    "DatasetError",
-    "Decomposition",
-    "FitResult",
-    "LayerRecord",
-    "MemoryPrediction",
-    "OutOfMemoryPredicted",
-    "Shape",
-    "TimePredictor",
-    "TrainSetup",
-    "ZooModel",
-    "accelerate_style",
-    "allreduce_time_s",
-    "build",
-    "check_fits",
-    "decompose",
-    "largest_batch",
-    "load_rows",
-    "model_names",
-    "predict_memory",
-    "save_rows",
-    "__version__",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sysprdict' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "dataset": ["DatasetError", "load_rows", "save_rows"],
+        "fit": ["FitResult", "OutOfMemoryPredicted", "check_fits", "largest_batch"],
+        "layers": ["PRECISIONS", "Decomposition", "LayerRecord", "decompose"],
+        "memory": ["MemoryPrediction", "TrainSetup", "accelerate_style", "predict_memory"],
+        "timepred": ["AnalyticalFlops", "TimePredictor", "allreduce_time_s"],
+        "zoo": ["Shape", "ZooModel", "build", "model_names"],
+    },
+)
+__all__ += ["__version__"]

@@ -85,16 +85,6 @@ def _bandwidth(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v < 2**32:
-        raise argparse.ArgumentTypeError(f"--seed must be an integer >= 0 and < 2**32, not {text!r}")
-    return v
-
-
 def _existing(field: str, file: bool = True) -> Callable[[str], Path]:
     """argparse type: a path that exists, a file when ``file`` (a missing input is bad input)."""
 
@@ -528,7 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
             type=_existing("--data", file=False),
             help="Caliper reports (dir/HTML/JSON) or a CSV; default: simulated",
         )
-        p.add_argument("--seed", type=_seed, default=0, help="seed of the simulation and the models")
+        p.add_argument(
+            "--seed",
+            type=console.integer("--seed", 0, 2**32 - 1),
+            default=0,
+            help="seed of the simulation and the models",
+        )
         if name == "blockchain-bench":
             p.add_argument("--quick", action="store_true", help="fewer simulated repetitions")
             p.add_argument("--json", default="", help="write the results JSON here")
