@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 
+from hwtopo.testing import assert_fails
 from xronos.cli import main
 
 
@@ -23,24 +24,53 @@ def test_partition_from_hwtopo_cluster(capsys):
     assert len(out["xronos"]["q_heads"]) >= 2
 
 
-def test_usage_errors_exit_2_with_one_line(capsys):
-    assert main(["partition", "--speeds", "1,abc"]) == 2
-    err = capsys.readouterr().err.strip()
+# (argv with {tmp} for the test's directory, text the message must contain): each exits 2 before
+# any work starts and creates nothing
+BAD_INPUT = [
+    ("partition --speeds 1,abc", "--speeds"),
+    ("partition --speeds 1,1,1,1,1 --heads 8 --kv-heads 4", "cannot be split across 5 ranks"),
+    ("partition --speeds 1,1 --memory 1KiB,1KiB", "rank 0 has 1024 bytes"),
+    ("partition --batch 4", "--batch"),  # partition takes model options only
+    ("partition --hidden 1e30", "--hidden"),
+    ("partition --memory 1e400GiB,1MiB", "--memory"),
+    ("bench --quick --cpu-share 0", "--cpu-share"),
+    ("bench --quick --cpu-share lots", "--cpu-share"),
+    ("bench --quick --steps 0 --quiet", "--steps"),
+    ("bench --steps 99999999999", "--steps"),
+    ("bench --lr nan", "--lr"),
+    ("bench --quick --json {tmp}/no/r.json", "--json"),
+    ("demo --steps 0 --quiet", "--steps"),
+    ("demo --out {tmp}/a/b", "--out"),
+    ("train --data /nonexistent/file.txt --steps 1", "--data"),
+    ("train --ckpt-dir {tmp}/c/d", "--ckpt-dir"),
+    ("train --save {tmp}/file", "--save"),
+    ("train --seed -1", "--seed"),
+]
+
+
+@pytest.fixture
+def tmp(tmp_path, monkeypatch):
+    """The test's directory with one file in it; a command that starts work fails (exit 1)."""
+    import xronos.cli as cli
+    import xronos.runner as runner
+
+    def started(*args, **kwargs):
+        raise AssertionError("work started before the input was checked")
+
+    monkeypatch.setattr(cli, "_run_compare", started)
+    monkeypatch.setattr(runner, "finetune", started)
+    (tmp_path / "file").write_text("x")
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, needle", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_exits_2_before_any_work(argv, needle, tmp):
+    assert_fails(main, argv, 2, needle, tmp=tmp, prog="xronos")
+
+
+def test_usage_error_is_one_line():
+    err = assert_fails(main, "partition --speeds 1,abc", 2, "--speeds").err.strip()
     assert err.startswith("xronos: error: --speeds") and "\n" not in err
-    assert main(["partition", "--speeds", "1,1,1,1,1", "--heads", "8", "--kv-heads", "4"]) == 2
-    assert "cannot be split across 5 ranks" in capsys.readouterr().err
-    assert main(["partition", "--speeds", "1,1", "--memory", "1KiB,1KiB"]) == 2
-    assert "rank 0 has 1024 bytes" in capsys.readouterr().err
-    assert main(["bench", "--quick", "--cpu-share", "0"]) == 2
-    assert "--cpu-share" in capsys.readouterr().err
-    assert main(["bench", "--quick", "--cpu-share", "lots"]) == 2
-    assert "--cpu-share" in capsys.readouterr().err
-    assert main(["train", "--data", "/nonexistent/file.txt", "--steps", "1"]) == 2
-    assert "--data" in capsys.readouterr().err
-    assert main(["bench", "--quick", "--steps", "0", "--quiet"]) == 2
-    assert "--steps" in capsys.readouterr().err
-    assert main(["demo", "--steps", "0", "--quiet"]) == 2
-    assert "--steps" in capsys.readouterr().err
 
 
 def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
@@ -89,7 +119,7 @@ def test_torchrun_env_rendezvous_trains_like_the_reference(tmp_path):
     assert sum(out["partition"]["q_heads"]) == 8
 
 
-def test_cli_defaults_are_train_config_defaults_and_partition_takes_model_options_only(capsys):
+def test_cli_defaults_are_train_config_defaults():
     import dataclasses
 
     from xronos.cli import _cfg, build_parser
@@ -99,38 +129,6 @@ def test_cli_defaults_are_train_config_defaults_and_partition_takes_model_option
         cfg = _cfg(build_parser().parse_args(cmd))
         want = dataclasses.replace(TrainConfig(), steps=cfg.steps, lora_r=cfg.lora_r)
         assert cfg == want, cmd
-    assert main(["partition", "--batch", "4"]) == 2
-    assert "--batch" in capsys.readouterr().err
-
-
-def test_output_paths_and_numeric_ranges_fail_before_any_work(tmp_path, monkeypatch, capsys):
-    import xronos.cli as cli
-    import xronos.runner as runner
-
-    def started(*args, **kwargs):
-        raise AssertionError("work started before the input was checked")
-
-    monkeypatch.setattr(cli, "_run_compare", started)
-    monkeypatch.setattr(runner, "finetune", started)
-    assert main(["bench", "--quick", "--json", str(tmp_path / "no" / "r.json")]) == 2
-    assert "--json" in capsys.readouterr().err
-    assert main(["demo", "--out", str(tmp_path / "a" / "b")]) == 2
-    assert "--out" in capsys.readouterr().err and not (tmp_path / "a").exists()
-    assert main(["train", "--ckpt-dir", str(tmp_path / "c" / "d")]) == 2
-    assert "--ckpt-dir" in capsys.readouterr().err and not (tmp_path / "c").exists()
-    (tmp_path / "file").write_text("x")
-    assert main(["train", "--save", str(tmp_path / "file")]) == 2
-    assert "--save" in capsys.readouterr().err
-    bad = {
-        "--hidden": ["partition", "--hidden", "1e30"],
-        "--steps": ["bench", "--steps", "99999999999"],
-        "--lr": ["bench", "--lr", "nan"],
-        "--seed": ["train", "--seed", "-1"],
-        "--memory": ["partition", "--memory", "1e400GiB,1MiB"],
-    }
-    for field, argv in bad.items():
-        assert main(argv) == 2, argv
-        assert field in capsys.readouterr().err
 
 
 def test_version_and_common_options_in_either_place(capsys):

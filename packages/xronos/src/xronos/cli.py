@@ -24,21 +24,6 @@ MAX_COUNT = 1 << 24
 MAX_SEED = (1 << 63) - 1
 
 
-def _count(field: str, maximum: int):
-    """argparse type: an integer in [0, ``maximum``] (0 means off or none)."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            v = -1
-        if not 0 <= v <= maximum:
-            raise argparse.ArgumentTypeError(f"{field} must be an integer >= 0 and <= {maximum}, not {text!r}")
-        return v
-
-    return parse
-
-
 def _cpu_share_arg(text: str) -> str | float:
     """argparse type for --cpu-share: 'auto' or a number in (0, 1]."""
     if text == "auto":
@@ -123,7 +108,7 @@ def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: 
     g.add_argument(
         "--micro-batches", type=width("--micro-batches"), help=f"pipeline micro-batches ({d.micro_batches} or --batch)"
     )
-    steps_type = console.positive_int("--steps", MAX_COUNT) if min_steps else _count("--steps", MAX_COUNT)
+    steps_type = console.positive_int("--steps", MAX_COUNT) if min_steps else console.integer("--steps", 0, MAX_COUNT)
     g.add_argument("--steps", type=steps_type, default=d.steps if steps is None else steps, help="training steps")
     g.add_argument(
         "--vocab-parallel",
@@ -133,7 +118,9 @@ def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: 
         "ranks in proportion to their MLP shards; none: replicated",
     )
     g.add_argument("--lr", type=console.positive_float("--lr", 10.0), default=d.lr, help="AdamW learning rate")
-    g.add_argument("--seed", type=_count("--seed", MAX_SEED), default=d.seed, help="model, data and profile seed")
+    g.add_argument(
+        "--seed", type=console.integer("--seed", 0, MAX_SEED), default=d.seed, help="model, data and profile seed"
+    )
 
 
 def _emulate_arg(p: argparse.ArgumentParser, default: str | None = "dilate", note: str = "", **kw) -> None:
@@ -159,7 +146,7 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--rebalance-every",
-        type=_count("--rebalance-every", MAX_COUNT),
+        type=console.integer("--rebalance-every", 0, MAX_COUNT),
         default=2,
         help="Xronos re-profiles from measured step times every N steps and reshards when the median of the "
         "last 3 such windows says it pays (0: off)",
@@ -480,10 +467,14 @@ def _train_parser(sub) -> None:
     t = console.command(sub, "train", "fine-tune with checkpoints (resumes), evaluate, optionally save_pretrained")
     t.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
     t.add_argument("--mode", default="xronos", choices=["xronos", "tp"])
-    t.add_argument("--lora-r", type=_count("--lora-r", MAX_WIDTH), default=0, help="LoRA rank (0: full fine-tuning)")
+    t.add_argument(
+        "--lora-r", type=console.integer("--lora-r", 0, MAX_WIDTH), default=0, help="LoRA rank (0: full fine-tuning)"
+    )
     t.add_argument("--data", help="a text file (default: the Python standard library's sources)")
     t.add_argument("--ckpt-dir", help="checkpoint directory (default: in the user cache directory)")
-    t.add_argument("--ckpt-every", type=_count("--ckpt-every", MAX_COUNT), default=10, help="0: at the end only")
+    t.add_argument(
+        "--ckpt-every", type=console.integer("--ckpt-every", 0, MAX_COUNT), default=10, help="0: at the end only"
+    )
     t.add_argument("--save", help="write the gathered full model to this directory (save_pretrained)")
     t.add_argument("--memory", help="memory per rank for shards, e.g. 64MiB")
     t.add_argument(
@@ -515,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="2 ranks at speeds 1.0,0.5 (under 3 minutes)")
     b.add_argument("--json", help="write the results JSON here")
     b.add_argument("--speeds", help="emulated relative speed per rank (1.0,0.5 with --quick; else 1.0,0.7,0.4)")
-    b.add_argument("--lora-r", type=_count("--lora-r", MAX_WIDTH), default=0, help="LoRA rank (0: full)")
+    b.add_argument("--lora-r", type=console.integer("--lora-r", 0, MAX_WIDTH), default=0, help="LoRA rank (0: full)")
     _model_args(b)
     _emulation_args(b)
     _train_parser(sub)
