@@ -129,9 +129,19 @@ def heldout_accuracy(dlm: DiffusionLM, n: int = 128, seed: int = 99) -> float:
     return float((pred == ans).all(1).float().mean())
 
 
-def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | None = None) -> DiffusionLM:
-    """Train from scratch with ``recipe``; with ``resume_dir`` the run checkpoints there and resumes."""
-    torch.manual_seed(recipe.seed)
+@dataclass
+class _RunState:
+    """Where a training run stands beyond the weights: curriculum level, anneal start, best so far."""
+
+    rows: int
+    anneal_from: int | None  # step the curriculum reached every row
+    level_since: int = 0  # step at which the curriculum reached its current level
+    best_acc: float = -1.0  # held-out accuracy of ``best``
+    best: dict | None = None  # the weights with the best held-out accuracy at full rows
+
+
+def _initial_model(recipe: Recipe) -> DiffusionLM:
+    """The untrained model of ``recipe``, table embeddings composed if it asks for that."""
     dlm = DiffusionLM.random(
         recipe.spec,
         seed=recipe.seed,
@@ -144,6 +154,87 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
     )
     if recipe.compose_init:
         compose_table_embeddings(dlm, recipe.seed)
+    return dlm
+
+
+def _lr_at(recipe: Recipe, step: int, anneal_from: int | None) -> float:
+    """Warmup, constant while the curriculum grows, cosine to 5% once every row is filled."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    if anneal_from is None:
+        return recipe.lr
+    p = min(1.0, (step - anneal_from) / max(1, recipe.anneal))
+    return recipe.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def _resume(state_path: Path, model, opt, gen: torch.Generator, task: TableTask, run: _RunState) -> int:
+    """Restore weights, optimizer, both random streams and ``run`` from a checkpoint; returns its step."""
+    st = load_train_state(state_path)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    gen.set_state(st["gen"])
+    task.rng.setstate(st["rng"])
+    start = st["step"]
+    run.rows, run.anneal_from = st["rows"], st.get("anneal_from")
+    run.level_since = st.get("level_since", start)
+    run.best_acc, run.best = st.get("best_acc", -1.0), st.get("best")
+    log.info("resuming training at step %d", start)
+    return start
+
+
+def _save_train_state(
+    state_path: Path, model, opt, gen: torch.Generator, task: TableTask, step: int, run: _RunState
+) -> None:
+    """Write everything :func:`_resume` needs, atomically, so an interrupted run loses at most one eval period."""
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = state_path.with_suffix(".tmp")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "gen": gen.get_state(),
+            "rng": task.rng.getstate(),
+            "step": step,
+            "rows": run.rows,
+            "anneal_from": run.anneal_from,
+            "level_since": run.level_since,
+            "best_acc": run.best_acc,
+            "best": run.best,
+        },
+        tmp,
+    )
+    os.replace(tmp, state_path)
+
+
+def _train_step(dlm: DiffusionLM, opt, task: TableTask, gen: torch.Generator, recipe: Recipe, rows: int) -> float:
+    """One optimizer step on a fresh batch at curriculum level ``rows``; returns the loss."""
+    x, maskable = task.training_batch(recipe.batch, rows=rows, min_rows=recipe.min_rows if recipe.mixed else None)
+    loss = masked_diffusion_loss(dlm, x, maskable, gen)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(dlm.model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+def _evaluate(dlm: DiffusionLM, task: TableTask, recipe: Recipe, run: _RunState, step: int) -> float:
+    """Advance the curriculum on its gate or patience, then keep the best weights; returns held-out accuracy."""
+    full = recipe.spec.rows
+    stuck = recipe.patience > 0 and step - run.level_since >= recipe.patience
+    if run.rows < full and (stuck or batch_accuracy(dlm, task, run.rows) >= recipe.curriculum_gate):
+        run.rows, run.level_since = run.rows + 1, step
+        if run.rows == full:
+            run.anneal_from = step
+    acc = heldout_accuracy(dlm, n=recipe.val_requests)
+    if run.rows == full and acc > run.best_acc:
+        run.best_acc, run.best = acc, {k: v.detach().clone() for k, v in dlm.model.state_dict().items()}
+    return acc
+
+
+def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | None = None) -> DiffusionLM:
+    """Train from scratch with ``recipe``; with ``resume_dir`` the run checkpoints there and resumes."""
+    torch.manual_seed(recipe.seed)
+    dlm = _initial_model(recipe)
     model = dlm.model.train()
     task = TableTask(recipe.spec, seed=recipe.seed + 1)
     gen = torch.Generator().manual_seed(recipe.seed + 2)
@@ -151,29 +242,10 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
 
     start = 0
     rows = min(recipe.min_rows, recipe.spec.rows) if recipe.curriculum_gate > 0 else recipe.spec.rows
-    anneal_from: int | None = 0 if rows == recipe.spec.rows else None  # step the curriculum reached every row
-    level_since = 0  # step at which the curriculum reached its current level
-    best: tuple[float, dict | None] = (-1.0, None)  # (held-out accuracy, weights) at full rows
+    run = _RunState(rows=rows, anneal_from=0 if rows == recipe.spec.rows else None)
     state_path = resume_dir / "train-state.pt" if resume_dir is not None else None
     if state_path is not None and state_path.exists():
-        st = load_train_state(state_path)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        task.rng.setstate(st["rng"])
-        start, rows, anneal_from = st["step"], st["rows"], st.get("anneal_from")
-        level_since = st.get("level_since", start)
-        best = (st.get("best_acc", -1.0), st.get("best"))
-        log.info("resuming training at step %d", start)
-
-    def lr_at(step: int) -> float:
-        """Warmup, constant while the curriculum grows, cosine to 5% once every row is filled."""
-        if step < recipe.warmup:
-            return recipe.lr * (step + 1) / recipe.warmup
-        if anneal_from is None:
-            return recipe.lr
-        p = min(1.0, (step - anneal_from) / max(1, recipe.anneal))
-        return recipe.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+        start = _resume(state_path, model, opt, gen, task, run)
 
     bar = None
     if progress:
@@ -182,56 +254,26 @@ def train(recipe: Recipe = Recipe(), progress: bool = True, resume_dir: Path | N
         bar = tqdm(total=recipe.steps, initial=start, desc="train bicache DLM", unit="step")
     t0 = time.time()
     ema = None
-    full = recipe.spec.rows
     for step in range(start, recipe.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        x, maskable = task.training_batch(recipe.batch, rows=rows, min_rows=recipe.min_rows if recipe.mixed else None)
-        loss = masked_diffusion_loss(dlm, x, maskable, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+            group["lr"] = _lr_at(recipe, step, run.anneal_from)
+        loss = _train_step(dlm, opt, task, gen, recipe, run.rows)
+        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{ema:.3f}", rows=rows)
+            bar.set_postfix(loss=f"{ema:.3f}", rows=run.rows)
         if (step + 1) % recipe.eval_every == 0:
-            stuck = recipe.patience > 0 and step + 1 - level_since >= recipe.patience
-            if rows < full and (stuck or batch_accuracy(dlm, task, rows) >= recipe.curriculum_gate):
-                rows, level_since = rows + 1, step + 1
-                if rows == full:
-                    anneal_from = step + 1
-            acc = heldout_accuracy(dlm, n=recipe.val_requests)
-            if rows == full and acc > best[0]:
-                best = (acc, {k: v.detach().clone() for k, v in model.state_dict().items()})
-            log.info("step %d rows %d loss %.4f heldout %.3f (%.0fs)", step + 1, rows, ema, acc, time.time() - t0)
+            acc = _evaluate(dlm, task, recipe, run, step + 1)
+            log.info("step %d rows %d loss %.4f heldout %.3f (%.0fs)", step + 1, run.rows, ema, acc, time.time() - t0)
             if bar is not None:
-                bar.set_postfix(loss=f"{ema:.3f}", rows=rows, heldout=f"{acc:.3f}")
+                bar.set_postfix(loss=f"{ema:.3f}", rows=run.rows, heldout=f"{acc:.3f}")
             if state_path is not None:
-                state_path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = state_path.with_suffix(".tmp")
-                torch.save(
-                    {
-                        "model": model.state_dict(),
-                        "opt": opt.state_dict(),
-                        "gen": gen.get_state(),
-                        "rng": task.rng.getstate(),
-                        "step": step + 1,
-                        "rows": rows,
-                        "anneal_from": anneal_from,
-                        "level_since": level_since,
-                        "best_acc": best[0],
-                        "best": best[1],
-                    },
-                    tmp,
-                )
-                os.replace(tmp, state_path)
-            if acc >= recipe.target and anneal_from is not None and step + 1 >= anneal_from + recipe.anneal:
+                _save_train_state(state_path, model, opt, gen, task, step + 1, run)
+            if acc >= recipe.target and run.anneal_from is not None and step + 1 >= run.anneal_from + recipe.anneal:
                 break
-    if best[1] is not None:  # early stopping: the weights with the best held-out accuracy at full rows
-        model.load_state_dict(best[1])
-        log.info("kept the weights with held-out exact match %.3f", best[0])
+    if run.best is not None:  # early stopping: the weights with the best held-out accuracy at full rows
+        model.load_state_dict(run.best)
+        log.info("kept the weights with held-out exact match %.3f", run.best_acc)
     if bar is not None:
         bar.close()
     model.eval()
