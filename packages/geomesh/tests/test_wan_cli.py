@@ -5,6 +5,7 @@ import pytest
 import hwtopo
 from geomesh import WanEmulator, ring_wire_bytes
 from geomesh.cli import main
+from hwtopo.testing import assert_fails
 
 
 def test_ring_wire_bytes():
@@ -33,21 +34,46 @@ def test_wan_emulator_times_follow_the_slowest_ring_link():
         WanEmulator(c, ["use-a100", "nowhere"])
 
 
-def test_cli_usage_errors_exit_2(capsys, tmp_path):
-    assert main(["bench", "--quick", "--outer-steps", "0"]) == 2
-    assert "--outer-steps" in capsys.readouterr().err
-    assert main(["bench", "--quick", "--seeds", "0"]) == 2
-    assert "--seeds" in capsys.readouterr().err
-    assert main(["bench", "--quick", "--methods", "geomesh,sgd"]) == 2
-    assert "methods" in capsys.readouterr().err
-    bad = tmp_path / "c.json"
-    bad.write_text(json.dumps({"machines": [{"name": "a", "speed": -1}]}))
-    assert main(["bench", "--quick", "--cluster", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert "speed" in err and "Traceback" not in err
-    assert main(["bench", "--quick", "--cluster", "no-such-spec"]) == 2
-    assert "--cluster" in capsys.readouterr().err
-    assert main(["bench", "--nope"]) == 2
+# (argv with {tmp} for the test's directory, text the message must contain): each exits 2 before
+# any work starts and creates nothing
+BAD_INPUT = [
+    ("bench --quick --outer-steps 0", "--outer-steps"),
+    ("bench --quick --seeds 0", "--seeds"),
+    ("bench --quick --methods geomesh,sgd", "methods"),
+    ("bench --quick --cluster {tmp}/negative-speed.json", "speed"),
+    ("bench --quick --cluster no-such-spec", "--cluster"),
+    ("bench --nope", "unrecognized arguments"),
+    ("bench --quick --json {tmp}/no/r.json", "--json"),
+    ("demo --out {tmp}/a/b", "--out"),
+    ("plan --cluster geo-3region --memory-per-sample 20GiB", "batch 1"),
+    ("plan --batch 0", "--batch"),
+    # numbers beyond any real run are usage errors, not absurd plans
+    ("plan --target-tokens 1e30", "--target-tokens"),
+    (f"plan --target-tokens {10**13}", "--target-tokens"),
+    ("plan --tokens-per-s inf", "--tokens-per-s"),
+    ("plan --seq-len 0", "--seq-len"),
+    ("plan --fixed-memory 1e400GiB", "--fixed-memory"),
+    ("plan --memory-per-sample -1MiB", "--memory-per-sample"),
+]
+
+
+@pytest.fixture
+def tmp(tmp_path, monkeypatch):
+    """The test's directory with a bad cluster spec in it; a command that starts the bench fails."""
+    import geomesh.cli as cli
+
+    def started(*args, **kwargs):
+        raise AssertionError("the bench started before the input was checked")
+
+    monkeypatch.setattr(cli, "_bench", started)
+    spec = {"machines": [{"name": "a", "speed": -1}]}
+    (tmp_path / "negative-speed.json").write_text(json.dumps(spec))
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, needle", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_exits_2_before_any_work(argv, needle, tmp):
+    assert_fails(main, argv, 2, needle, tmp=tmp, prog="geomesh")
 
 
 def test_cli_plan_table(capsys):
@@ -55,35 +81,9 @@ def test_cli_plan_table(capsys):
     out = capsys.readouterr().out
     for name in ("use-a100", "euw-v100", "aps-t4"):
         assert name in out
-    assert main(["plan", "--cluster", "geo-3region", "--memory-per-sample", "20GiB"]) == 2
-    assert "batch 1" in capsys.readouterr().err
-    assert main(["plan", "--batch", "0"]) == 2
-    assert "--batch" in capsys.readouterr().err
-    # numbers beyond any real run are usage errors, not absurd plans
-    for flag, value in [
-        ("--target-tokens", "1e30"),
-        ("--target-tokens", str(10**13)),
-        ("--tokens-per-s", "inf"),
-        ("--seq-len", "0"),
-        ("--fixed-memory", "1e400GiB"),
-        ("--memory-per-sample", "-1MiB"),
-    ]:
-        assert main(["plan", flag, value]) == 2, (flag, value)
-        err = capsys.readouterr().err
-        assert flag in err and "Traceback" not in err
 
 
-def test_output_paths_are_checked_before_any_work(tmp_path, monkeypatch, capsys):
-    import geomesh.cli as cli
-
-    def started(*args, **kwargs):
-        raise AssertionError("the bench started before the output path was checked")
-
-    monkeypatch.setattr(cli, "_bench", started)
-    assert main(["bench", "--quick", "--json", str(tmp_path / "no" / "r.json")]) == 2
-    assert "--json" in capsys.readouterr().err
-    assert main(["demo", "--out", str(tmp_path / "a" / "b")]) == 2
-    assert "--out" in capsys.readouterr().err and not (tmp_path / "a").exists()
+def test_version(capsys):
     assert main(["--version"]) == 0
     assert f"geomesh {__import__('geomesh').__version__}" in capsys.readouterr().out
 
