@@ -1,4 +1,5 @@
 import json
+from unittest.mock import Mock
 
 import pytest
 
@@ -62,10 +63,7 @@ def tmp(tmp_path, monkeypatch):
     """The test's directory with a bad cluster spec in it; a command that starts the bench fails."""
     import geomesh.cli as cli
 
-    def started(*args, **kwargs):
-        raise AssertionError("the bench started before the input was checked")
-
-    monkeypatch.setattr(cli, "_bench", started)
+    monkeypatch.setattr(cli, "_bench", Mock(side_effect=AssertionError("the bench started before the checks")))
     spec = {"machines": [{"name": "a", "speed": -1}]}
     (tmp_path / "negative-speed.json").write_text(json.dumps(spec))
     return tmp_path
