@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import warnings
+from unittest.mock import Mock
 
 import pytest
 
@@ -54,9 +55,7 @@ def tmp(tmp_path, monkeypatch):
     import xronos.cli as cli
     import xronos.runner as runner
 
-    def started(*args, **kwargs):
-        raise AssertionError("work started before the input was checked")
-
+    started = Mock(side_effect=AssertionError("work started before the input was checked"))
     monkeypatch.setattr(cli, "_run_compare", started)
     monkeypatch.setattr(runner, "finetune", started)
     (tmp_path / "file").write_text("x")
