@@ -511,7 +511,7 @@ def release_gate(tag: str, args: argparse.Namespace) -> Report:
     check_changelog(pkg, pkg.version, report)
     if not args.offline:
         check_index(pkg, pkg.version, Index(args.index_url), report, tags_at_head())
-    if args.github_output:
+    if args.github_output and not report.errors:  # later jobs get a package only from a passed gate
         with open(args.github_output, "a") as f:
             f.write(f"package={pkg.name}\ndist={pkg.dist}\nversion={pkg.version}\n")
             f.write(f"dir={pkg.path.relative_to(ROOT).as_posix()}\n")
