@@ -39,7 +39,7 @@ from .units import (
     parse_flops,
 )
 
-__version__ = "0.1.1"
+__version__ = "0.2.0"
 
 __all__ = [
     "Accelerator",

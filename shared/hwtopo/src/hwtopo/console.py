@@ -233,6 +233,6 @@ def pyplot(package: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed (pip install '%s[plot]'); no plots written", package)
+        log.warning("matplotlib is not installed (pip install 'mlsyskit-%s[plot]'); no plots written", package)
         return None
     return plt

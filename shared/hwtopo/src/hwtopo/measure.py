@@ -85,7 +85,7 @@ def matmul_flops(size: int = 512, threads: int | None = None, seconds: float = 0
     try:
         import numpy as np
     except ImportError:
-        raise RuntimeError("matmul_flops needs torch or numpy; pip install 'hwtopo[measure]'") from None
+        raise RuntimeError("matmul_flops needs torch or numpy; pip install 'mlsyskit-hwtopo[measure]'") from None
     a = np.random.rand(size, size).astype("float32")
     b = np.random.rand(size, size).astype("float32")
     t = _timeit(lambda: a @ b, seconds)
