@@ -18,7 +18,7 @@ def _plt():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("plots need matplotlib: pip install 'agentdyn[plot]'") from e
+        raise RuntimeError("plots need matplotlib: pip install 'mlsyskit-agentdyn[plot]'") from e
     return plt
 
 
