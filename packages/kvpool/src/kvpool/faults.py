@@ -305,7 +305,7 @@ def safety_counts(pairs: int = 2000, kills: int = 20, directory: str | os.PathLi
             try:
                 import aiohttp  # noqa: F401
             except ImportError:
-                skipped[f"race_{kind}"] = "aiohttp not installed (pip install 'kvpool[serve]')"
+                skipped[f"race_{kind}"] = "aiohttp not installed (pip install 'mlsyskit-kvpool[serve]')"
                 continue
             d = Path(tmp) / f"race_{kind}"
             d.mkdir()

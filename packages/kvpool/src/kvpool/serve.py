@@ -54,7 +54,7 @@ def _require_aiohttp():
     try:
         from aiohttp import web
     except ImportError:
-        raise RuntimeError("kvpool serve needs aiohttp: pip install 'kvpool[serve]'") from None
+        raise RuntimeError("kvpool serve needs aiohttp: pip install 'mlsyskit-kvpool[serve]'") from None
     return web
 
 
