@@ -176,7 +176,7 @@ def _plot(res: dict, path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed (pip install 'cona[plot]'); no plot written")
+        log.warning("matplotlib is not installed (pip install 'mlsyskit-cona[plot]'); no plot written")
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for k, r in res["results"].items():

@@ -216,7 +216,7 @@ def code_digest() -> str:
             h.update((pkg / name).read_bytes())
     except OSError:
         try:
-            version = metadata.version("cona")
+            version = metadata.version("mlsyskit-cona")
         except metadata.PackageNotFoundError:
             version = "unknown"
         return f"no-source-{version}"
