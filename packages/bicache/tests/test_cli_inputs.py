@@ -27,6 +27,7 @@ CASES = [
     ("serve --checkpoint {tmp}/missing", "--checkpoint"),
     ("serve --checkpoint {tmp}/file", "--checkpoint '{tmp}/file' is not a directory"),
     ("calibrate --bound x", "--bound"),
+    ("calibrate --checkpoint {tmp}/missing", "--checkpoint"),
     ("calibrate --json {tmp}/missing/c.json", "--json '{tmp}/missing/c.json': directory"),
     ("calibrate --json {tmp}/dir", "--json '{tmp}/dir' is a directory"),
     ("bench --json {tmp}/missing/b.json", "--json"),
