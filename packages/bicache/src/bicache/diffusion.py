@@ -81,6 +81,49 @@ def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry, cache: C
     return dlm.model(input_ids=x[:, p:], position_ids=pos, cache=cache, use_cache=True).logits
 
 
+def _check_request(dlm: DiffusionLM, prompts: torch.Tensor, cfg: DecodeConfig, mode: str) -> None:
+    """Reject an unknown mode, a bad config or prompts that do not fit the model, before any compute."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+    cfg.validate()
+    if prompts.dim() != 2 or prompts.shape[1] == 0:
+        raise ValueError("prompts must be a non-empty (batch, length) tensor of token ids")
+    tp = prompts.shape[1]
+    if tp + cfg.gen_length > dlm.max_length:
+        raise ValueError(
+            f"prompt ({tp}) + gen_length ({cfg.gen_length}) exceeds the model's {dlm.max_length} positions"
+        )
+
+
+def _check_prefix(
+    dlm: DiffusionLM, prompts: torch.Tensor, mode: str, entry: PrefixEntry | None, fill_prefix: int
+) -> None:
+    """Reject a prefix mode's fill length or entry unless it is a true prefix of every prompt, for this model."""
+    tp = prompts.shape[1]
+    if entry is None and fill_prefix > 0:
+        if not 0 < fill_prefix < tp:
+            raise ValueError(f"fill_prefix must lie in (0, {tp}), got {fill_prefix}")
+        return
+    if entry is None:
+        raise ValueError(f"mode {mode!r} needs a prefix entry")
+    if entry.model_id and entry.model_id != id(dlm.model):
+        raise ValueError("the prefix entry was built by another model; mismatched cache and model")
+    want = torch.tensor(entry.tokens, dtype=prompts.dtype)
+    if entry.length >= tp or (prompts[:, : entry.length] != want).any():
+        raise ValueError("the prefix entry's tokens are not a prefix of every prompt in the batch")
+
+
+def _fill_entry(dlm: DiffusionLM, first: torch.Tensor, p: int, stats: DecodeStats) -> PrefixEntry:
+    """The entry for the first ``p`` tokens, from one full forward of ``first`` (the batch's first row)."""
+    total = first.shape[1]
+    cache = kvcache.prefix_cache(dlm, None, 0, record=True)
+    hidden: list[torch.Tensor] = []
+    kvcache.forward(dlm, first, cache=cache, logits_from=total, hidden_out=hidden)
+    stats.forwards += 1
+    stats.tokens_computed += dlm.num_layers * total
+    return kvcache.entry_from(dlm, first, cache, hidden, p)
+
+
 def generate(
     dlm: DiffusionLM,
     prompts: torch.Tensor,
@@ -100,29 +143,12 @@ def generate(
     first step (one request's full forward instead of the whole batch's). The depth calibration
     fills its entries the same way.
     """
-    if mode not in DECODE_MODES:
-        raise ValueError(f"mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
-    cfg.validate()
-    if prompts.dim() != 2 or prompts.shape[1] == 0:
-        raise ValueError("prompts must be a non-empty (batch, length) tensor of token ids")
+    _check_request(dlm, prompts, cfg, mode)
     b, tp = prompts.shape
     total = tp + cfg.gen_length
-    if total > dlm.max_length:
-        raise ValueError(
-            f"prompt ({tp}) + gen_length ({cfg.gen_length}) exceeds the model's {dlm.max_length} positions"
-        )
     uses_prefix = mode in ("naive", "bicache", "bicache+block")
-    if uses_prefix and entry is None and fill_prefix > 0:
-        if not 0 < fill_prefix < tp:
-            raise ValueError(f"fill_prefix must lie in (0, {tp}), got {fill_prefix}")
-    elif uses_prefix:
-        if entry is None:
-            raise ValueError(f"mode {mode!r} needs a prefix entry")
-        if entry.model_id and entry.model_id != id(dlm.model):
-            raise ValueError("the prefix entry was built by another model; mismatched cache and model")
-        want = torch.tensor(entry.tokens, dtype=prompts.dtype)
-        if entry.length >= tp or (prompts[:, : entry.length] != want).any():
-            raise ValueError("the prefix entry's tokens are not a prefix of every prompt in the batch")
+    if uses_prefix:
+        _check_prefix(dlm, prompts, mode, entry, fill_prefix)
     if mode == "naive":
         depth = dlm.num_layers
     if not 0 <= depth <= dlm.num_layers:
@@ -135,12 +161,7 @@ def generate(
     reuse: Cache | None = None  # the prefix splice cache, built once per batch: its buffers hold the prefix K/V
     with torch.no_grad():
         if uses_prefix and entry is None:  # the batch brings a new prefix: its first request fills the entry
-            cache = kvcache.prefix_cache(dlm, None, 0, record=True)
-            hidden: list[torch.Tensor] = []
-            kvcache.forward(dlm, x[:1], cache=cache, logits_from=total, hidden_out=hidden)
-            entry = stats.entry = kvcache.entry_from(dlm, x[:1], cache, hidden, p)
-            stats.forwards += 1
-            stats.tokens_computed += n * total
+            entry = stats.entry = _fill_entry(dlm, x[:1], p, stats)
         for blk in range(cfg.gen_length // cfg.block_length):
             b0 = tp + blk * cfg.block_length
             b1 = b0 + cfg.block_length
