@@ -68,6 +68,24 @@ class AllocationPlan:
         }
 
 
+@dataclass
+class _Demand:
+    """What every plan shape reads per class: intensity, CPU s per request, expected demand, threshold."""
+
+    types: list[str]
+    inten: dict[str, float]
+    cpu_s: dict[str, float]
+    demand: dict[str, float]
+    total: float
+    thr: float
+
+    def alloc(self, t: str, kind: str, core_set: str, cpus: list[int], **kw) -> ClassAllocation:
+        """The allocation of class ``t``, carrying its measured intensity and CPU cost per request."""
+        return ClassAllocation(
+            t, kind, core_set, list(cpus), intensity=self.inten[t], cpu_s_per_request=self.cpu_s[t], **kw
+        )
+
+
 def plan_allocation(
     class_profiles: dict[str, dict],
     cores: list[int],
@@ -89,70 +107,75 @@ def plan_allocation(
     mix = {t: (mix or {}).get(t, 1.0) for t in types}
     inten = {t: class_profiles[t].get("cpu_intensity", 1.0) for t in types}
     thr = threshold if threshold is not None else split_threshold(list(inten.values()))
-    demand = {t: mix[t] * class_profiles[t].get("cpu_s", 0.0) for t in types}
-    total = sum(demand.values()) or 1.0
+    cpu_s = {t: class_profiles[t].get("cpu_s", 0.0) for t in types}
+    demand = {t: mix[t] * cpu_s[t] for t in types}
+    d = _Demand(types, inten, cpu_s, demand, sum(demand.values()) or 1.0, thr)
+    return _plan_cores(d, cores) if len(cores) >= 2 else _plan_one_core(d, cores)
+
+
+def _plan_cores(d: _Demand, cores: list[int]) -> AllocationPlan:
+    """Two or more cores: own cores for CPU-sensitive classes, the rest shared, then spill onto idle ones."""
     n = len(cores)
     notes: list[str] = []
     classes: dict[str, ClassAllocation] = {}
     capacity: dict[str, float] = {}
-
-    def alloc(t, kind, cs, cpus, **kw):
-        classes[t] = ClassAllocation(
-            t, kind, cs, list(cpus), intensity=inten[t], cpu_s_per_request=class_profiles[t].get("cpu_s", 0.0), **kw
-        )
-
-    order = sorted(types, key=lambda t: -demand[t])
     free = list(cores)
-    if n >= 2:
-        for t in order:
-            rest = [x for x in types if x not in classes and x != t]
-            k = round(n * demand[t] / total)
-            if inten[t] < thr or k < 1 or not rest or len(free) - k < 1:
-                if inten[t] >= thr and k >= 1 and rest and len(free) > 1:
-                    k = len(free) - 1  # as many as can be spared
-                else:
-                    continue
-            own, free = free[len(free) - k :], free[: len(free) - k]
-            alloc(t, "cpu", f"own-{t}", own, threads=k, own_cpus=list(own))
-            capacity[f"own-{t}"] = float(k)
-            notes.append(
-                f"{t}: CPU-sensitive (intensity {inten[t]:.2f} >= {thr:.2f}), demand share {demand[t] / total:.2f} -> own cores {own}"
-            )
-        shared = [t for t in types if t not in classes]
-        for t in shared:
-            alloc(t, "cpu" if inten[t] >= thr else "io", "shared", free, threads=len(free))
-        if shared:
-            capacity["shared"] = float(len(free))
-            notes.append(f"{shared} share cores {free}")
-        # spill: a class with own cores whose demand share exceeds them may also run on the
-        # shared cores the sharing classes' expected demand leaves idle (whole cores)
-        shared_cores = n * sum(demand[t] for t in shared) / total if shared else 0.0
-        spare = min(len(free), int(math.floor(len(free) - shared_cores + 0.5))) if free else 0
-        for t in sorted((x for x in classes if classes[x].core_set.startswith("own-")), key=lambda x: -demand[x]):
-            c = classes[t]
-            k = len(c.cpus)
-            want = n * demand[t] / total - k
-            extra = min(spare, int(math.floor(want + 0.5)))
-            if extra >= 1:
-                c.cpus = sorted(c.cpus + free)
-                capacity[c.core_set] = float(k + extra)
-                spare -= extra
-                notes.append(f"{t}: may also run on shared cores {free} ({extra} core(s) of admission capacity)")
-        return AllocationPlan(classes, capacity, thr, list(cores), notes)
-    heavy = [t for t in types if inten[t] >= thr]
-    light = [t for t in types if t not in heavy]
+    for t in sorted(d.types, key=lambda t: -d.demand[t]):
+        rest = [x for x in d.types if x not in classes and x != t]
+        k = round(n * d.demand[t] / d.total)
+        if d.inten[t] < d.thr or k < 1 or not rest or len(free) - k < 1:
+            if d.inten[t] >= d.thr and k >= 1 and rest and len(free) > 1:
+                k = len(free) - 1  # as many as can be spared
+            else:
+                continue
+        own, free = free[len(free) - k :], free[: len(free) - k]
+        classes[t] = d.alloc(t, "cpu", f"own-{t}", own, threads=k, own_cpus=list(own))
+        capacity[f"own-{t}"] = float(k)
+        notes.append(
+            f"{t}: CPU-sensitive (intensity {d.inten[t]:.2f} >= {d.thr:.2f}), demand share {d.demand[t] / d.total:.2f} -> own cores {own}"
+        )
+    shared = [t for t in d.types if t not in classes]
+    for t in shared:
+        classes[t] = d.alloc(t, "cpu" if d.inten[t] >= d.thr else "io", "shared", free, threads=len(free))
+    if shared:
+        capacity["shared"] = float(len(free))
+        notes.append(f"{shared} share cores {free}")
+    _spill(d, n, classes, capacity, notes, free, shared)
+    return AllocationPlan(classes, capacity, d.thr, list(cores), notes)
+
+
+def _spill(d: _Demand, n: int, classes: dict, capacity: dict, notes: list, free: list[int], shared: list[str]) -> None:
+    """Let classes with own cores whose demand exceeds them also run on the whole shared cores left idle."""
+    # idle: whole shared cores the sharing classes' expected demand leaves unused
+    shared_cores = n * sum(d.demand[t] for t in shared) / d.total if shared else 0.0
+    spare = min(len(free), int(math.floor(len(free) - shared_cores + 0.5))) if free else 0
+    for t in sorted((x for x in classes if classes[x].core_set.startswith("own-")), key=lambda x: -d.demand[x]):
+        c = classes[t]
+        k = len(c.cpus)
+        want = n * d.demand[t] / d.total - k
+        extra = min(spare, int(math.floor(want + 0.5)))
+        if extra >= 1:
+            c.cpus = sorted(c.cpus + free)
+            capacity[c.core_set] = float(k + extra)
+            spare -= extra
+            notes.append(f"{t}: may also run on shared cores {free} ({extra} core(s) of admission capacity)")
+
+
+def _plan_one_core(d: _Demand, cores: list[int]) -> AllocationPlan:
+    """One core: no core sets to split, so I/O-bound classes get a CFS quota and CPU-sensitive ones weight."""
+    heavy = [t for t in d.types if d.inten[t] >= d.thr]
+    light = [t for t in d.types if t not in heavy]
     if not heavy or not light:
-        for t in types:
-            alloc(t, "cpu" if t in heavy else "io", "all", cores)
-        return AllocationPlan(classes, {"all": float(n)}, thr, list(cores), ["one core, no split: all share"])
-    heavy_share = sum(demand[t] for t in heavy) / total
+        classes = {t: d.alloc(t, "cpu" if t in heavy else "io", "all", cores) for t in d.types}
+        return AllocationPlan(
+            classes, {"all": float(len(cores))}, d.thr, list(cores), ["one core, no split: all share"]
+        )
+    heavy_share = sum(d.demand[t] for t in heavy) / d.total
     io_quota = min(0.8, max(0.2, 1 - heavy_share))
-    notes.append(f"one core: I/O-bound {light} capped at {io_quota:.2f} core, CPU-sensitive {heavy} weighted 4x")
-    for t in heavy:
-        alloc(t, "cpu", "cpu", cores, shares=4096)
-    for t in light:
-        alloc(t, "io", "io", cores, quota_cores=io_quota, shares=1024)
-    return AllocationPlan(classes, {"cpu": 1.0, "io": io_quota}, thr, list(cores), notes)
+    notes = [f"one core: I/O-bound {light} capped at {io_quota:.2f} core, CPU-sensitive {heavy} weighted 4x"]
+    classes = {t: d.alloc(t, "cpu", "cpu", cores, shares=4096) for t in heavy}
+    classes.update({t: d.alloc(t, "io", "io", cores, quota_cores=io_quota, shares=1024) for t in light})
+    return AllocationPlan(classes, {"cpu": 1.0, "io": io_quota}, d.thr, list(cores), notes)
 
 
 class TaskAwareAllocator:
