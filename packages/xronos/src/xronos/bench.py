@@ -46,6 +46,7 @@ def _worker(
     calibration_margin: float | None = 0.01,
     min_windows: int = 3,
 ):
+    """One rank of the comparison: profile, build every variant, run their steps interleaved, evaluate."""
     import hwtopo
 
     cfg = TrainConfig(**cfg_dict)
@@ -54,18 +55,7 @@ def _worker(
     solo = [dist.new_group([r]) for r in range(world)]  # one-rank groups: the reference runs without peers
     costs, prof = profile_group(shape, cfg.batch, cfg.seq_len, group=None)
     parts = {"xronos": partition(shape, costs), "tp": even_partition(shape, world)}
-    trainers = {}
-    for name in variants:
-        if name == "reference":
-            if rank == 0:
-                ref_part = even_partition(shape, 1) if cfg.lora_r else None
-                trainers[name] = TPTrainer(cfg, ref_part, 0, solo[0], corpus)
-        elif name in parts:
-            trainers[name] = TPTrainer(cfg, parts[name], rank, None, corpus)
-        elif name.startswith("pp"):
-            mb = int(name.split("-m")[1]) if "-m" in name else cfg.micro_batches
-            pp_cfg = dataclasses.replace(cfg, micro_batches=mb)
-            trainers[name] = PPTrainer(pp_cfg, speeds, rank, world, None, corpus, local_group=solo[rank])
+    trainers = _build_trainers(cfg, shape, parts, speeds, variants, rank, solo, corpus)
     rebalancer = None
     if "xronos" in trainers and rebalance_every > 0:
         rebalancer = Rebalancer(
@@ -77,50 +67,13 @@ def _worker(
             calibration_margin=calibration_margin,
             min_windows=min_windows,
         )
-    records = {name: [] for name in variants}
-    timelines = {}
     t_start = time.perf_counter()
-    for step in range(cfg.steps):
-        for name in variants:
-            if name == "reference":
-                if rank == 0:
-                    records[name].append(trainers[name].step())
-                continue
-            sync_point()  # emulated dilation of the untimed work between steps, before the barrier
-            dist.barrier()
-            resume_point()
-            record = step == timeline_step and name in parts
-            COMM.events = [] if record else None
-            records[name].append(trainers[name].step())
-            if name == "xronos" and rebalancer is not None:
-                t_rb = time.perf_counter()
-                if 0 < step <= calibrate_after:
-                    rebalancer.observe(records[name][-1])  # step 0 warms up (first allocations)
-                if step == calibrate_after:
-                    # one reshard, which measures what a reshard costs and starts from the partition the
-                    # observed steps give (the start-up profile timed shard computations in isolation)
-                    records[name][-1]["reshard_calibration_s"] = rebalancer.calibrate(trainers[name], correct=True)
-                elif step > calibrate_after:
-                    rebalancer.observe(records[name][-1])
-                    rebalancer.maybe_repartition(trainers[name])
-                sync_point()  # emulated: the rebalancer's own compute is paid inside its timing
-                records[name][-1]["rebalance_s"] = time.perf_counter() - t_rb
-                parts["xronos_final"] = trainers[name].part
-            if record:
-                timelines[name] = {
-                    "t0": records[name][-1]["t0"],
-                    "step_s": records[name][-1]["step_s"],
-                    "events": list(COMM.events),
-                }
-            COMM.events = None
+    records, timelines = _run_steps(
+        cfg.steps, variants, trainers, parts, rank, timeline_step, rebalancer, calibrate_after
+    )
     train_s = time.perf_counter() - t_start
-    evals = {}
-    for name in variants:
-        if name == "reference":
-            if rank == 0:
-                evals[name] = trainers[name].evaluate()
-        else:
-            evals[name] = trainers[name].evaluate()
+    # in variant order on every rank, as the evaluations of the distributed variants meet in collectives
+    evals = {name: trainers[name].evaluate() for name in variants if name != "reference" or rank == 0}
     dil = hwtopo.current_dilation()
     return {
         "rank": rank,
@@ -142,6 +95,79 @@ def _worker(
             if k in ("xronos", "tp")
         },
     }
+
+
+def _build_trainers(cfg: TrainConfig, shape, parts: dict, speeds, variants, rank: int, solo, corpus) -> dict:
+    """This rank's trainer for every variant, all on the same corpus (the reference on rank 0 alone)."""
+    trainers = {}
+    for name in variants:
+        if name == "reference":
+            if rank == 0:
+                ref_part = even_partition(shape, 1) if cfg.lora_r else None
+                trainers[name] = TPTrainer(cfg, ref_part, 0, solo[0], corpus)
+        elif name in parts:
+            trainers[name] = TPTrainer(cfg, parts[name], rank, None, corpus)
+        elif name.startswith("pp"):
+            pp_cfg = dataclasses.replace(cfg, micro_batches=_micro_batches(name, cfg.micro_batches))
+            trainers[name] = PPTrainer(pp_cfg, speeds, rank, len(solo), None, corpus, local_group=solo[rank])
+    return trainers
+
+
+def _micro_batches(name: str, default: int | None) -> int | None:
+    """The micro-batch count a pipeline variant's name carries ("pp-m8": 8), else ``default``."""
+    return int(name.split("-m")[1]) if "-m" in name else default
+
+
+def _run_steps(
+    steps: int, variants, trainers: dict, parts: dict, rank: int, timeline_step: int, rebalancer, calibrate_after: int
+) -> tuple[dict, dict]:
+    """Every variant's step records, interleaved so that load on the machine touches all variants alike.
+
+    Step i of each variant runs before step i+1 of any, each distributed step after a barrier. Also
+    returns the collectives of ``timeline_step`` for the partitioned variants, and keeps
+    ``parts["xronos_final"]`` at the rebalancer's latest partition.
+    """
+    records = {name: [] for name in variants}
+    timelines = {}
+    for step in range(steps):
+        for name in variants:
+            if name == "reference":
+                if rank == 0:
+                    records[name].append(trainers[name].step())
+                continue
+            sync_point()  # emulated dilation of the untimed work between steps, before the barrier
+            dist.barrier()
+            resume_point()
+            record = step == timeline_step and name in parts
+            COMM.events = [] if record else None
+            records[name].append(trainers[name].step())
+            if name == "xronos" and rebalancer is not None:
+                _rebalance(rebalancer, trainers[name], records[name][-1], step, calibrate_after)
+                parts["xronos_final"] = trainers[name].part
+            if record:
+                timelines[name] = {
+                    "t0": records[name][-1]["t0"],
+                    "step_s": records[name][-1]["step_s"],
+                    "events": list(COMM.events),
+                }
+            COMM.events = None
+    return records, timelines
+
+
+def _rebalance(rebalancer: Rebalancer, trainer, rec: dict, step: int, calibrate_after: int) -> None:
+    """Feed step ``rec`` to the rebalancer and let it reshard; its own time goes into ``rec["rebalance_s"]``."""
+    t_rb = time.perf_counter()
+    if 0 < step <= calibrate_after:
+        rebalancer.observe(rec)  # step 0 warms up (first allocations)
+    if step == calibrate_after:
+        # one reshard, which measures what a reshard costs and starts from the partition the
+        # observed steps give (the start-up profile timed shard computations in isolation)
+        rec["reshard_calibration_s"] = rebalancer.calibrate(trainer, correct=True)
+    elif step > calibrate_after:
+        rebalancer.observe(rec)
+        rebalancer.maybe_repartition(trainer)
+    sync_point()  # emulated: the rebalancer's own compute is paid inside its timing
+    rec["rebalance_s"] = time.perf_counter() - t_rb
 
 
 def run_comparison(
@@ -230,7 +256,7 @@ def _check_before_launch(cfg: TrainConfig, world: int, variants) -> None:
             even_partition(shape, world)  # heads/MLP blocks cannot be split across this many ranks
         elif name.startswith("pp"):
             split_layers(cfg.layers, [1.0] * world)  # fewer layers than stages
-            mb = int(name.split("-m")[1]) if "-m" in name else cfg.micro_batches
+            mb = _micro_batches(name, cfg.micro_batches)
             if cfg.batch % mb:
                 raise ValueError(f"batch ({cfg.batch}) must be a multiple of the micro-batch count {mb} ({name})")
 
@@ -238,85 +264,111 @@ def _check_before_launch(cfg: TrainConfig, world: int, variants) -> None:
 def summarize(results: list[dict], skip: int = 1) -> dict:
     """Per variant: median step time, per-rank idle ratios, compute stall, losses."""
     out = {}
-    world = len(results)
-    variants = list(results[0]["records"])
-    for name in variants:
+    for name in list(results[0]["records"]):
         if name == "reference":
-            recs = results[0]["records"][name]
-            steps = [r["step_s"] for r in recs[skip:]] or [r["step_s"] for r in recs]
-            out[name] = {
-                "step_time_s": statistics.median(steps),
-                "final_train_loss": recs[-1]["loss"] if recs else None,
-                "eval_loss": results[0]["eval_loss"][name],
-                "train_losses": [r["loss"] for r in recs],
-            }
-            continue
-        per_rank = [res["records"][name] for res in results]
-        n = len(per_rank[0])
-        sys_t = []
-        idle, inside, transfer = ([[] for _ in range(world)] for _ in range(3))
-        for i in range(min(skip, n - 1) if n > 1 else 0, n):
-            waits = step_waits([per_rank[r][i] for r in range(world)])
-            t_sys = waits[0]["step_s"]
-            sys_t.append(t_sys)
-            for r in range(world):
-                idle[r].append(waits[r]["wait_s"] / t_sys)
-                transfer[r].append(waits[r]["transfer_s"] / t_sys)
-                inside[r].append((per_rank[r][i]["comm_s"] + waits[r]["early_s"]) / t_sys)
-        rebalance_s = [sum(r.get("rebalance_s", 0.0) for r in recs) for recs in per_rank]
-        idle_med = [statistics.median(x) for x in idle]
-        not_computing = [statistics.median(x) for x in inside]
-        compute = [
-            statistics.median(rec["step_s"] - rec["comm_s"] for rec in per_rank[r][1:] or per_rank[r])
-            for r in range(world)
-        ]
-        layers = results[0].get("num_layers")
-        segs = [[segment_compute(rec, layers) for rec in per_rank[r][1:]] for r in range(world)] if layers else []
-        out[name] = {
-            "step_time_s": statistics.median(sys_t),
-            # the same steps' wall time summed, plus every re-profiling/reshard pause (slowest rank):
-            # what the median step time leaves out
-            "total_time_s": sum(sys_t) + max(rebalance_s),
-            "idle_ratio_per_rank": idle_med,
-            "idle_ratio": max(idle_med),
-            "transfer_ratio_per_rank": [statistics.median(x) for x in transfer],
-            "not_computing_ratio_per_rank": not_computing,
-            "compute_stall_ratio": min(not_computing),
-            "compute_s_per_rank": compute,
-            "final_train_loss": per_rank[0][-1]["loss"],
-            "eval_loss": results[0]["eval_loss"][name],
-            "train_losses": [r["loss"] for r in per_rank[0]],
-        }
-        reshard_steps = [e["step"] for e in results[0].get("rebalance_history", []) if e.get("resharded")]
-        if name in ("xronos", "tp"):  # after the last reshard: the same shards in every step compared
-            start = max([skip, *reshard_steps]) if name == "xronos" else skip
-            tail = [rec[start:] for rec in per_rank]
-            out[name]["segment_jitter_cv_per_rank"] = [segment_jitter(t) for t in tail]
-        if segs and all(x is not None for rank_segs in segs for x in rank_segs):
-            out[name]["segment_compute_s_per_rank"] = [
-                {k: statistics.median(x[k] for x in rank_segs) for k in ("attn", "mlp", "other")} for rank_segs in segs
-            ]
-        if name in results[0]["partitions"]:
-            out[name]["partition"] = results[0]["partitions"][name]
-            pred = [res.get("predicted_compute_s", {}).get(name) for res in results]
-            if all(p is not None for p in pred):
-                out[name]["profiled_compute_s_per_rank"] = pred
-        if name == "xronos":
-            out[name]["rebalance_s_total"] = max(rebalance_s)
-            out[name]["reshards"] = len(reshard_steps)
-            out[name]["reshard_calibration_s"] = max(
-                (rec.get("reshard_calibration_s", 0.0) for res in results for rec in res["records"][name]), default=0.0
-            )
-            out[name]["rebalance_history"] = results[0]["rebalance_history"]
-            if "xronos_final" in results[0]["partitions"]:
-                out[name]["partition_initial"] = out[name]["partition"]
-                out[name]["partition"] = results[0]["partitions"]["xronos_final"]
-        if name.startswith("pp"):
-            out[name]["layers_per_stage"] = results[0]["pp_layers"]
-            out[name]["micro_batches"] = int(name.split("-m")[1]) if "-m" in name else None
-        if name == "tp":  # equal work per rank: the speeds the emulation actually achieved under load
-            out[name]["achieved_relative_speeds"] = [min(compute) / c for c in compute]
+            out[name] = _summarize_reference(results, skip)
+        else:
+            out[name] = _summarize_distributed(results, name, skip)
     return out
+
+
+def _summarize_reference(results: list[dict], skip: int) -> dict:
+    """The single-process reference on rank 0: median step time and losses."""
+    recs = results[0]["records"]["reference"]
+    steps = [r["step_s"] for r in recs[skip:]] or [r["step_s"] for r in recs]
+    return {
+        "step_time_s": statistics.median(steps),
+        "final_train_loss": recs[-1]["loss"] if recs else None,
+        "eval_loss": results[0]["eval_loss"]["reference"],
+        "train_losses": [r["loss"] for r in recs],
+    }
+
+
+def _step_ratios(per_rank: list[list[dict]], skip: int) -> tuple[list[float], list, list, list]:
+    """Each step's wall time and, per rank, its waiting, transfer and not-computing shares of it.
+
+    Not computing = inside collectives or transfers, plus finished before the slowest rank.
+    """
+    world, n = len(per_rank), len(per_rank[0])
+    sys_t = []
+    idle, inside, transfer = ([[] for _ in range(world)] for _ in range(3))
+    for i in range(min(skip, n - 1) if n > 1 else 0, n):
+        waits = step_waits([per_rank[r][i] for r in range(world)])
+        t_sys = waits[0]["step_s"]
+        sys_t.append(t_sys)
+        for r in range(world):
+            idle[r].append(waits[r]["wait_s"] / t_sys)
+            transfer[r].append(waits[r]["transfer_s"] / t_sys)
+            inside[r].append((per_rank[r][i]["comm_s"] + waits[r]["early_s"]) / t_sys)
+    return sys_t, idle, inside, transfer
+
+
+def _summarize_distributed(results: list[dict], name: str, skip: int) -> dict:
+    """One distributed variant: step and total time, idle and stall ratios, compute, losses, its shards."""
+    world = len(results)
+    per_rank = [res["records"][name] for res in results]
+    sys_t, idle, inside, transfer = _step_ratios(per_rank, skip)
+    rebalance_s = [sum(r.get("rebalance_s", 0.0) for r in recs) for recs in per_rank]
+    idle_med = [statistics.median(x) for x in idle]
+    not_computing = [statistics.median(x) for x in inside]
+    compute = [
+        statistics.median(rec["step_s"] - rec["comm_s"] for rec in per_rank[r][1:] or per_rank[r]) for r in range(world)
+    ]
+    layers = results[0].get("num_layers")
+    segs = [[segment_compute(rec, layers) for rec in per_rank[r][1:]] for r in range(world)] if layers else []
+    out = {
+        "step_time_s": statistics.median(sys_t),
+        # the same steps' wall time summed, plus every re-profiling/reshard pause (slowest rank):
+        # what the median step time leaves out
+        "total_time_s": sum(sys_t) + max(rebalance_s),
+        "idle_ratio_per_rank": idle_med,
+        "idle_ratio": max(idle_med),
+        "transfer_ratio_per_rank": [statistics.median(x) for x in transfer],
+        "not_computing_ratio_per_rank": not_computing,
+        "compute_stall_ratio": min(not_computing),
+        "compute_s_per_rank": compute,
+        "final_train_loss": per_rank[0][-1]["loss"],
+        "eval_loss": results[0]["eval_loss"][name],
+        "train_losses": [r["loss"] for r in per_rank[0]],
+    }
+    reshard_steps = [e["step"] for e in results[0].get("rebalance_history", []) if e.get("resharded")]
+    if name in ("xronos", "tp"):  # after the last reshard: the same shards in every step compared
+        start = max([skip, *reshard_steps]) if name == "xronos" else skip
+        out["segment_jitter_cv_per_rank"] = [segment_jitter(rec[start:]) for rec in per_rank]
+    if segs and all(x is not None for rank_segs in segs for x in rank_segs):
+        out["segment_compute_s_per_rank"] = [
+            {k: statistics.median(x[k] for x in rank_segs) for k in ("attn", "mlp", "other")} for rank_segs in segs
+        ]
+    if name in results[0]["partitions"]:
+        out["partition"] = results[0]["partitions"][name]
+        pred = [res.get("predicted_compute_s", {}).get(name) for res in results]
+        if all(p is not None for p in pred):
+            out["profiled_compute_s_per_rank"] = pred
+    if name == "xronos":
+        out.update(_rebalance_summary(results, out, rebalance_s, reshard_steps))
+    if name.startswith("pp"):
+        out["layers_per_stage"] = results[0]["pp_layers"]
+        out["micro_batches"] = _micro_batches(name, None)
+    if name == "tp":  # equal work per rank: the speeds the emulation actually achieved under load
+        out["achieved_relative_speeds"] = [min(compute) / c for c in compute]
+    return out
+
+
+def _rebalance_summary(results: list[dict], out: dict, rebalance_s: list[float], reshard_steps: list[int]) -> dict:
+    """What Xronos' re-profiling cost and changed: pauses, reshards, and its final partition."""
+    extra = {
+        "rebalance_s_total": max(rebalance_s),
+        "reshards": len(reshard_steps),
+        "reshard_calibration_s": max(
+            (rec.get("reshard_calibration_s", 0.0) for res in results for rec in res["records"]["xronos"]),
+            default=0.0,
+        ),
+        "rebalance_history": results[0]["rebalance_history"],
+    }
+    if "xronos_final" in results[0]["partitions"]:
+        extra["partition_initial"] = out["partition"]
+        extra["partition"] = results[0]["partitions"]["xronos_final"]
+    return extra
 
 
 def headline(summary: dict) -> dict:
