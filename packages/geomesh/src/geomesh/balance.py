@@ -146,6 +146,70 @@ def _batch_cap(p: WorkerProfile, memory: MemoryModel | None, max_batch: int | No
     return cap
 
 
+def _check_plan_args(
+    profiles: Sequence[WorkerProfile],
+    seq_len: int,
+    target_tokens: int,
+    max_batch: int | None,
+    min_steps: int,
+    preferred_batch: int | None,
+    preferred_steps: int | None,
+) -> None:
+    """Reject a :func:`plan` request that no plan can satisfy, naming the argument, before any search."""
+    _check_profiles(profiles)
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise BalanceError(f"seq_len: {seq_len!r} must be a positive integer")
+    if not isinstance(target_tokens, int) or target_tokens < seq_len * len(profiles):
+        raise BalanceError(
+            f"target_tokens: {target_tokens!r} must be an integer >= seq_len x workers = {seq_len * len(profiles)}"
+        )
+    if max_batch is not None and max_batch < 1:
+        raise BalanceError(f"max_batch: {max_batch!r} must be >= 1")
+    if min_steps < 1:
+        raise BalanceError(f"min_steps: {min_steps!r} must be >= 1")
+    if preferred_batch is not None and preferred_batch < 1:
+        raise BalanceError(f"preferred_batch: {preferred_batch!r} must be >= 1 (or None: the largest that fits)")
+    if preferred_steps is not None and preferred_steps < 1:
+        raise BalanceError(f"preferred_steps: {preferred_steps!r} must be >= 1 (or None)")
+
+
+def _choose_worker(
+    p: WorkerProfile,
+    cap: int,
+    rate: float,
+    phase: float,
+    seq_len: int,
+    min_steps: int,
+    tolerance: float,
+    preferred_batch: int | None,
+    preferred_steps: int | None,
+) -> WorkerPlan:
+    """One worker's (b, H) whose cycle is nearest ``phase``, ties within ``tolerance`` broken by preference."""
+    # beyond the batch that would finish the whole phase in one step nothing improves
+    work = max(phase - p.sync_overhead_s, 1e-9)
+    top = max(1, min(cap, math.ceil(2 * rate * work / (seq_len * min_steps))))
+    cands = []
+    for b in range(1, top + 1):
+        h = max(min_steps, round(work / p.step_time_s(b, seq_len)))
+        t = p.cycle_time_s(b, h, seq_len)
+        cands.append((abs(t - phase) / phase, b, h, t))
+    best = min(c[0] for c in cands)
+    near = [c for c in cands if c[0] <= best + tolerance]
+    if preferred_steps is not None:
+        _, b, h, t = min(near, key=lambda c: (abs(c[2] - preferred_steps), c[0], -c[1]))
+    else:
+        pref = preferred_batch if preferred_batch is not None else top
+        _, b, h, t = min(near, key=lambda c: (abs(c[1] - pref), c[0], -c[1]))
+    return WorkerPlan(p.name, b, h, b * h * seq_len, t)
+
+
+def _plan_score(ws: list[WorkerPlan], target_tokens: int) -> float:
+    """Miss of the token target plus phase imbalance: lower is better, to keep the best rescaled plan."""
+    phases = [w.phase_s for w in ws]
+    tokens = sum(w.tokens for w in ws)
+    return abs(tokens / target_tokens - 1) + (max(phases) - min(phases)) / max(phases)
+
+
 def plan(
     profiles: Sequence[WorkerProfile],
     seq_len: int,
@@ -164,21 +228,7 @@ def plan(
     with ``preferred_steps`` the inner-step count closest to it wins instead (equal H everywhere
     when memory allows, the speed difference absorbed by the batch size).
     """
-    _check_profiles(profiles)
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise BalanceError(f"seq_len: {seq_len!r} must be a positive integer")
-    if not isinstance(target_tokens, int) or target_tokens < seq_len * len(profiles):
-        raise BalanceError(
-            f"target_tokens: {target_tokens!r} must be an integer >= seq_len x workers = {seq_len * len(profiles)}"
-        )
-    if max_batch is not None and max_batch < 1:
-        raise BalanceError(f"max_batch: {max_batch!r} must be >= 1")
-    if min_steps < 1:
-        raise BalanceError(f"min_steps: {min_steps!r} must be >= 1")
-    if preferred_batch is not None and preferred_batch < 1:
-        raise BalanceError(f"preferred_batch: {preferred_batch!r} must be >= 1 (or None: the largest that fits)")
-    if preferred_steps is not None and preferred_steps < 1:
-        raise BalanceError(f"preferred_steps: {preferred_steps!r} must be >= 1 (or None)")
+    _check_plan_args(profiles, seq_len, target_tokens, max_batch, min_steps, preferred_batch, preferred_steps)
     caps = [_batch_cap(p, memory, max_batch) for p in profiles]
     ref = [min(c, preferred_batch) if preferred_batch else min(c, 8) for c in caps]
     # the cycle T at which the workers, running near their reference batch, make the target together:
@@ -187,30 +237,10 @@ def plan(
     phase = (target_tokens + sum(e * p.sync_overhead_s for e, p in zip(eff, profiles))) / sum(eff)
 
     def choose(phase: float) -> list[WorkerPlan]:
-        workers = []
-        for p, cap, rate in zip(profiles, caps, eff):
-            # beyond the batch that would finish the whole phase in one step nothing improves
-            work = max(phase - p.sync_overhead_s, 1e-9)
-            top = max(1, min(cap, math.ceil(2 * rate * work / (seq_len * min_steps))))
-            cands = []
-            for b in range(1, top + 1):
-                h = max(min_steps, round(work / p.step_time_s(b, seq_len)))
-                t = p.cycle_time_s(b, h, seq_len)
-                cands.append((abs(t - phase) / phase, b, h, t))
-            best = min(c[0] for c in cands)
-            near = [c for c in cands if c[0] <= best + tolerance]
-            if preferred_steps is not None:
-                _, b, h, t = min(near, key=lambda c: (abs(c[2] - preferred_steps), c[0], -c[1]))
-            else:
-                pref = preferred_batch if preferred_batch is not None else top
-                _, b, h, t = min(near, key=lambda c: (abs(c[1] - pref), c[0], -c[1]))
-            workers.append(WorkerPlan(p.name, b, h, b * h * seq_len, t))
-        return workers
-
-    def score(ws: list[WorkerPlan]) -> float:
-        phases = [w.phase_s for w in ws]
-        tokens = sum(w.tokens for w in ws)
-        return abs(tokens / target_tokens - 1) + (max(phases) - min(phases)) / max(phases)
+        return [
+            _choose_worker(p, cap, rate, phase, seq_len, min_steps, tolerance, preferred_batch, preferred_steps)
+            for p, cap, rate in zip(profiles, caps, eff)
+        ]
 
     # the chosen batches run at other efficiencies than the reference one: rescale the phase until
     # the tokens meet the target (a few fixed-point rounds), keeping the best plan seen
@@ -221,7 +251,7 @@ def plan(
             break
         phase *= target_tokens / tokens
         trial = choose(phase)
-        if score(trial) < score(workers):
+        if _plan_score(trial, target_tokens) < _plan_score(workers, target_tokens):
             workers, best_phase = trial, phase
     phase = best_phase
     total = sum(w.tokens for w in workers)
