@@ -20,6 +20,9 @@ MAX_COUNT = 10_000  # requests per type, repeats, pages, concurrency
 MAX_WORK = 10**9  # CPU work units of the coding task
 
 
+DESCRIPTION = "Run AI agents with CPU-aware tool admission and task-aware CPU allocation, and measure them."
+
+
 def _list(field: str, item: Callable[[str], float], example: str) -> Callable[[str], tuple]:
     """argparse type: a comma-separated list, each item checked by ``item``."""
 
@@ -412,7 +415,7 @@ def _characterize_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p, sub = console.parser("agentdyn", __doc__.splitlines()[0], __version__)
+    p, sub = console.parser("agentdyn", DESCRIPTION, __version__)
     s = console.command(sub, "serve", "the agent runtime as an HTTP service")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=console.integer("--port", 0, 65535), default=8080, help="TCP port (0: any free port)")
