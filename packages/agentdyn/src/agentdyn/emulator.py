@@ -22,6 +22,7 @@ from aiohttp import web
 
 from hwtopo.httpguard import BadRequest, middleware, read_json
 
+from .localserver import LocalServer
 from .tools.coding import BUGGY_LINE, FIXED_LINE
 
 __all__ = ["EmulatorConfig", "LLMEmulator", "plan_step", "PLANS"]
@@ -123,7 +124,7 @@ def _error(status: int, message: str, field: str | None = None) -> web.Response:
     return web.json_response({"error": err}, status=status)
 
 
-class LLMEmulator:
+class LLMEmulator(LocalServer):
     """aiohttp app answering ``POST /v1/chat/completions`` and ``GET /v1/models``."""
 
     def __init__(
@@ -132,8 +133,7 @@ class LLMEmulator:
         self.config = config or EmulatorConfig()
         self.token = token
         self.rng = random.Random(self.config.seed)
-        self.host, self.port = host, port
-        self.runner: web.AppRunner | None = None
+        super().__init__(host, port)
         self.requests = 0
         self.gate: asyncio.Event | None = None  # when set: answers wait for it (tests, demos)
 
@@ -201,17 +201,9 @@ class LLMEmulator:
         return app
 
     async def start(self) -> str:
-        self.runner = web.AppRunner(self.app(), access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, self.host, self.port).start()
-        self.port = self.runner.addresses[0][1]
+        await self._serve()
         return self.base_url
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None

@@ -17,6 +17,7 @@ from aiohttp import web
 
 import hwtopo
 
+from .localserver import LocalServer
 from .tools.rag import BM25, corpus_files, corpus_root, tokenize
 
 __all__ = ["FixtureSite", "build_pages"]
@@ -59,7 +60,7 @@ def _render(i: int, p: dict) -> str:
     )
 
 
-class FixtureSite:
+class FixtureSite(LocalServer):
     """aiohttp site of linked pages; ``await start()`` binds 127.0.0.1 on a free port."""
 
     def __init__(
@@ -76,8 +77,7 @@ class FixtureSite:
             [tokenize(p["title"] + " " + p["body"][:4000] + " " + " ".join(p["names"])) for p in self.pages]
         )
         self.shaper = hwtopo.LinkShaper(bandwidth_bytes_per_s=bandwidth_bytes_per_s, latency_s=latency_s)
-        self.host, self.port = host, port
-        self.runner: web.AppRunner | None = None
+        super().__init__(host, port)
         self.requests = 0
 
     def describe(self) -> dict:
@@ -114,18 +114,9 @@ class FixtureSite:
         return app
 
     async def start(self) -> str:
-        self.runner = web.AppRunner(self.app(), access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
+        await self._serve()
         return self.url
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
