@@ -127,6 +127,8 @@ def _error(status: int, message: str, field: str | None = None) -> web.Response:
 class LLMEmulator(LocalServer):
     """aiohttp app answering ``POST /v1/chat/completions`` and ``GET /v1/models``."""
 
+    path = "/v1"
+
     def __init__(
         self, config: EmulatorConfig | None = None, host: str = "127.0.0.1", port: int = 0, token: str | None = None
     ):
@@ -200,10 +202,7 @@ class LLMEmulator(LocalServer):
         app.router.add_get("/v1/models", self._models)
         return app
 
-    async def start(self) -> str:
-        await self._serve()
-        return self.base_url
-
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        """The OpenAI-style base URL clients are given (``url``, which ends in ``/v1``)."""
+        return self.url

@@ -112,11 +112,3 @@ class FixtureSite(LocalServer):
         app.router.add_get("/page/{i}", self._page)
         app.router.add_get("/search", self._search)
         return app
-
-    async def start(self) -> str:
-        await self._serve()
-        return self.url
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
