@@ -79,7 +79,7 @@ def test_initial_choice_holds_under_every_efficiency_model():
 
 
 def test_initial_choice_takes_the_larger_batch_of_two_level_within_the_margin():
-    """The 2-rank table and seed 0's step-0 range of 2026-12-03 (14..29): over both models gb32 keeps 0.854 of
+    """A 2-rank table and a step-0 range of 14..29: over both models gb32 keeps 0.854 of
     the best goodput and gb64, 1.45x its samples/s, 0.853. Level within the switch margin, the larger batch is
     taken (the noise scale grows from step 0); without a tie tolerance the 0.001 decides."""
     gb = {b: Strategy(2, 1, 1, min(b // 2, 32), b) for b in (16, 32, 64, 128, 256)}

@@ -12,8 +12,25 @@ from cona.report import HEADLINE_KEYS
 def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--quick", "--quiet", "--json", str(out), "--budget-s", "2", "--target-ppl", "80",
-               "--global-batches", "8,16", "--micro-batches", "4,8", "--seeds", "2"])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--quiet",
+            "--json",
+            str(out),
+            "--budget-s",
+            "2",
+            "--target-ppl",
+            "80",
+            "--global-batches",
+            "8,16",
+            "--micro-batches",
+            "4,8",
+            "--seeds",
+            "2",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res) >= {"package", "version", "config", "machine", "results", "headline", "emulated"}
@@ -168,13 +185,28 @@ def test_headline_is_the_median_over_seeds_with_spread():
     from cona.report import aggregate
 
     per = {
-        0: {"ttp_ratio_vs_best_static": 0.5, "gap_to_oracle": None, "switches": 2, "switch_overhead_frac": 0.01,
-            "gns_overhead_frac": 0.02},
-        1: {"ttp_ratio_vs_best_static": 0.9, "gap_to_oracle": 0.1, "switches": 1, "switch_overhead_frac": 0.0,
-            "gns_overhead_frac": 0.03},
-        2: {"ttp_ratio_vs_best_static": 0.6, "gap_to_oracle": 0.3, "switches": 3, "switch_overhead_frac": 0.02,
-            "gns_overhead_frac": 0.01},
-    }  # fmt: skip
+        0: {
+            "ttp_ratio_vs_best_static": 0.5,
+            "gap_to_oracle": None,
+            "switches": 2,
+            "switch_overhead_frac": 0.01,
+            "gns_overhead_frac": 0.02,
+        },
+        1: {
+            "ttp_ratio_vs_best_static": 0.9,
+            "gap_to_oracle": 0.1,
+            "switches": 1,
+            "switch_overhead_frac": 0.0,
+            "gns_overhead_frac": 0.03,
+        },
+        2: {
+            "ttp_ratio_vs_best_static": 0.6,
+            "gap_to_oracle": 0.3,
+            "switches": 3,
+            "switch_overhead_frac": 0.02,
+            "gns_overhead_frac": 0.01,
+        },
+    }
     head, spread = aggregate(per)
     assert head["ttp_ratio_vs_best_static"] == 0.6 and head["switches"] == 2
     assert head["gap_to_oracle"] == pytest.approx(0.2)  # a seed without a value is left out, and counted
@@ -184,8 +216,15 @@ def test_headline_is_the_median_over_seeds_with_spread():
 
 def _runs(cona_t, oracle_t, best_t=20.0):
     def run(t):
-        return {"time_to_target_s": t, "final_val_ppl": 6.0, "chain": [{}, {}], "switch_s": 0.1, "gns_s": 0.2,
-                "clock_s": 10.0, "decision_eval_frac": 0.01}  # fmt: skip
+        return {
+            "time_to_target_s": t,
+            "final_val_ppl": 6.0,
+            "chain": [{}, {}],
+            "switch_s": 0.1,
+            "gns_s": 0.2,
+            "clock_s": 10.0,
+            "decision_eval_frac": 0.01,
+        }
 
     return {"best_static": run(best_t), "surrogate_static": run(12.0), "cona": run(cona_t), "oracle": run(oracle_t)}
 
@@ -222,9 +261,24 @@ def test_a_seed_where_cona_misses_the_target_stays_in_the_headline_censored():
 def test_set_replaces_any_bench_setting_and_wins_over_flags():
     from cona.cli import _parser, _run_config
 
-    argv = ["bench", "--quick", "--range-z", "2", "--set", "gns_every=16", "--set", "decision_eval_every_s=1",
-            "--set", "range_z=1", "--set", "global_batches=32,64", "--set", "oracle=false",
-            "--set", "adam_betas=0.9,0.99"]  # fmt: skip
+    argv = [
+        "bench",
+        "--quick",
+        "--range-z",
+        "2",
+        "--set",
+        "gns_every=16",
+        "--set",
+        "decision_eval_every_s=1",
+        "--set",
+        "range_z=1",
+        "--set",
+        "global_batches=32,64",
+        "--set",
+        "oracle=false",
+        "--set",
+        "adam_betas=0.9,0.99",
+    ]
     cfg = _run_config(_parser().parse_args(argv), quick=True)
     assert (cfg.gns_every, cfg.decision_eval_every_s, cfg.range_z) == (16, 1.0, 1.0)
     assert (cfg.global_batches, cfg.oracle, cfg.adam_betas) == ((32, 64), False, (0.9, 0.99))

@@ -20,8 +20,10 @@ batch_efficiency = _load("batch_efficiency")
 
 
 def _gaps(values, **config):
-    return {"config": {"world": 4, "seeds": len(values), "wall_s": 1.0} | config,
-            "headline_spread": {"gap_to_oracle": {"per_seed": values}}}  # fmt: skip
+    return {
+        "config": {"world": 4, "seeds": len(values), "wall_s": 1.0} | config,
+        "headline_spread": {"gap_to_oracle": {"per_seed": values}},
+    }
 
 
 def test_pool_gaps_pools_seeds_of_runs_of_one_configuration():

@@ -150,7 +150,7 @@ def test_interval_counts_the_error_of_both_estimates():
         g = sum(p[0] for p in w) / 8
         s = sum(p[1] for p in w) / 8
         se = (sum((p[0] - g) ** 2 for p in w) / 7 / 8) ** 0.5
-        above_old += s / (g + 2.365 * se) > phi  # the rule until 2026-12-01: only |G|^2 uncertain
+        above_old += s / (g + 2.365 * se) > phi  # the |G|^2-only range: only |G|^2 uncertain
     assert covered / len(windows) > 0.9 and above / len(windows) < 0.05
     assert above_old / len(windows) > 0.1
     assert fieller_interval(pairs[:1]) == (0.0, math.inf)  # one pair bounds nothing
@@ -220,8 +220,12 @@ def test_micro_batch_jackknife_is_unbiased_and_its_range_covers_the_noise_scale(
         return g2, b * (sum(sum(x * x for x in v) for v in vs) / n - g2), mean
 
     g2, tr, mean = estimates(mbs)
-    pairs = micro_batch_pairs([sum(x * x for x in m) for m in mbs], [sum(x * y for x, y in zip(m, mean)) for m in mbs],
-                              sum(x * x for x in mean), b)  # fmt: skip
+    pairs = micro_batch_pairs(
+        [sum(x * x for x in m) for m in mbs],
+        [sum(x * y for x, y in zip(m, mean)) for m in mbs],
+        sum(x * x for x in mean),
+        b,
+    )
     for k, (pu, pt) in enumerate(pairs):
         g2k, trk, _ = estimates(mbs[:k] + mbs[k + 1 :])
         assert (pu, pt) == pytest.approx((5 * g2 - 4 * g2k, 5 * tr - 4 * trk), rel=1e-9, abs=1e-9)
@@ -297,17 +301,21 @@ def test_carry_inputs_are_checked_and_states_without_positions_load():
     gns = GradientNoiseScale(reference_batch=8)
     for n in range(1, 13):
         gns.update(2.0, 4, 1.1, 64, at=100.0 * n)
-    for call, needle in ((lambda: gns.position(window=0), "window must be >= 1"),
-                         (lambda: gns.interval(window=0), "window must be >= 1"),
-                         (lambda: gns.growth(groups=1), "groups >= 2"),
-                         (lambda: gns.ahead(1e4, limit=-1.0), "z and limit must be >= 0")):  # fmt: skip
+    for call, needle in (
+        (lambda: gns.position(window=0), "window must be >= 1"),
+        (lambda: gns.interval(window=0), "window must be >= 1"),
+        (lambda: gns.growth(groups=1), "groups >= 2"),
+        (lambda: gns.ahead(1e4, limit=-1.0), "z and limit must be >= 0"),
+    ):
         with pytest.raises(ValueError, match=needle):
             call()
     gns.raw.append((1.0, 2.0))  # a pair without a position: the positions no longer line up with the pairs
     assert gns.growth() is None
-    for kw, needle in (({"growth_pairs": 24.5}, "growth_pairs must be a whole number"),
-                       ({"range_window": 0}, "range_window must be a whole number"),
-                       ({"adam_betas": 0.9}, "adam_betas must be two numbers")):  # fmt: skip
+    for kw, needle in (
+        ({"growth_pairs": 24.5}, "growth_pairs must be a whole number"),
+        ({"range_window": 0}, "range_window must be a whole number"),
+        ({"adam_betas": 0.9}, "adam_betas must be two numbers"),
+    ):
         with pytest.raises(ValueError, match=needle):
             BenchConfig(**kw)
     old = {k: v for k, v in GradientNoiseScale(reference_batch=8).state_dict().items() if k not in ("at", "at_known")}

@@ -17,9 +17,19 @@ from cona.space import ModelDims, enumerate_strategies
 def _worker(rank, world):
     from cona import bench, harness, oracle
 
-    cfg = BenchConfig(world=1, global_batches=(8, 16, 32), micro_batches=(8,), budget_s=2.6, oracle_phase_s=1.0,
-                      target_ppl=1.5, val_samples=16, probe_cache=False, probe_steps=1, seeds=1,
-                      corpus_bytes=200_000)  # fmt: skip
+    cfg = BenchConfig(
+        world=1,
+        global_batches=(8, 16, 32),
+        micro_batches=(8,),
+        budget_s=2.6,
+        oracle_phase_s=1.0,
+        target_ppl=1.5,
+        val_samples=16,
+        probe_cache=False,
+        probe_steps=1,
+        seeds=1,
+        corpus_bytes=200_000,
+    )
     tr = bench.Trainer(cfg)
     tr.probe()
     starts, ends, reads = [], [], []
@@ -35,10 +45,20 @@ def _worker(rank, world):
     end_phase = oracle.Oracle._end_phase
 
     def end(self):
-        ends.append([{"strategy": s.name, "consumed": v.consumed, "state": state_digest(v.ex.full_state()),
-                      "trace": list(b.trace), "held": list(b.held_out_trace), "samples": b.samples,
-                      "train_s": b.train_s}
-                     for s, b, v, _ in self.branches])  # fmt: skip
+        ends.append(
+            [
+                {
+                    "strategy": s.name,
+                    "consumed": v.consumed,
+                    "state": state_digest(v.ex.full_state()),
+                    "trace": list(b.trace),
+                    "held": list(b.held_out_trace),
+                    "samples": b.samples,
+                    "train_s": b.train_s,
+                }
+                for s, b, v, _ in self.branches
+            ]
+        )
         end_phase(self)
 
     oracle.Oracle._end_phase = end
@@ -52,8 +72,15 @@ def _worker(rank, world):
     best = max(tr.candidates, key=lambda s: tr.cost.throughput(s)[0])
     shortlist = [s.name for s in oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches)]
     res = bench.run_seed(tr, best, 0.01)
-    return {"starts": starts, "ends": ends, "reads": reads, "res": res, "shortlist": shortlist,
-            "target": cfg.target_loss, "window": cfg.target_window}  # fmt: skip
+    return {
+        "starts": starts,
+        "ends": ends,
+        "reads": reads,
+        "res": res,
+        "shortlist": shortlist,
+        "target": cfg.target_loss,
+        "window": cfg.target_window,
+    }
 
 
 def _mean(xs):
@@ -283,7 +310,7 @@ def test_cona_decides_on_the_noise_scale_carried_to_the_next_interval(out):
             assert se > 0 and f_lo <= f_hi and (f_point > 1) == (beta > 0)
             assert d["efficiency_model"] == models == "sqrt"
         assert d["carried_to_samples"] > 0
-    # on one rank even the first decision may have a growth fit (CI, 2026-12-03), so which branches run is the run's;
+    # on one rank even the first decision may have a growth fit, so which branches run is the run's;
     # test_chain holds decide(models=...) to both models deterministically
 
 
@@ -323,7 +350,7 @@ def _stamp_worker(rank, world):
 
 def test_statistics_pairs_are_stamped_with_the_samples_trained_before_their_step():
     """A pair's gradients are taken at the weights before its step: its position (``at``, what the growth fit and the
-    carry read) is the samples trained before that step, not after it (one batch late until 2026-12-03)."""
+    carry read) is the samples trained before that step, not after it."""
     r = launch(_stamp_worker, 1, timeout_s=120)[0]
     assert len(r["starts"]) >= 3 and r["at"] == r["starts"]
     assert r["starts"][0] == 96 + 32  # every 2nd step: the second batch after step 0's 96 samples

@@ -78,8 +78,14 @@ def _probe_twice(rank, world, cfg_dict):
 @pytest.mark.slow
 def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # spawned ranks inherit it
-    cfg = {"global_batches": (8, 16, 32), "micro_batches": (4, 8), "probe_steps": 1, "probe_rounds": 2,
-           "probe_paired_cycles": 3, "seeds": 1}  # fmt: skip
+    cfg = {
+        "global_batches": (8, 16, 32),
+        "micro_batches": (4, 8),
+        "probe_steps": 1,
+        "probe_rounds": 2,
+        "probe_paired_cycles": 3,
+        "seeds": 1,
+    }
     first, second, table = launch(_probe_twice, 2, cfg, timeout_s=300)[0]
     assert first["measured_now"] and not first["from_cache"]
     assert first["probe_rounds"] == 2 and isinstance(first["round_spread_median"], float)
@@ -116,7 +122,7 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
 
 
 def test_a_strategy_whose_median_round_fell_in_a_slow_spell_is_still_paired():
-    """The rounds of 2026-12-02 02:42 UTC (2 ranks): dp2-mb32-gb256 ran 0.094, 0.088, 0.051 s, its median put it at
+    """Rounds measured on 2 ranks on a VM up for minutes: dp2-mb32-gb256 ran 0.094, 0.088, 0.051 s, its median put it at
     2901 samples/s behind the pp2 leader of gb256 (3533), and gb128's leader read 4513; by its fastest round it
     leads gb256, so the cycles time it. Fastest rounds are set against fastest rounds: a strategy within the band of
     a leader's median but not of its global batch's best round is left out, the leaders never."""
@@ -217,10 +223,24 @@ def test_paired_settings_are_checked():
 
 def test_a_later_paired_pass_adds_to_the_report_and_its_figures_win():
     """A leader timed in the first pass stays in the report after a second pass that did not time it."""
-    first = {"contenders": ["a", "b"], "measured": True, "cycles": 3, "cost_s": 1.0, "passes": 1,
-             "block_steps": {"a": 2, "b": 3}, "rate_vs_rounds": {"a": 1.1, "b": 0.9}}  # fmt: skip
-    second = {"contenders": ["c", "b"], "measured": True, "cycles": 3, "cost_s": 0.5, "passes": 1,
-              "block_steps": {"c": 4, "b": 5}, "rate_vs_rounds": {"c": 1.0, "b": 0.95}}  # fmt: skip
+    first = {
+        "contenders": ["a", "b"],
+        "measured": True,
+        "cycles": 3,
+        "cost_s": 1.0,
+        "passes": 1,
+        "block_steps": {"a": 2, "b": 3},
+        "rate_vs_rounds": {"a": 1.1, "b": 0.9},
+    }
+    second = {
+        "contenders": ["c", "b"],
+        "measured": True,
+        "cycles": 3,
+        "cost_s": 0.5,
+        "passes": 1,
+        "block_steps": {"c": 4, "b": 5},
+        "rate_vs_rounds": {"c": 1.0, "b": 0.95},
+    }
     assert merge_paired(None, first) is first
     both = merge_paired(first, second)
     assert both["contenders"] == ["a", "b", "c"] and both["passes"] == 2 and both["cost_s"] == 1.5

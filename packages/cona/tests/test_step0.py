@@ -13,8 +13,16 @@ from cona.probe import CostModel
 def _worker(rank, world):
     from cona import bench
 
-    cfg = BenchConfig(world=world, global_batches=(32, 64), micro_batches=(8, 32), val_samples=16, oracle=False,
-                      probe_cache=False, seeds=1, corpus_bytes=200_000)  # fmt: skip
+    cfg = BenchConfig(
+        world=world,
+        global_batches=(32, 64),
+        micro_batches=(8, 32),
+        val_samples=16,
+        oracle=False,
+        probe_cache=False,
+        seeds=1,
+        corpus_bytes=200_000,
+    )
     tr = bench.Trainer(cfg)
     tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})  # a table, no probing
     st0 = tr.gns_at_step0()
@@ -55,17 +63,33 @@ def _seed_worker(rank, world, trains):
     """One short seed of the bench (no oracle) on global batch 64 alone: where each variant starts."""
     from cona import bench
 
-    cfg = BenchConfig(world=world, global_batches=(64,), micro_batches=(8, 32), val_samples=16, oracle=False,
-                      probe_cache=False, seeds=1, corpus_bytes=200_000, budget_s=0.4, target_ppl=1.5,
-                      step0_warm_batches=1 if trains else 0)  # fmt: skip
+    cfg = BenchConfig(
+        world=world,
+        global_batches=(64,),
+        micro_batches=(8, 32),
+        val_samples=16,
+        oracle=False,
+        probe_cache=False,
+        seeds=1,
+        corpus_bytes=200_000,
+        budget_s=0.4,
+        target_ppl=1.5,
+        step0_warm_batches=1 if trains else 0,
+    )
     tr = bench.Trainer(cfg)
     tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})
     starts, handed = {}, []
     plain, first = tr.variant, tr.first_step
 
     def variant(run, s, state, chainer=None, gns=None, consumed=0, held_out=False):
-        starts[run.name] = {"consumed": consumed, "state": state_digest(state), "clock": run.clock, "gns_s": run.gns_s,
-                            "steps": run.steps, "samples": run.samples}  # fmt: skip
+        starts[run.name] = {
+            "consumed": consumed,
+            "state": state_digest(state),
+            "clock": run.clock,
+            "gns_s": run.gns_s,
+            "steps": run.steps,
+            "samples": run.samples,
+        }
         return plain(run, s, state, chainer, gns, consumed, held_out)
 
     def first_step(step0):
@@ -89,8 +113,14 @@ def test_cona_and_surrogate_static_start_from_the_first_step_only_when_it_traine
     o = launch(_seed_worker, 2, trains)[0]
     st, starts = o["step0"], o["starts"]
     assert st["first_step_from_step0"] is trains and st["surrogate_choice"].endswith("gb64")
-    assert starts["best_static"] == {"consumed": 0, "state": o["state0"], "clock": 0.0, "gns_s": 0.0, "steps": 0,
-                                     "samples": 0}  # fmt: skip
+    assert starts["best_static"] == {
+        "consumed": 0,
+        "state": o["state0"],
+        "clock": 0.0,
+        "gns_s": 0.0,
+        "steps": 0,
+        "samples": 0,
+    }
     for name in ("cona", "surrogate_static"):
         v = starts[name]
         if trains:  # one step on the first 64 samples taken: they read on from sample 64, its time is training's
