@@ -53,6 +53,15 @@ def test_memory_caps_batch_and_missing_memory_is_a_clear_error():
         plan([*profiles, WorkerProfile("tiny", 1000, memory_bytes=1050)], seq_len=10, target_tokens=4000, memory=mem)
 
 
+def test_unknown_memory_caps_nothing():
+    """A worker whose memory is unknown (the default, inf) is planned as uncapped, not a NaN crash."""
+    mem = MemoryModel(fixed_bytes=1000, bytes_per_sample=100)
+    capped = plan([WorkerProfile("a", 1000, memory_bytes=10_000), WorkerProfile("b", 1000)], 10, 4000, memory=mem)
+    free = plan([WorkerProfile("a", 1000, memory_bytes=10_000), WorkerProfile("b", 1000)], 10, 4000)
+    assert capped.worker("b").batch == free.worker("b").batch
+    assert mem.max_batch(float("inf")) >= 1 << 20 and mem.max_batch(999) == 0
+
+
 def test_bad_input_names_the_field():
     with pytest.raises(BalanceError, match=r"profiles\[1\].tokens_per_s"):
         plan([WorkerProfile("a", 1), WorkerProfile("b", -2)], seq_len=4, target_tokens=100)

@@ -55,6 +55,9 @@ class WorkerProfile:
         return steps * self.step_time_s(batch, seq_len) + self.sync_overhead_s
 
 
+UNCAPPED_BATCH = 1 << 30  # "no memory cap" as a batch size other bounds always undercut
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """Training memory = fixed (weights, grads, optimizer state) + per-sequence activations."""
@@ -63,9 +66,12 @@ class MemoryModel:
     bytes_per_sample: float = 0.0
 
     def max_batch(self, memory_bytes: float) -> int:
-        if self.bytes_per_sample <= 0:
-            return 1 << 30 if memory_bytes >= self.fixed_bytes else 0
-        return max(0, int((memory_bytes - self.fixed_bytes) // self.bytes_per_sample))
+        """Largest batch that fits ``memory_bytes``; unknown (infinite) memory caps nothing."""
+        if memory_bytes < self.fixed_bytes:
+            return 0
+        if self.bytes_per_sample <= 0 or math.isinf(memory_bytes):
+            return UNCAPPED_BATCH
+        return min(UNCAPPED_BATCH, int((memory_bytes - self.fixed_bytes) // self.bytes_per_sample))
 
 
 @dataclass(frozen=True)
