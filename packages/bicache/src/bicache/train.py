@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import pickle
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import hwtopo
 from hwtopo import console
 
 from .model import DiffusionLM
@@ -186,24 +186,20 @@ def _save_train_state(
     state_path: Path, model, opt, gen: torch.Generator, task: TableTask, step: int, run: _RunState
 ) -> None:
     """Write everything :func:`_resume` needs, atomically, so an interrupted run loses at most one eval period."""
-    state_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = state_path.with_suffix(".tmp")
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "opt": opt.state_dict(),
-            "gen": gen.get_state(),
-            "rng": task.rng.getstate(),
-            "step": step,
-            "rows": run.rows,
-            "anneal_from": run.anneal_from,
-            "level_since": run.level_since,
-            "best_acc": run.best_acc,
-            "best": run.best,
-        },
-        tmp,
-    )
-    os.replace(tmp, state_path)
+    state = {
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "gen": gen.get_state(),
+        "rng": task.rng.getstate(),
+        "step": step,
+        "rows": run.rows,
+        "anneal_from": run.anneal_from,
+        "level_since": run.level_since,
+        "best_acc": run.best_acc,
+        "best": run.best,
+    }
+    with hwtopo.atomic_file(state_path, "wb") as f:
+        torch.save(state, f)
 
 
 def _train_step(dlm: DiffusionLM, opt, task: TableTask, gen: torch.Generator, recipe: Recipe, rows: int) -> float:
