@@ -181,3 +181,15 @@ def test_testing_helper_checks_code_message_traceback_and_files(tmp_path):
         testing.assert_fails(messy, ["run"], 2, "", tmp=tmp_path)
     with pytest.raises(AssertionError, match="exit 2, wanted 1"):
         testing.assert_fails(tidy, "run", 1, "--out")
+
+
+def test_atomic_dir_replaces_whole_or_keeps_the_old(tmp_path):
+    import hwtopo
+
+    target = tmp_path / "ckpt"
+    hwtopo.atomic_dir(target, lambda d: (d / "a").write_text("1"))
+    with pytest.raises(RuntimeError):
+        hwtopo.atomic_dir(target, lambda d: [(d / "b").write_text("2"), (_ for _ in ()).throw(RuntimeError("x"))])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and (target / "a").read_text() == "1"
+    hwtopo.atomic_dir(target, lambda d: (d / "b").write_text("2"))
+    assert sorted(p.name for p in target.iterdir()) == ["b"]

@@ -26,7 +26,18 @@ from .emulate import (
 from .measure import DiskResult, MatmulResult, attach, disk_bandwidth, matmul_flops, memcpy_bandwidth
 from .model import Accelerator, Cluster, Disk, Link, Machine, NumaNode
 from .probe import parse_cpulist, probe, probe_cluster, usable_cpus
-from .spec import atomic_file, atomic_write_bytes, atomic_write_text, dumps, from_dict, load, loads, save, to_dict
+from .spec import (
+    atomic_dir,
+    atomic_file,
+    atomic_write_bytes,
+    atomic_write_text,
+    dumps,
+    from_dict,
+    load,
+    loads,
+    save,
+    to_dict,
+)
 from .units import (
     SpecError,
     format_bandwidth,
@@ -58,6 +69,7 @@ __all__ = [
     "ShapedWriter",
     "SpecError",
     "TokenBucket",
+    "atomic_dir",
     "atomic_file",
     "atomic_write_bytes",
     "atomic_write_text",

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -494,6 +495,27 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with atomic_file(path, "wb") as fh:
         fh.write(data)
     return Path(path)
+
+
+def atomic_dir(target: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
+    """Directory ``target`` appears whole or not at all: ``fill`` writes a temporary sibling, which
+    then replaces ``target`` (an old ``target`` is moved aside first and removed after)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        fill(tmp)
+        old = None
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
 
 
 def save(cluster: Cluster, path: str | os.PathLike) -> Path:
