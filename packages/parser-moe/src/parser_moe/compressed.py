@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .atomic import atomic_dir
+import hwtopo
+
 from .models import MoELayer, module_bytes, set_submodule
 
 log = logging.getLogger(__name__)
@@ -308,7 +309,7 @@ def save_compressed(model: nn.Module, path: str | os.PathLike) -> Path:
     from .hf import ParserMoeForCausalLM
 
     wrapped = ParserMoeForCausalLM.wrap(model)
-    return atomic_dir(Path(path), lambda d: wrapped.save_pretrained(str(d)))
+    return hwtopo.atomic_dir(Path(path), lambda d: wrapped.save_pretrained(str(d)))
 
 
 def load_compressed(path: str | os.PathLike, model_factory: Callable | None = None) -> nn.Module:

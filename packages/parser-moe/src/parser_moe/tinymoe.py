@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+import hwtopo
 from hwtopo import console
 
-from .atomic import atomic_dir
 from .data import VOCAB_SIZE, encode, split_text
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,6 @@ def load_or_train(
         model.save_pretrained(str(d))
         (d / "train.json").write_text(json.dumps(info, indent=2) + "\n")
 
-    atomic_dir(path, fill)
+    hwtopo.atomic_dir(path, fill)
     info.update(cached=False, path=str(path))
     return model, info

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_dir
+import hwtopo
+
 from .tinymoe import TinyMoEConfig, train
 
 log = logging.getLogger(__name__)
@@ -66,4 +67,4 @@ def train_seed(seed: int, root: str | Path | None = None, steps: int | None = No
         model.to(torch.float16).save_pretrained(str(d))
         (d / "train.json").write_text(json.dumps(info, indent=2) + "\n")
 
-    return atomic_dir(checkpoint_dir(seed, root), fill)
+    return hwtopo.atomic_dir(checkpoint_dir(seed, root), fill)
