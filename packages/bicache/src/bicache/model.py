@@ -10,13 +10,13 @@ such checkpoints run the no-cache decoder only.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+import hwtopo
 
 from .task import TaskSpec, Vocab
 
@@ -110,21 +110,12 @@ class DiffusionLM:
 
     def save(self, directory: str | Path) -> Path:
         """Save weights + config + spec atomically (a temp dir renamed into place)."""
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp", dir=directory.parent))
-        self.model.save_pretrained(tmp)
-        (tmp / "task.json").write_text(json.dumps(asdict(self.spec)))
-        if directory.exists():
-            old = directory.with_name(directory.name + ".old")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            import shutil
 
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
-        return directory
+        def fill(tmp: Path) -> None:
+            self.model.save_pretrained(tmp)
+            (tmp / "task.json").write_text(json.dumps(asdict(self.spec)))
+
+        return hwtopo.atomic_dir(directory, fill)
 
     @classmethod
     def load(cls, directory: str | Path) -> DiffusionLM:
