@@ -72,6 +72,53 @@ def package_table(name: str, res: dict) -> list[str]:
     return lines
 
 
+LEFTOVER_KEYS = ("ranks_alive", "stopped", "watchdogs", "cgroups", "namespaces")
+
+
+def safety_rows(bench: dict, sweep: dict | None = None) -> dict[str, dict]:
+    """package -> the fault and attack sweep's counts: ``safety.suite`` of its bench entry (written
+    by `nox -s bench`), else its entry in the sweep's own JSON ``sweep`` (hwtopo has no bench)."""
+    rows = {
+        n: r["safety"]["suite"]
+        for n, r in bench.items()
+        if isinstance(r.get("safety"), dict) and "suite" in r["safety"]
+    }
+    for name, r in (sweep or {}).items():
+        if isinstance(r, dict) and "cli" in r:
+            rows.setdefault(name, r)
+    return rows
+
+
+def safety_table(rows: dict[str, dict]) -> list[str]:
+    """The "Safety" section: per package, what the sweep tried and every count that must be zero."""
+    if not rows:
+        return []
+    lines = [
+        "## Safety",
+        "",
+        "`tests-integration/safety.py` (run by `nox -s bench`; `tests-integration/test_safety.py` asserts the",
+        "zeros): malformed command lines, a crafted pickle per loader of a user's file, kill -9 of each launcher",
+        "and emulator, and kvpool's same-key PUT/GET races and kill -9 loops (sizes in bench-output/safety.json).",
+        "Every column after the first three must be 0 (-: the package has no such part).",
+        "",
+        "| package | CLI inputs | loader payloads | tracebacks | exit not 1/2 | work before checks | dirs created "
+        "| code executed | left after kill -9 | wrong bytes | lost acked writes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in sorted(rows):
+        r = rows[name]
+        cli, ld, lo, f = r.get("cli", {}), r.get("loaders", {}), r.get("leftovers"), r.get("faults")
+        left = "-" if lo is None else str(sum(lo.get(k, 0) for k in LEFTOVER_KEYS))
+        if lo is not None and lo.get("skipped"):
+            left += f" ({len(lo['skipped'])} skipped)"
+        code = cli.get("code_executed", 0) + ld.get("code_executed", 0)
+        fault = ("-", "-") if f is None else (_fmt(f.get("wrong_bytes")), _fmt(f.get("lost_acked_writes")))
+        cells = [cli.get("inputs", "-"), ld.get("payloads", "-")]
+        cells += [cli.get(k, "-") for k in ("tracebacks", "bad_exit", "slow", "created")]
+        lines.append(f"| {name} | " + " | ".join(map(str, [*cells, code, left, *fault])) + " |")
+    return [*lines, ""]
+
+
 def previous_sections(text: str) -> dict[str, str]:
     """The per-package sections (``## name version`` up to the next heading) of an earlier results page."""
     sections, name = {}, None
@@ -87,9 +134,10 @@ def previous_sections(text: str) -> dict[str, str]:
     return {k: "\n".join(v).rstrip("\n") for k, v in sections.items()}
 
 
-def render(bench: dict, when: str, previous: str = "") -> str:
+def render(bench: dict, when: str, previous: str = "", sweep: dict | None = None) -> str:
     """The results page. A package this run did not measure keeps its section of ``previous`` (the page as
-    it was: its own "Measured" line dates it), since bench-output/ is not kept between clones."""
+    it was: its own "Measured" line dates it), since bench-output/ is not kept between clones. ``sweep``:
+    the fault and attack sweep's JSON (bench-output/safety.json), for the packages without a bench entry."""
     kept = previous_sections(previous)
     lines = [
         "# Results",
@@ -107,6 +155,7 @@ def render(bench: dict, when: str, previous: str = "") -> str:
     missing = [p for p in CLAIMS if p not in bench and p not in kept]
     if missing:
         lines += ["## Not measured in this run", "", ", ".join(missing), ""]
+    lines += safety_table(safety_rows(bench, sweep))
     return "\n".join(lines)
 
 
@@ -135,7 +184,9 @@ def main(argv: list[str]) -> int:
     src = Path(argv[1]) if len(argv) > 1 else Path("bench-output/bench.json")
     dst = Path(argv[2]) if len(argv) > 2 else Path(__file__).parent / "results.md"
     bench = json.loads(src.read_text())
-    text = render(bench, dt.datetime.now().strftime("%Y-%m-%d %H:%M"), dst.read_text() if dst.exists() else "")
+    sweep_path = src.with_name("safety.json")  # written beside bench.json by `nox -s bench`
+    sweep = json.loads(sweep_path.read_text()) if sweep_path.exists() else None
+    text = render(bench, dt.datetime.now().strftime("%Y-%m-%d %H:%M"), dst.read_text() if dst.exists() else "", sweep)
     _atomic_write(dst, text)
     print(f"wrote {dst}")
     for page in update_guides(bench, dst.parent / "packages"):  # the guides beside the page written
