@@ -187,6 +187,28 @@ def _run_benches(session: nox.Session, name: str, script: str, out: Path) -> dic
     return merged
 
 
+SAFETY = ROOT / "tests-integration" / "safety.py"
+
+
+def _merge_safety(session: nox.Session, out: Path, collected: dict, wanted: list[str]) -> None:
+    """The fault and attack sweep (tests-integration/safety.py) over hwtopo and ``wanted`` into
+    bench-output/safety.json; each measured package's entry gets ``safety: {"suite": <its counts
+    there>, "bench": <the safety block of its own bench JSON, where it has one (kvpool)>}``. hwtopo
+    has no bench entry: the results page reads its counts from safety.json."""
+    path = out / "safety.json"
+    path.unlink(missing_ok=True)
+    # exit 1 = some bad count: it is recorded and shown; tests-integration/test_safety.py fails on it
+    only = ",".join(["hwtopo", *(p for p in wanted if p != "hwtopo")])
+    session.run("python", str(SAFETY), "--json", str(path), "--only", only, external=True, success_codes=[0, 1])
+    if not path.exists():  # `nox --install-only`: nothing ran
+        return
+    suite = json.loads(path.read_text())
+    for name in wanted:
+        if name in collected and name in suite:
+            own = collected[name].get("safety")
+            collected[name]["safety"] = {"suite": suite[name], **({"bench": own} if own is not None else {})}
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Each package's `<pkg> bench --quick --json`, collected into bench-output/bench.{json,md}."""
@@ -209,6 +231,7 @@ def bench(session: nox.Session) -> None:
         collected[name] = res
         collected[name]["measured_at"] = started.strftime("%Y-%m-%d %H:%M")
         collected[name]["bench_wall_s"] = round((_dt.datetime.now() - started).total_seconds(), 1)
+    _merge_safety(session, out, collected, wanted)
     collected = {p: collected[p] for p in PACKAGES if p in collected}
     _write(out / "bench.json", json.dumps(collected, indent=2) + "\n")
     rows = ["| package | headline key | value |", "|---|---|---|"]
