@@ -45,3 +45,25 @@ def test_a_crafted_train_state_never_runs_its_payload(tmp_path):
     with pytest.raises(ValueError, match="train-state.pt holds objects other than tensors"):
         train(Recipe(steps=4, **TINY), progress=False, resume_dir=tmp_path)
     assert not marker.exists()
+
+
+def test_a_model_directory_with_its_own_code_is_not_run_unasked(tmp_path):
+    """A local DLM whose config points at Python files of its own: refused unless trusted."""
+    from bicache.model import load_local_dlm
+
+    marker = tmp_path / "ran"
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "evil", "auto_map": {"AutoConfig": "evil.Cfg", "AutoModel": "evil.Model"}}'
+    )
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    with pytest.raises(PermissionError, match="trust_remote_code=True"):
+        load_local_dlm(tmp_path)
+    assert not marker.exists()
+
+
+def test_a_binary_task_json_names_the_file(tmp_path):
+    from bicache.model import DiffusionLM
+
+    (tmp_path / "task.json").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="task.json: not a bicache task spec"):
+        DiffusionLM.load(tmp_path)

@@ -3,7 +3,7 @@
 LLaDA-style: attention is bidirectional (``use_bidirectional_attention=True``), one vocabulary entry
 is the mask token, training masks answer tokens at a random ratio and the model predicts them all
 at once. Real DLM checkpoints (LLaDA, Dream) in a local directory load through
-:func:`load_local_dlm` (``trust_remote_code``); the per-layer cache needs the Gemma3 layer layout, so
+:func:`load_local_dlm` (``trust_remote_code=True``, opt-in); the per-layer cache needs the Gemma3 layer layout, so
 such checkpoints run the no-cache decoder only.
 """
 
@@ -122,22 +122,37 @@ class DiffusionLM:
         directory = Path(directory)
         if not (directory / "task.json").exists():
             raise FileNotFoundError(f"{directory} holds no bicache checkpoint (task.json missing)")
-        spec = TaskSpec(**json.loads((directory / "task.json").read_text()))
+        try:
+            spec = TaskSpec(**json.loads((directory / "task.json").read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{directory / 'task.json'}: not a bicache task spec ({e})") from None
         model = Gemma3ForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
         return cls(model, Vocab(spec.n_keys, spec.value_digits), spec)
 
 
-def load_local_dlm(path: str | Path):
+def load_local_dlm(path: str | Path, trust_remote_code: bool = False):
     """Load a real diffusion LM checkpoint (LLaDA, Dream) from a local directory.
 
     Returns ``(model, tokenizer)``; nothing is downloaded (``local_files_only``). Such models run the
-    no-cache decoder of :mod:`bicache.diffusion` through their own ``forward``.
+    no-cache decoder of :mod:`bicache.diffusion` through their own ``forward``. Their architecture
+    is Python code inside the directory, which runs only with ``trust_remote_code=True``: pass it
+    for a directory you trust, as for any code you run.
     """
     from transformers import AutoModel, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a local model directory (config.json missing)")
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True, local_files_only=True)
-    model = AutoModel.from_pretrained(path, trust_remote_code=True, local_files_only=True)
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'}: not a JSON model config ({e})") from None
+    if isinstance(config, dict) and config.get("auto_map") and not trust_remote_code:
+        raise PermissionError(
+            f"{path} defines its model in Python files of its own (config.json auto_map); loading it "
+            "runs that code: pass trust_remote_code=True only for a directory you trust"
+        )
+    kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": True}
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModel.from_pretrained(path, **kwargs)
     return model.eval(), tok
