@@ -44,12 +44,14 @@ CASES = [
     ("serve --memory-modules 0", "serve needs at least one --ssd"),
     ("serve --ssd {tmp}/missing/ssd0", "--ssd '{tmp}/missing/ssd0': its parent"),
     ("serve --ssd {tmp}/file", "--ssd"),
+    ("serve --host 0.0.0.0", "--token"),
     ("nosuch", "invalid choice"),
 ]
 
 
 @pytest.fixture
-def tmp(tmp_path):
+def tmp(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
     return tmp_path

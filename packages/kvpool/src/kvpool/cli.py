@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
         default="L16-H8-D64-float32-N256",
         help="KV layout tag L<layers>-H<kv heads>-D<head dim>-<dtype>-N<chunk>",
     )
+    s.add_argument(
+        "--token",
+        help="bearer token every request must carry (default: $KVPOOL_TOKEN, else none); "
+        "required when --host is beyond loopback",
+    )
     return p
 
 
@@ -240,8 +245,15 @@ def cmd_demo(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from hwtopo.httpguard import check_bind, token_from_env
+
     from .serve import parse_layout, serve_forever
 
+    token = args.token or token_from_env("KVPOOL_TOKEN")
+    try:
+        check_bind(args.host, token)  # before any device is built
+    except ValueError as e:
+        raise console.UsageError(str(e)) from None
     try:
         layout = parse_layout(args.layout)
     except ValueError as e:
@@ -258,6 +270,7 @@ def cmd_serve(args) -> int:
         ssd_bytes=args.ssd_bytes,
         model_id=args.model_id,
         layout=layout,
+        token=token,
     )
     return 0
 
