@@ -12,7 +12,7 @@ from hwtopo import cgroups
 
 needs = {
     c: pytest.mark.skipif(c not in hwtopo.cgroup_controllers(), reason=f"no writable cgroup {c} controller here")
-    for c in ("cpu", "cpuacct", "cpuset", "memory")
+    for c in ("cpu", "cpuacct", "cpuset", "memory", "pids", "freezer")
 }
 
 
@@ -125,6 +125,9 @@ def test_a_refused_setting_is_missing_not_fatal():
         ({"cpus": [-1]}, "cpus"),
         ({"mems": [True]}, "mems"),
         ({"memory_bytes": 100}, "memory_bytes"),
+        ({"pids_max": 0}, "pids_max"),
+        ({"pids_max": True}, "pids_max"),
+        ({"parent": "hwtopo-1-2"}, "parent"),
         ({"period_s": 5.0}, "period_s"),
         ({"label": "a/b"}, "label"),
     ],
@@ -137,7 +140,7 @@ def test_bad_arguments_name_the_field(kwargs, field):
 def test_mounts_are_read_for_v1_and_v2(tmp_path):
     for d in ("cpu,cpuacct", "cpuset", "unified", "my dir"):
         (tmp_path / d).mkdir()
-    (tmp_path / "unified" / "cgroup.subtree_control").write_text("cpu memory io\n")
+    (tmp_path / "unified" / "cgroup.subtree_control").write_text("cpu memory io pids\n")
     (tmp_path / "my dir" / "cgroup.subtree_control").write_text("")
     mounts = tmp_path / "mounts"
     mounts.write_text(
@@ -152,8 +155,8 @@ def test_mounts_are_read_for_v1_and_v2(tmp_path):
     assert [(h.root.name, h.version, sorted(h.controllers)) for h in found] == [
         ("cpu,cpuacct", 1, ["cpu", "cpuacct"]),
         ("cpuset", 1, ["cpuset"]),
-        ("unified", 2, ["cpu", "cpuacct", "memory"]),
-        ("my dir", 2, ["cpuacct"]),
+        ("unified", 2, ["cpu", "cpuacct", "freezer", "memory", "pids"]),
+        ("my dir", 2, ["cpuacct", "freezer"]),
     ]
     serving = cgroups._serving(found)
     assert serving["cpu"].version == 1 and serving["memory"].version == 2
@@ -200,3 +203,104 @@ def test_a_group_named_for_this_pid_but_not_held_is_stale():
         finally:
             if old.exists():
                 old.rmdir()
+
+
+# a process that forks a child which leaves the session (``setsid``), then forks until refused
+_SCATTER = r"""
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(300)
+    os._exit(0)
+kids = 0
+for _ in range(int(sys.argv[1])):
+    try:
+        if os.fork() == 0:
+            time.sleep(300)
+            os._exit(0)
+        kids += 1
+    except OSError:
+        break
+print(kids, flush=True)
+time.sleep(300)
+"""
+
+
+def _scatter(g, forks: int) -> subprocess.Popen:
+    """_SCATTER in group ``g`` (joined before it starts); it prints how many children it forked."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _SCATTER, str(forks)],
+        preexec_fn=lambda: g.add(os.getpid()),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _killable_hierarchies() -> list:
+    """Each writable hierarchy that can kill a group (v1 freezer, v2 cgroup.kill or cgroup.freeze)."""
+    return [h for h in cgroups._hierarchies() if "freezer" in h.controllers]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_kill_ends_every_process_of_the_group_even_those_that_left_the_session(version, monkeypatch):
+    found = [h for h in _killable_hierarchies() if h.version == version]
+    if not found:
+        pytest.skip(f"no writable cgroup v{version} hierarchy that can kill a group here")
+    monkeypatch.setattr(cgroups, "_hierarchies", lambda mounts=None: found[:1])
+    g = hwtopo.CGroup("kill", killable=True, strict=True)
+    p = _scatter(g, 6)
+    try:
+        assert p.stdout.readline().strip() == "6"
+        members = g.pids()
+        assert p.pid in members and len(members) == 1 + 1 + 6  # the setsid grandchild too
+        assert g.kill() is True
+        assert not g.alive()
+        assert not [m for m in members if hwtopo.pid_alive(m)]
+    finally:
+        p.kill()
+        p.wait()
+        g.close()
+    assert not g.paths["freezer"].exists()
+
+
+@needs["pids"]
+def test_pids_max_stops_a_fork_bomb():
+    with hwtopo.CGroup("bomb", pids_max=8, killable=True) as g:
+        assert int((g.paths["pids"] / "pids.max").read_text()) == 8
+        p = _scatter(g, 1000)
+        try:
+            kids = int(p.stdout.readline())
+            # the group holds at most 8: the parent, the setsid pair (one may have exited), the rest
+            assert kids <= 8 - 2
+            assert len(g.pids()) <= 8
+            if "freezer" in g.paths:
+                assert g.kill() and not g.alive()
+        finally:
+            p.kill()
+            p.wait()
+
+
+@needs["memory"]
+def test_a_nested_group_sits_inside_its_parent_and_goes_with_it():
+    outer = hwtopo.CGroup("class", memory_bytes=512 << 20, account=True)
+    inner = hwtopo.CGroup("tool", memory_bytes=128 << 20, pids_max=16, parent=outer)
+    try:
+        m = inner.paths["memory"]
+        assert m.parent == outer.paths["memory"] and not inner.missing
+        v1 = inner.version("memory") == 1
+        assert int((m / ("memory.limit_in_bytes" if v1 else "memory.max")).read_text()) == 128 << 20
+        p = _sleeper()
+        try:
+            inner.add(p.pid)
+            cg = open(f"/proc/{p.pid}/cgroup").read()
+            assert f"/{outer.name}/{inner.name}\n" in cg
+            if "cpuacct" in outer.paths and "cpuacct" not in inner.paths:  # joins the parent where it has no dir
+                assert p.pid in outer.pids()
+        finally:
+            p.kill()
+            p.wait()
+    finally:
+        outer.close()  # takes the nested group with it
+    assert not m.exists() and not outer.paths["memory"].exists()
+    inner.close()

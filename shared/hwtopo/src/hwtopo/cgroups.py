@@ -1,5 +1,5 @@
-"""Cgroups for every package: create one with a CPU quota, a cpuset and a memory limit, add processes,
-read what they used, remove it; cgroup v1 and v2.
+"""Cgroups for every package: create one with a CPU quota, a cpuset, a memory and a process limit, add
+processes, read what they used, kill them all at once, remove it; cgroup v1 and v2.
 
 A :class:`CGroup` is one named directory in each hierarchy that serves a controller it needs (v1
 mounts one hierarchy per controller or per pair, v2 one for all). Its name is
@@ -9,6 +9,12 @@ its creator the moment the creator dies (SIGKILL included: the guardian sees the
 the creator holds), and by :func:`cleanup_stale` at every creation, for groups whose creator and
 guardian both died. Removing a group moves its processes to the hierarchy's root, so a process
 outliving its creator runs unconstrained rather than in a group nobody will remove.
+
+A group made with ``parent=`` nests inside that group's directories (a tool's group inside its task
+class's group: the class's CPU limits still bind it, and on v2, where a process sits in exactly one
+group, nesting is the only way to hold both). ``killable=True`` groups can be killed as a whole with
+:meth:`CGroup.kill`: ``cgroup.kill`` on v2, the freezer on v1 (frozen, every member SIGKILLed,
+thawed), so a process forking while it is killed cannot slip out.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import atexit
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -39,7 +46,9 @@ log = logging.getLogger(__name__)
 PREFIX = "hwtopo-"
 PERIOD_US = 100_000
 MOUNTS = Path("/proc/self/mounts")
-_KNOWN = frozenset({"cpu", "cpuacct", "cpuset", "memory"})
+_KNOWN = frozenset({"cpu", "cpuacct", "cpuset", "memory", "pids", "freezer"})
+# every v2 group has cpu.stat (usage), cgroup.freeze and (5.14+) cgroup.kill whatever is enabled
+_V2_CORE = frozenset({"cpuacct", "freezer"})
 _LABEL = re.compile(r"[A-Za-z0-9_.-]{0,64}")
 _counter = 0
 _live: dict[str, CGroup] = {}
@@ -82,8 +91,7 @@ def _hierarchies(mounts: Path = MOUNTS) -> list[_Hierarchy]:
                 enabled = set((root / "cgroup.subtree_control").read_text().split())
             except OSError:
                 continue
-            # every v2 group has cpu.stat (usage) whether or not the cpu controller is enabled
-            v2.append(_Hierarchy(root, 2, frozenset((_KNOWN & enabled) | {"cpuacct"})))
+            v2.append(_Hierarchy(root, 2, frozenset((_KNOWN & enabled) | _V2_CORE)))
     return v1 + v2
 
 
@@ -97,9 +105,10 @@ def _serving(hierarchies: list[_Hierarchy]) -> dict[str, _Hierarchy]:
 
 
 def cgroup_controllers() -> frozenset[str]:
-    """The controllers this process can create groups in: a subset of cpu, cpuacct, cpuset, memory."""
+    """The controllers this process can create groups in: a subset of cpu, cpuacct, cpuset, memory,
+    pids, freezer (on v2: ``cgroup.freeze``/``cgroup.kill``, there in every group)."""
     serving = _serving(_hierarchies())
-    if set(serving) == {"cpuacct"} and serving["cpuacct"].version == 2:
+    if set(serving) <= _V2_CORE and all(h.version == 2 for h in serving.values()):
         return frozenset()  # a v2 tree with nothing enabled: usage alone is no reason to make groups
     return frozenset(serving)
 
@@ -137,8 +146,18 @@ def _procs(group: Path) -> list[int]:
 
 
 def remove_cgroup(group: Path) -> bool:
-    """Move a cgroup's remaining processes to its parent, then rmdir it. True when removed."""
-    parent = group.parent / "cgroup.procs"
+    """Remove a cgroup and the groups nested in it, deepest first: each one's remaining processes
+    move to the hierarchy's root, then it is rmdir'ed. True when removed."""
+    try:
+        nested = [p for p in group.iterdir() if p.is_dir()]
+    except OSError:
+        nested = []
+    for child in nested:
+        remove_cgroup(child)
+    top = group.parent
+    while top.name.startswith(PREFIX):
+        top = top.parent  # v2 takes no process into a group that has groups inside
+    parent = top / "cgroup.procs"
     for _ in range(50):
         for pid in _procs(group):
             try:
@@ -197,32 +216,37 @@ def dead():
         return True
 while not select.select([int(fd)], [], [], 2.0)[0] and not dead():
     pass
+groups = []
 for root in roots:
     try:
         names = [n for n in os.listdir(root) if n.startswith(prefix)]
     except OSError:
         continue
-    for name in names:
-        group = os.path.join(root, name)
-        for _ in range(50):
+    for name in names:  # nested groups first: a directory with groups inside cannot be removed
+        groups += [d for d, _, _ in os.walk(os.path.join(root, name), topdown=False)]
+for group in groups:
+    root = os.path.dirname(group)
+    while os.path.basename(root).startswith("hwtopo-"):
+        root = os.path.dirname(root)  # v2 takes no process into a group that has groups inside
+    for _ in range(50):
+        try:
+            with open(os.path.join(group, "cgroup.procs")) as fh:
+                pids = fh.read().split()
+        except OSError:
+            pids = []
+        for pid in pids:
             try:
-                with open(os.path.join(group, "cgroup.procs")) as fh:
-                    pids = fh.read().split()
+                with open(os.path.join(root, "cgroup.procs"), "w") as fh:
+                    fh.write(pid)
             except OSError:
-                pids = []
-            for pid in pids:
-                try:
-                    with open(os.path.join(root, "cgroup.procs"), "w") as fh:
-                        fh.write(pid)
-                except OSError:
-                    pass
-            try:
-                os.rmdir(group)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.02)
+                pass
+        try:
+            os.rmdir(group)
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.02)
 """
 
 
@@ -260,14 +284,17 @@ class CGroupUsage:
 
 
 class CGroup:
-    """A cgroup holding processes under a CPU quota, a cpuset and a memory limit. Use as a context manager.
+    """A cgroup holding processes under a CPU quota, a cpuset, a memory and a process limit. Use as a
+    context manager.
 
     ``quota_cores`` (CPU time per ``period_s``, in cores) and ``shares`` (relative weight, v1 units
     2-262144) need the cpu controller, ``cpus``/``mems`` the cpuset one, ``memory_bytes`` the memory
-    one; ``account=True`` also joins cpuacct and memory to read :meth:`usage`. A controller that is
-    not writable here, or refuses a setting, is listed in ``missing`` (with ``strict=True`` it raises
-    instead), so a caller can fall back (affinity, a duty-cycle throttle). ``paths`` maps each
-    controller in use to its directory; ``version(controller)`` says v1 or v2.
+    one (swap included where the kernel counts it), ``pids_max`` the pids one, ``killable`` the
+    freezer (v1) or any v2 hierarchy; ``account=True`` also joins cpuacct and memory to read
+    :meth:`usage`. ``parent``: a live group to nest in, in every hierarchy where it has a directory.
+    A controller that is not writable here, or refuses a setting, is listed in ``missing`` (with
+    ``strict=True`` it raises instead), so a caller can fall back (affinity, a duty-cycle throttle).
+    ``paths`` maps each controller in use to its directory; ``version(controller)`` says v1 or v2.
     """
 
     def __init__(
@@ -280,26 +307,28 @@ class CGroup:
         period_s: float | None = None,
         shares: int | None = None,
         memory_bytes: int | None = None,
+        pids_max: int | None = None,
+        killable: bool = False,
         account: bool = False,
+        parent: CGroup | None = None,
         strict: bool = False,
     ) -> None:
         global _counter
         if not _LABEL.fullmatch(label):
             raise ValueError(f"label must be up to 64 letters, digits, '_', '.' or '-', not {label!r}")
-        _check_limits(cpus, mems, quota_cores, period_s, shares, memory_bytes)
+        _check_limits(cpus, mems, quota_cores, period_s, shares, memory_bytes, pids_max)
+        if parent is not None and (not isinstance(parent, CGroup) or parent.closed):
+            raise ValueError(f"parent must be a live CGroup, not {parent!r}")
         self.settings = {"cpus": cpus, "mems": mems, "quota_cores": quota_cores, "shares": shares}
         self.settings.update(
-            memory_bytes=memory_bytes, period_us=PERIOD_US if period_s is None else int(period_s * 1e6)
+            memory_bytes=memory_bytes,
+            pids_max=pids_max,
+            period_us=PERIOD_US if period_s is None else int(period_s * 1e6),
         )
-        want = set()
-        if quota_cores is not None or shares is not None:
-            want.add("cpu")
-        if cpus is not None or mems is not None:
-            want.add("cpuset")
-        if memory_bytes is not None:
-            want.add("memory")
+        want = _wanted(self.settings, killable)
         optional = {"cpuacct", "memory"} - want if account else set()
         self.creator = os.getpid()
+        self.parent = parent
         self.paths: dict[str, Path] = {}
         self.closed = False
         hierarchies = _hierarchies()
@@ -319,14 +348,25 @@ class CGroup:
             _live[self.name] = self
         self._make(serving, want, optional, strict)
 
+    def _base(self, root: Path) -> Path:
+        """Where this group's directory goes in hierarchy ``root``: inside the parent's, if it has one."""
+        if self.parent is not None:
+            for path in self.parent.paths.values():
+                if path.is_relative_to(root):
+                    return path
+        return root
+
     def _make(self, serving: dict[str, _Hierarchy], want: set[str], optional: set[str], strict: bool) -> None:
         """Create the directory in each hierarchy needed and write its settings."""
         by_root: dict[Path, list[str]] = {}
         for c in sorted(self._versions):
             by_root.setdefault(serving[c].root, []).append(c)
         for root, ctrls in by_root.items():
-            path = root / self.name
+            base = self._base(root)
+            path = base / self.name
             try:
+                if base != root and serving[ctrls[0]].version == 2:
+                    _delegate(base, ctrls)
                 path.mkdir()
                 for c in ctrls:
                     self.paths[c] = path
@@ -347,13 +387,65 @@ class CGroup:
         return self._versions.get(controller) if controller in self.paths else None
 
     def add(self, pid: int) -> None:
-        """Move process ``pid`` (all its threads) into the group; its later children stay in it."""
-        for path in dict.fromkeys(self.paths.values()):
+        """Move process ``pid`` (all its threads) into the group; its later children stay in it.
+        With a parent, it also joins the parent's directories in hierarchies this group is not in."""
+        mine = dict.fromkeys(self.paths.values())
+        if self.parent is not None and not self.parent.closed:
+            for path in dict.fromkeys(self.parent.paths.values()):
+                if not any(p.is_relative_to(path) for p in mine):
+                    (path / "cgroup.procs").write_text(str(pid))
+        for path in mine:
             (path / "cgroup.procs").write_text(str(pid))
 
     def pids(self) -> list[int]:
         """The processes in the group (in any of its directories)."""
         return sorted({p for path in set(self.paths.values()) for p in _procs(path)})
+
+    def alive(self) -> list[int]:
+        """The group's processes that have not exited (a zombie waiting for its parent has)."""
+        return [p for p in self.pids() if pid_alive(p)]
+
+    def kill(self, timeout_s: float = 5.0) -> bool:
+        """SIGKILL every process in the group, and every one they fork meanwhile (``cgroup.kill`` on
+        v2; frozen first on v1, so none can fork past the kill). True once none is left alive."""
+        deadline = time.monotonic() + timeout_s
+        v2 = [p for c, p in self.paths.items() if self._versions[c] == 2]
+        while True:
+            if v2 and (v2[0] / "cgroup.kill").exists():
+                try:
+                    (v2[0] / "cgroup.kill").write_text("1")
+                except OSError as e:
+                    log.debug("cgroup.kill of %s: %s", v2[0], e)
+            else:
+                self._frozen_kill()
+            if not self.alive():
+                return True
+            if time.monotonic() > deadline:
+                log.warning("cgroup %s still has processes %s after SIGKILL", self.name, self.alive())
+                return False
+            time.sleep(0.01)
+
+    def _frozen_kill(self) -> None:
+        """Freeze the group (where a freezer serves it), SIGKILL each member, thaw: killed processes die."""
+        fz = self.paths.get("freezer")
+        if fz is not None:
+            v1 = self._versions["freezer"] == 1
+            state, on, off = (fz / "freezer.state", "FROZEN", "THAWED") if v1 else (fz / "cgroup.freeze", "1", "0")
+            try:
+                state.write_text(on)
+                _await_frozen(fz, v1)
+            except OSError as e:
+                log.debug("could not freeze %s: %s", fz, e)
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if fz is not None:
+            try:
+                state.write_text(off)
+            except OSError as e:
+                log.debug("could not thaw %s: %s", fz, e)
 
     def usage(self) -> CGroupUsage:
         """CPU seconds used by the group's processes since it was made, memory in use and at its peak."""
@@ -395,7 +487,41 @@ def _unavailable(controllers: list[str]) -> str:
     )
 
 
-def _check_limits(cpus, mems, quota_cores, period_s, shares, memory_bytes) -> None:
+def _wanted(settings: dict, killable: bool) -> set[str]:
+    """The controllers a group's settings need."""
+    want = set()
+    if settings["quota_cores"] is not None or settings["shares"] is not None:
+        want.add("cpu")
+    if settings["cpus"] is not None or settings["mems"] is not None:
+        want.add("cpuset")
+    if settings["memory_bytes"] is not None:
+        want.add("memory")
+    if settings["pids_max"] is not None:
+        want.add("pids")
+    if killable:
+        want.add("freezer")
+    return want
+
+
+def _delegate(base: Path, ctrls: list[str]) -> None:
+    """Enable v2 controllers for the groups inside ``base`` (a parent group with no processes of its own)."""
+    real = [c for c in ctrls if c not in _V2_CORE]
+    if real:
+        (base / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in real))
+
+
+def _await_frozen(path: Path, v1: bool, timeout_s: float = 1.0) -> None:
+    """Wait until every process of a group being frozen has stopped (a v1 group reads FREEZING until then)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if v1 and (path / "freezer.state").read_text().strip() == "FROZEN":
+            return
+        if not v1 and "frozen 1" in (path / "cgroup.events").read_text():
+            return
+        time.sleep(0.005)
+
+
+def _check_limits(cpus, mems, quota_cores, period_s, shares, memory_bytes, pids_max=None) -> None:
     for field, ids in (("cpus", cpus), ("mems", mems)):
         if ids is not None and (not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
             raise ValueError(f"{field} must be a non-empty list of ids >= 0, not {ids!r}")
@@ -407,6 +533,8 @@ def _check_limits(cpus, mems, quota_cores, period_s, shares, memory_bytes) -> No
         raise ValueError(f"shares must be an integer between 2 and 262144, not {shares!r}")
     if memory_bytes is not None and not (isinstance(memory_bytes, int) and memory_bytes >= 1 << 20):
         raise ValueError(f"memory_bytes must be an integer >= 1 MiB, not {memory_bytes!r}")
+    if pids_max is not None and not (isinstance(pids_max, int) and not isinstance(pids_max, bool) and pids_max >= 1):
+        raise ValueError(f"pids_max must be an integer >= 1, not {pids_max!r}")
 
 
 def _read_number(path: Path, scale: float = 1.0) -> float | None:
@@ -456,15 +584,32 @@ def _cpuset(g: CGroup, path: Path, version: int) -> None:
 
 def _memory(g: CGroup, path: Path, version: int) -> None:
     limit = g.settings["memory_bytes"]
-    if limit is not None:
-        (path / ("memory.limit_in_bytes" if version == 1 else "memory.max")).write_text(str(limit))
+    if limit is None:
+        return
+    (path / ("memory.limit_in_bytes" if version == 1 else "memory.max")).write_text(str(limit))
+    # the limit holds for memory and swap together, where the kernel accounts swap
+    swap = path / ("memory.memsw.limit_in_bytes" if version == 1 else "memory.swap.max")
+    if swap.exists():
+        swap.write_text(str(limit) if version == 1 else "0")
 
 
-def _account_only(g: CGroup, path: Path, version: int) -> None:
-    """cpuacct only counts; there is nothing to set."""
+def _pids(g: CGroup, path: Path, version: int) -> None:
+    if g.settings["pids_max"] is not None:
+        (path / "pids.max").write_text(str(g.settings["pids_max"]))
 
 
-_SETUP = {"cpu": _cpu, "cpuset": _cpuset, "memory": _memory, "cpuacct": _account_only}
+def _nothing_to_set(g: CGroup, path: Path, version: int) -> None:
+    """cpuacct only counts and the freezer is used by kill(); there is nothing to set."""
+
+
+_SETUP = {
+    "cpu": _cpu,
+    "cpuset": _cpuset,
+    "memory": _memory,
+    "pids": _pids,
+    "cpuacct": _nothing_to_set,
+    "freezer": _nothing_to_set,
+}
 
 
 @atexit.register
