@@ -33,6 +33,8 @@ CASES = [
     ("run coding --seed -1", "--seed must be an integer >= 0"),
     ("run coding --input [1", "--input"),
     ("run coding --input {{bad", "--input"),
+    ("run coding --input " + "[" * 100_000, "--input: JSON nesting is 100000 levels deep"),
+    ("run coding --policy optimized --profiles {tmp}/garbage.json", "--profiles: {tmp}/garbage.json: not an agentdyn"),
     ("run painting", "task_type"),
     ("run coding --llm-base-url ftp://x", "--llm-base-url"),
     ("run coding --llm-base-url localhost:1", "--llm-base-url"),
@@ -67,6 +69,7 @@ def tmp(tmp_path, monkeypatch):
     monkeypatch.delenv("AGENTDYN_TOKEN", raising=False)
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
+    (tmp_path / "garbage.json").write_bytes(b"\xff\xfe not json")
     return tmp_path
 
 

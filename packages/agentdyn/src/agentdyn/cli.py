@@ -179,6 +179,13 @@ def _check_profiles(args) -> None:
         raise console.UsageError(f"--profiles {args.profiles!r} is not a file")
     if not p.exists():
         console.output_file(p, "--profiles")
+        return
+    from .profiles import ProfileStore
+
+    try:
+        ProfileStore.load(p)
+    except ValueError as e:
+        raise console.UsageError(f"--profiles: {e}") from None
 
 
 # ---------------------------------------------------------------- commands
@@ -214,12 +221,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from hwtopo.httpguard import BadRequest, parse_json
+
     from .runtime import validate_request
 
     try:
-        inp = json.loads(args.input)
-    except json.JSONDecodeError as e:
-        raise console.UsageError(f"--input: not valid JSON ({e.msg})") from None
+        inp = parse_json(args.input.encode("utf-8", "surrogateescape"), max_bytes=1 << 20)
+    except BadRequest as e:
+        raise console.UsageError(f"--input: {e}") from None
     from .runtime import RequestError
 
     try:

@@ -105,4 +105,8 @@ class ProfileStore:
 
     @classmethod
     def load(cls, path: str | Path) -> ProfileStore:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Profiles saved by :meth:`save`; a file that is not one raises ValueError naming it."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path}: not an agentdyn profiles file ({type(e).__name__}: {e})") from None
