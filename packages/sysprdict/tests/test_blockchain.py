@@ -55,6 +55,9 @@ def test_malformed_caliper_reports(tmp_path):
     j.write_text("{not json")
     with pytest.raises(CaliperError, match=r"x.json: not valid JSON \(line 1"):
         load_caliper(j)
+    j.write_bytes(b"\xff\xfe{")
+    with pytest.raises(CaliperError, match="x.json: not UTF-8 text"):
+        load_caliper(j)
     obj = json.loads((FIX / "caliper-report.json").read_text())
     obj["rounds"][0]["Succ"] = "many"
     j.write_text(json.dumps(obj))

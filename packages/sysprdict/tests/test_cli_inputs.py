@@ -47,6 +47,7 @@ CASES = [
     ("bench --dataset {tmp}/missing.jsonl", 2, "--dataset"),
     ("bench --dataset {tmp}/dir", 2, "--dataset '{tmp}/dir' is not a file"),
     ("bench --dataset {tmp}/garbage.jsonl", 1, "garbage.jsonl:1"),
+    ("bench --dataset {tmp}/binary.jsonl", 1, "binary.jsonl: not UTF-8 text"),
     ("demo --out {tmp}/missing/a/b", 2, "--out"),
     ("demo --out {tmp}/file", 2, "--out"),
     ("blockchain-bench --json {tmp}/missing/b.json", 2, "--json"),
@@ -66,6 +67,7 @@ def tmp(tmp_path):
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("x")
     (tmp_path / "garbage.jsonl").write_text("garbage\n")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00\x01")
     (tmp_path / "runs.csv").write_text("peers,orderers\n2,1\n")
     return tmp_path
 

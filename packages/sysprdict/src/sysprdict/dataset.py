@@ -73,25 +73,26 @@ def load_rows(path: str | os.PathLike) -> tuple[dict, list[dict]]:
         raise DatasetError(f"{path}: no such dataset file; create one with `sysprdict profile --out {path}`")
     header: dict | None = None
     rows: list[dict] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg})") from None
-            if header is None:
-                if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-                    raise DatasetError(f"{where}: missing header line with format {FORMAT!r}")
-                if obj.get("version") != VERSION:
-                    raise DatasetError(
-                        f"{where}: dataset version {obj.get('version')!r} is not supported (need {VERSION})"
-                    )
-                header = obj
-                continue
-            rows.append(_check_row(obj, where))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise DatasetError(f"{path}: not UTF-8 text; a dataset is JSON lines from `sysprdict profile`") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: not valid JSON ({e.msg})") from None
+        if header is None:
+            if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+                raise DatasetError(f"{where}: missing header line with format {FORMAT!r}")
+            if obj.get("version") != VERSION:
+                raise DatasetError(f"{where}: dataset version {obj.get('version')!r} is not supported (need {VERSION})")
+            header = obj
+            continue
+        rows.append(_check_row(obj, where))
     if header is None:
         raise DatasetError(f"{path}:1: empty dataset file (no header line)")
     return header, rows

@@ -148,7 +148,9 @@ def parse_caliper_html(path: str | os.PathLike, config: dict | None = None) -> l
 
 def _read_json(path: Path) -> dict:
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CaliperError(f"{path}: not UTF-8 text; expected a Caliper JSON report") from None
     except json.JSONDecodeError as e:
         raise CaliperError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
     if not isinstance(obj, dict):
