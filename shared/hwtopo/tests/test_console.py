@@ -193,3 +193,11 @@ def test_atomic_dir_replaces_whole_or_keeps_the_old(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and (target / "a").read_text() == "1"
     hwtopo.atomic_dir(target, lambda d: (d / "b").write_text("2"))
     assert sorted(p.name for p in target.iterdir()) == ["b"]
+
+
+def test_the_shared_demo_root_is_created_in_a_fresh_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert console.output_dir("demo-output/kvpool", "--out").is_dir()
+    with pytest.raises(console.UsageError, match="its parent"):
+        console.output_dir("elsewhere/kvpool", "--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-output"]

@@ -156,13 +156,22 @@ def output_file(path: str | os.PathLike, field: str) -> Path:
     return p
 
 
+DEMO_ROOT = Path("demo-output")  # the default root every demo writes under, created when missing
+
+
 def output_dir(path: str | os.PathLike, field: str) -> Path:
-    """Directory ``path``, created if its parent exists (never a chain of parents); else UsageError."""
+    """Directory ``path``, created if its parent exists (never a chain of parents); else UsageError.
+
+    The one exception is the shared default root ``demo-output/`` in the working directory, so that
+    ``<pkg> demo`` with its default ``--out demo-output/<pkg>`` works in a fresh directory.
+    """
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UsageError(f"{field} {str(p)!r} exists and is not a directory")
     if not p.exists():
         parent = p.parent if str(p.parent) else Path(".")
+        if parent == DEMO_ROOT and not parent.exists():
+            parent.mkdir()
         if not parent.is_dir():
             raise UsageError(f"{field} {str(p)!r}: its parent {str(parent)!r} does not exist; create it first")
         try:
