@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import hwtopo
+from hwtopo import console
 
 from . import __version__
 from .space import StrategyError
@@ -20,8 +21,7 @@ from .space import StrategyError
 log = logging.getLogger(__name__)
 
 
-class UsageError(ValueError):
-    """Bad command-line input (exit 2)."""
+UsageError = console.UsageError
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -170,13 +170,8 @@ def _execute(args, quick: bool) -> dict:
 
 
 def _plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed (pip install 'mlsyskit-cona[plot]'); no plot written")
+    plt = console.pyplot("cona")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for k, r in res["results"].items():
@@ -197,6 +192,8 @@ def _plot(res: dict, path: Path) -> bool:
 def cmd_bench(args) -> int:
     from .report import table
 
+    if args.json:
+        console.output_file(args.json, "--json")
     res = _execute(args, quick=args.quick)
     for n in res["notes"][:-1]:
         print(f"note: {n}", file=sys.stderr)
@@ -213,9 +210,8 @@ def cmd_demo(args) -> int:
 
     if args.seeds is None:  # the demo shows one chain; `bench` repeats over seeds
         args.seeds = 1
+    out = console.output_dir(args.out, "--out")
     res = _execute(args, quick=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     shown, chain = table(res), chain_text(res)
     print(shown)
     print("cona chain:\n" + chain)
@@ -281,14 +277,6 @@ def cmd_simulate(args) -> int:
 
     if args.model not in PAPER_MODELS:
         raise UsageError(f"--model {args.model!r} is not one of {sorted(PAPER_MODELS)}")
-    if not 0 < args.mfu <= 1:
-        raise UsageError(f"--mfu must be in (0, 1], not {args.mfu:g}")
-    if args.noise_scale <= 0:
-        raise UsageError(f"--noise-scale must be > 0, not {args.noise_scale:g}")
-    if args.reference_batch < 1:
-        raise UsageError(f"--reference-batch must be >= 1, not {args.reference_batch}")
-    if args.top < 1:
-        raise UsageError(f"--top must be >= 1, not {args.top}")
     dims = PAPER_MODELS[args.model]
     cluster = _load_spec(args.spec)
     world = sum(len(m.accelerators) for m in cluster.machines) or len(cluster.machines)
@@ -312,96 +300,111 @@ def cmd_simulate(args) -> int:
 
 def _bench_options(sp: argparse.ArgumentParser) -> None:
     """The options ``bench`` and ``demo`` share; unset ones take the workload's defaults (``config.QUICK``/``FULL``)."""
-    sp.add_argument("--quiet", action="store_true", help="no progress messages")
-    sp.add_argument("--debug", action="store_true", help="show tracebacks")
-    sp.add_argument("--world", type=int, help="number of ranks (quick: 2, full: 4)")
-    sp.add_argument("--target-ppl", type=float, help="target validation perplexity (default 5.9)")
-    sp.add_argument("--budget-s", type=float, help="training-time budget per variant, seconds (default 60)")
+    sp.add_argument("--world", type=console.positive_int("--world", 256), help="number of ranks (quick: 2, full: 4)")
     sp.add_argument(
-        "--global-batches", type=_ints, help="candidate global batch sizes (quick: 16,32,64,128,256; full: 8,...,256)"
+        "--target-ppl", type=console.positive_float("--target-ppl"), help="target validation perplexity (5.9)"
     )
-    sp.add_argument("--micro-batches", type=_ints, help="candidate micro-batch sizes (default 8,16,32)")
     sp.add_argument(
-        "--oracle-branches", type=int, help="strategies branched per oracle phase (default: one per global batch)"
+        "--budget-s",
+        type=console.positive_float("--budget-s", 86400.0),
+        help="training-time budget per variant, s (60)",
+    )
+    sp.add_argument(
+        "--global-batches", type=_ints, help="candidate global batches (quick: 16,...,256; full: 8,...,256)"
+    )
+    sp.add_argument("--micro-batches", type=_ints, help="candidate micro-batch sizes (8,16,32)")
+    sp.add_argument(
+        "--oracle-branches",
+        type=console.positive_int("--oracle-branches", 64),
+        help="strategies branched per oracle phase (one per global batch)",
     )
     sp.add_argument("--no-oracle", action="store_true", help="skip the oracle sequence (faster)")
-    sp.add_argument("--seeds", type=int, help="repeats with different init and data order, median reported (default 1)")
-    sp.add_argument("--seed", type=int, help="first seed (default 0)")
     sp.add_argument(
-        "--no-probe-cache", action="store_true", help="measure every probe afresh and do not write the probe cache"
+        "--seeds", type=console.positive_int("--seeds", 1000), help="repeats with other init and data order (1)"
     )
+    sp.add_argument("--seed", type=console.integer("--seed", 0, 2**32 - 1), help="first seed (0)")
+    sp.add_argument("--no-probe-cache", action="store_true", help="measure every probe afresh, write no probe cache")
     sp.add_argument("--no-clip", action="store_true", help="no gradient clipping (default: global norm 1.0)")
     sp.add_argument(
         "--initial-models",
         type=_names,
-        help="efficiency models cona's step-0 choice must hold under, comma separated (default sqrt,tuned: before "
-        "any step nothing shows which LR regime training is in)",
+        help="efficiency models cona's step-0 choice must hold under, comma separated (sqrt,tuned: before any step "
+        "nothing shows which LR regime training is in)",
     )
     sp.add_argument(
         "--range-z",
-        type=float,
-        help="standard errors the noise-scale range of a running switch decision spans, around the ratio of its "
-        "pairs' means and the smoothed estimate (default 0.5)",
+        type=console.number("--range-z", 0.0, 10.0),
+        help="standard errors the noise-scale range of a running switch decision spans (0.5)",
     )
     sp.add_argument(
         "--slice-s",
-        type=float,
-        help="seconds of training clock each variant runs before the next one's turn (default 0.5): the variants "
-        "share the machine's speed swings at longer time scales than this",
+        type=console.positive_float("--slice-s", 3600.0),
+        help="seconds of training clock each variant runs before the next one's turn (0.5)",
     )
     sp.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="any bench setting by its BenchConfig name, e.g. gns_every=16 or trend_window_s=3 (repeatable; tuples "
-        "comma separated, none for an optional one; wins over the flags above), recorded in the JSON's config",
+        help="any bench setting by its BenchConfig name, e.g. gns_every=16 (repeatable; tuples comma separated, "
+        "none for an optional one; wins over the flags above), recorded in the JSON's config",
     )
+
+
+def _model_options(s: argparse.ArgumentParser) -> None:
+    size = console.positive_int
+    s.add_argument("--layers", type=size("--layers", 1024), default=4, help="decoder layers")
+    s.add_argument("--hidden", type=size("--hidden", 1 << 16), default=64, help="hidden size")
+    s.add_argument("--heads", type=size("--heads", 1024), default=4, help="attention heads")
+    s.add_argument("--kv-heads", type=size("--kv-heads", 1024), default=2, help="key/value heads")
+    s.add_argument("--intermediate", type=size("--intermediate", 1 << 20), help="MLP width (default 3 x hidden)")
+    s.add_argument("--seq-len", type=size("--seq-len", 1 << 20), default=64, help="sequence length")
 
 
 def _strategies_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--spec", help="hwtopo spec (bundled name or file); default: this machine")
-    s.add_argument("--world", type=int, help="ranks (default: the spec's accelerators or machines, else 2)")
-    s.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    s.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
-    s.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    s.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
-    s.add_argument("--intermediate", type=int, help="MLP width (default 3 x hidden)")
-    s.add_argument("--seq-len", type=int, default=64, help="sequence length (default 64)")
-    s.add_argument("--global-batches", type=_ints, default=(8, 16, 32, 64), help="default 8,16,32,64")
-    s.add_argument("--micro-batches", type=_ints, default=(4, 8, 16), help="default 4,8,16")
-    s.add_argument("--quiet", action="store_true")
-    s.add_argument("--debug", action="store_true")
-    s.set_defaults(fn=cmd_strategies)
+    s.add_argument(
+        "--world",
+        type=console.positive_int("--world", 1 << 16),
+        help="ranks (the spec's accelerators or machines, else 2)",
+    )
+    _model_options(s)
+    s.add_argument("--global-batches", type=_ints, default=(8, 16, 32, 64), help="candidate global batches")
+    s.add_argument("--micro-batches", type=_ints, default=(4, 8, 16), help="candidate micro-batch sizes")
 
 
 def _simulate_parser(m: argparse.ArgumentParser) -> None:
-    m.add_argument("--spec", default="gpu-node-8", help="hwtopo spec, bundled name or file (default gpu-node-8)")
-    m.add_argument("--model", default="gpt3-1.3b", help="gpt3-1.3b (default), bert-large or llama-3.2-1b")
-    m.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of the peak (default 0.4)")
+    m.add_argument("--spec", default="gpu-node-8", help="hwtopo spec, bundled name or file")
+    m.add_argument("--model", default="gpt3-1.3b", help="gpt3-1.3b, bert-large or llama-3.2-1b")
     m.add_argument(
-        "--noise-scale", type=float, default=1000.0, help="gradient noise scale for the ranking (default 1000)"
+        "--mfu", type=console.number("--mfu", 0.0, 1.0, inclusive=False), default=0.4, help="model FLOPs utilisation"
     )
-    m.add_argument("--reference-batch", type=int, default=32, help="batch the LR was tuned at (default 32)")
+    m.add_argument(
+        "--noise-scale",
+        type=console.positive_float("--noise-scale"),
+        default=1000.0,
+        help="gradient noise scale for the ranking",
+    )
+    m.add_argument(
+        "--reference-batch",
+        type=console.positive_int("--reference-batch", 1 << 24),
+        default=32,
+        help="batch the LR was tuned at",
+    )
     m.add_argument(
         "--lr-scaling",
         choices=("sqrt", "tuned"),
         default="sqrt",
-        help="how the LR follows the batch: sqrt (Adam, square root; default) or tuned (Pollux/AdaScale)",
+        help="how the LR follows the batch: sqrt (Adam, square root) or tuned (Pollux/AdaScale)",
     )
-    m.add_argument("--global-batches", type=_ints, default=(32, 64, 128, 256, 512), help="default 32,...,512")
-    m.add_argument("--micro-batches", type=_ints, default=(1, 2, 4, 8), help="default 1,2,4,8")
-    m.add_argument("--top", type=int, default=10, help="strategies listed (default 10)")
-    m.add_argument("--quiet", action="store_true")
-    m.add_argument("--debug", action="store_true")
-    m.set_defaults(fn=cmd_simulate)
+    m.add_argument("--global-batches", type=_ints, default=(32, 64, 128, 256, 512), help="candidate global batches")
+    m.add_argument("--micro-batches", type=_ints, default=(1, 2, 4, 8), help="candidate micro-batch sizes")
+    m.add_argument("--top", type=console.positive_int("--top", 10_000), default=10, help="strategies listed")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cona", description="Online parallelism-strategy chaining (CONA).")
-    p.add_argument("--version", action="version", version=f"cona {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="cona vs best static, surrogate-at-step-0 static and oracle, side by side")
+    p, sub = console.parser("cona", "Online parallelism-strategy chaining (CONA).", __version__)
+    b = console.command(sub, "bench", "cona vs best static, surrogate-at-step-0 static and oracle, side by side")
     b.add_argument(
         "--quick",
         action="store_true",
@@ -409,29 +412,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", help="write the results as JSON here")
     _bench_options(b)
-    b.set_defaults(fn=cmd_bench)
-    d = sub.add_parser("demo", help="print the chain cona picks and plot perplexity vs time")
-    d.add_argument("--out", default="demo-output/cona", help="output directory (default demo-output/cona)")
+    d = console.command(sub, "demo", "print the chain cona picks and plot perplexity vs time")
+    d.add_argument("--out", default="demo-output/cona", help="output directory (its parent must exist)")
     _bench_options(d)
-    d.set_defaults(fn=cmd_demo)
-    _strategies_parser(sub.add_parser("strategies", help="list the feasible strategies for this machine or a spec"))
+    _strategies_parser(console.command(sub, "strategies", "list the feasible strategies for this machine or a spec"))
     help_sim = "rank strategies of a paper-size model on an hwtopo cluster (analytic, not measured)"
-    _simulate_parser(sub.add_parser("simulate", help=help_sim))
+    _simulate_parser(console.command(sub, "simulate", help_sim))
     return p
 
 
+def _usage_errors(fn):
+    """A handler whose strategy or spec errors are bad input (exit 2), as the user's to fix."""
+
+    def handler(args) -> int:
+        try:
+            return fn(args)
+        except (StrategyError, hwtopo.SpecError) as e:
+            raise console.UsageError(str(e)) from None
+
+    return handler
+
+
+HANDLERS = {"bench": cmd_bench, "demo": cmd_demo, "strategies": cmd_strategies, "simulate": cmd_simulate}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(name)s: %(message)s")
-    try:
-        return args.fn(args)
-    except (UsageError, StrategyError, hwtopo.SpecError) as e:
-        if args.debug:
-            raise
-        print(f"cona: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - one line unless --debug
-        if args.debug:
-            raise
-        print(f"cona: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-        return 1
+    return console.run(_parser(), {k: _usage_errors(f) for k, f in HANDLERS.items()}, argv)

@@ -12,6 +12,7 @@ import os
 
 import torch
 import torch.distributed as dist
+
 from hwtopo.launch import RankError, pick_backend, spawn
 
 __all__ = ["launch", "RankFailure", "group", "backend", "select_device", "current_device", "DEFAULT_TIMEOUT_S"]
