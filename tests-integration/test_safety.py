@@ -23,15 +23,6 @@ def _bad(res: dict, part: str) -> dict:
     return {k: res[k] for k in safety.BAD[part] if res.get(k)}
 
 
-# what a package still lacks (the README's convention: the scenario stops with xfail, naming it,
-# and the entry goes once the piece lands); the sweep still runs every input first
-KNOWN_GAPS = {
-    "cona": "cona lacks input checks before work (issue 46, item 6): `bench --json` and `demo --out` are "
-    "checked only after the run (demo then creates missing parents); `demo --budget-s inf` and "
-    "`strategies --seq-len 0` are accepted",
-}
-
-
 # ------------------------------------------------------------------- the counters count ---
 
 
@@ -98,8 +89,6 @@ def test_the_corpus_has_at_least_100_inputs_and_12_per_console_script():
 def test_malformed_command_lines_fail_cleanly_and_early(package, tmp_path):
     res = safety.cli_counts(package, tmp_path)
     assert res["inputs"] >= 12
-    if _bad(res, "cli") and package in KNOWN_GAPS:
-        pytest.xfail(f"{KNOWN_GAPS[package]}: {json.dumps(res['failures'])}")
     assert not _bad(res, "cli"), json.dumps(res["failures"], indent=1)
 
 
