@@ -38,3 +38,14 @@ def test_tiny_grid_report_and_plots(tmp_path):
 def test_config_validation():
     with pytest.raises(ValueError, match="concurrency"):
         CharacterizeConfig(concurrency=(0,))
+
+
+def test_plots_are_skipped_not_fatal_without_matplotlib(monkeypatch, tmp_path):
+    """A missing [plot] extra costs the plots, never the measured results written before them."""
+    from agentdyn.report import plot_bench
+    from hwtopo import console
+
+    monkeypatch.setattr(console, "pyplot", lambda package: None)
+    assert plot_characterize({"rows": []}, str(tmp_path)) == []
+    assert plot_bench({"results": {}}, str(tmp_path / "latency.png")) is None
+    assert list(tmp_path.iterdir()) == []

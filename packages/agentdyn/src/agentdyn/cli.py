@@ -217,7 +217,12 @@ def cmd_serve(args) -> int:
     def ready(url):
         print(f"agentdyn serving on {url} (policy {args.policy})", flush=True)
 
-    return asyncio.run(serve(h, args.host, args.port, args.drain_timeout, ready=ready, setup=setup, token=token))
+    unsafe = args.unsafe_no_sandbox
+    return asyncio.run(
+        serve(
+            h, args.host, args.port, args.drain_timeout, ready=ready, setup=setup, token=token, unsafe_no_sandbox=unsafe
+        )
+    )
 
 
 def cmd_run(args) -> int:
@@ -332,6 +337,7 @@ def cmd_characterize(args) -> int:
         raise console.UsageError(str(e)) from None
     args.out = str(console.output_dir(args.out, "--out"))
     out = asyncio.run(characterize(cfg, progress=_progress(args)))
+    _write_json(os.path.join(args.out, "characterize.json"), out)  # saved before anything else can fail
     plots = plot_characterize(out, args.out)
     md = characterize_markdown(out)
     body = (
@@ -339,7 +345,6 @@ def cmd_characterize(args) -> int:
         f"the first N CPUs; LLM emulator). Pressure source: {out['pressure_source']}.\n\n" + md
     )
     write_report(os.path.join(args.out, "report.md"), "agentdyn characterization", body, plots)
-    _write_json(os.path.join(args.out, "characterize.json"), out)
     print(md)
     print(f"wrote {os.path.join(args.out, 'report.md')} and {len(plots)} plot(s)")
     return 0
@@ -352,6 +357,7 @@ def cmd_demo(args) -> int:
     cfg = _workload(args, default_per_type=2)
     args.out = str(console.output_dir(args.out, "--out"))
     out = asyncio.run(bench(cfg, progress=_progress(args)))
+    _write_json(os.path.join(args.out, "bench.json"), _bench_json(out, cfg, True))  # saved before plotting
     table = bench_table(out)
     plot = plot_bench(out, os.path.join(args.out, "latency.png"))
     head = out["headline"]
@@ -362,10 +368,10 @@ def cmd_demo(args) -> int:
         + table
         + "\n\n```json\n"
         + json.dumps(head, indent=2)
-        + "\n```\n\nplot: latency.png (mean latency per task type and policy)"
+        + "\n```\n"
+        + ("\nplot: latency.png (mean latency per task type and policy)" if plot else "")
     )
-    write_report(os.path.join(args.out, "report.md"), "agentdyn demo", body, [plot])
-    _write_json(os.path.join(args.out, "bench.json"), _bench_json(out, cfg, True))
+    write_report(os.path.join(args.out, "report.md"), "agentdyn demo", body, [plot] if plot else [])
     print(table)
     print(json.dumps(head, indent=2))
     print(f"wrote {os.path.join(args.out, 'report.md')}")
@@ -438,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--token",
         help="bearer token every request must carry (default: $AGENTDYN_TOKEN, else none); "
         "required when --host is beyond loopback",
+    )
+    s.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="run tools without their sandbox: as this service's user, with its filesystem and "
+        "network (only an allow-listed environment and rlimits remain); without it, serve refuses to "
+        "start on a host that lacks a sandbox layer (user, namespaces, cgroup memory/pids/kill) and names it",
     )
     _llm_options(s)
 

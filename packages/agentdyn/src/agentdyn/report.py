@@ -5,21 +5,11 @@ from __future__ import annotations
 import os
 
 import hwtopo
+from hwtopo import console
 
 __all__ = ["bench_table", "characterize_markdown", "plot_bench", "plot_characterize"]
 
 PARTS = ("llm_wait_s", "queue_s", "tool_cpu_s", "tool_cpu_contention_s", "tool_io_other_s", "other_s")
-
-
-def _plt():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("plots need matplotlib: pip install 'mlsyskit-agentdyn[plot]'") from e
-    return plt
 
 
 def bench_table(out: dict) -> str:
@@ -36,8 +26,11 @@ def bench_table(out: dict) -> str:
     return "\n".join(rows)
 
 
-def plot_bench(out: dict, path: str) -> str:
-    plt = _plt()
+def plot_bench(out: dict, path: str) -> str | None:
+    """Mean latency per task type and policy as a PNG; None when matplotlib is missing (logged)."""
+    plt = console.pyplot("agentdyn")
+    if plt is None:
+        return None
     res = out["results"]
     types = sorted({t for r in res.values() for t in r["per_type"]})
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -75,7 +68,9 @@ def characterize_markdown(out: dict) -> str:
 
 def plot_characterize(out: dict, outdir: str) -> list[str]:
     """One stacked-breakdown PNG per (cores, LLM TTFT) setting; x = scenario/task at concurrency."""
-    plt = _plt()
+    plt = console.pyplot("agentdyn")
+    if plt is None:
+        return []
     paths = []
     settings = sorted({(r["cores"], r["llm_ttft_s"]) for r in out["rows"]})
     for cores, ttft in settings:
@@ -100,6 +95,7 @@ def plot_characterize(out: dict, outdir: str) -> list[str]:
 
 
 def write_report(path: str, title: str, body: str, plots: list[str]) -> None:
+    """``report.md``: the title, the body, then each plot that was written."""
     lines = [f"# {title}", "", body, ""]
     lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
     hwtopo.atomic_write_text(path, "\n".join(lines) + "\n")
