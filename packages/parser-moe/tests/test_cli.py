@@ -40,6 +40,7 @@ def test_model_without_moe_layers_exits_1(tmp_path, capsys):
     assert "has no MoE layers" in err and err.startswith("parser-moe: error: ")
     assert not (tmp_path / "o").exists()
     assert main(["bench", "--model", str(tmp_path / "nowhere"), "--quiet"]) == 2
+    assert main(["train", "--seeds", "1,x", "--quiet"]) == 2
 
 
 @pytest.mark.slow
@@ -49,17 +50,30 @@ def test_bench_json_has_the_headline_keys(moe_dir, tmp_path, capsys):
         main(["bench", "--quick", "--json", str(out), "--model", str(moe_dir), "--ratios", "0.2,0.5", "--quiet"]) == 0
     )
     doc = json.loads(out.read_text())
-    assert {"package", "version", "config", "machine", "results", "headline", "emulated"} <= set(doc)
+    assert {"package", "version", "config", "machine", "results", "headline", "spread", "emulated"} <= set(doc)
     h = doc["headline"]
-    for k in ("gap_ratio_vs_magnitude", "gap_ratio_vs_wanda", "memory_reduction", "ppl_full", "ppl_parser"):
-        assert isinstance(h[k], float)
-    assert h["memory_equal_across_methods"] is True
+    for k in (
+        "gap_ratio_vs_magnitude_reference@0.2",
+        "gap_ratio_vs_wanda_reference@0.2",
+        "task_acc_drop_reference@0.2",
+        "task_acc_drop_wanda@0.2",
+        "memory_reduction@0.2",
+        "ppl_full",
+    ):
+        assert isinstance(h[k], float), k
+    assert "gap_ratio_vs_wanda" in h  # null when the best variant has no gap at some ratio (random model)
+    assert h["memory_equal_across_methods"] is True and h["reference_matches_formula"] is True
+    assert h["models"] == 1 and h["best_variant"] in ("reference", "parser", "output_wanda")
     r = doc["results"]
-    assert r["parser@0.2"]["expert_bytes"] < r["parser@0.5"]["expert_bytes"] < r["uncompressed"]["expert_bytes"]
-    assert h["memory_reduction"] == pytest.approx(
-        1 - r["parser@0.2"]["expert_bytes"] / r["uncompressed"]["expert_bytes"]
+    assert r["reference@0.2"]["expert_bytes"] < r["reference@0.5"]["expert_bytes"] < r["uncompressed"]["expert_bytes"]
+    assert h["memory_reduction@0.2"] == pytest.approx(
+        1 - r["reference@0.2"]["expert_bytes"] / r["uncompressed"]["expert_bytes"]
     )
     assert h["ppl_full"] == r["uncompressed"]["ppl"]
+    # held out: no test file is a dev or calibration file, and the JSON lists them
+    splits = doc["config"]["splits"]
+    assert splits["test"] and not set(splits["test"]) & (set(splits["dev"]) | set(splits["calib"]))
+    assert doc["spread"]["gap_ratio_vs_wanda_reference@0.2"]["per_model"] == [h["gap_ratio_vs_wanda_reference@0.2"]]
 
 
 @pytest.mark.slow
@@ -74,7 +88,8 @@ def test_compress_writes_a_loadable_model(moe_dir, tmp_path, capsys):
     from parser_moe import CompressedExperts, compressed_modules, load_compressed
 
     out = tmp_path / "c"
-    assert main(["compress", "--model", str(moe_dir), "--out", str(out), "--keep", "0.25", "--quiet"]) == 0
+    argv = ["compress", "--model", str(moe_dir), "--out", str(out), "--keep", "0.25", "--method", "reference"]
+    assert main([*argv, "--quiet"]) == 0
     assert "reduction" in capsys.readouterr().out
     mods = compressed_modules(load_compressed(out))
     assert len(mods) == 2 and all(isinstance(m, CompressedExperts) and m.mode == "units" for m in mods.values())
@@ -89,5 +104,5 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     caplog.set_level("WARNING", logger="hwtopo.console")  # an earlier --quiet run raised the root level
     assert _plot({}, tmp_path / "p.png") is False
-    assert "pip install 'parser-moe[plot]'" in caplog.text
+    assert "pip install 'mlsyskit-parser-moe[plot]'" in caplog.text
     assert not (tmp_path / "p.png").exists()

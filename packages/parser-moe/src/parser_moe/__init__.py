@@ -12,20 +12,8 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .base import (
-        BASE_METHODS,
-        Decomposition,
-        aligned_barycenter,
-        decompose,
-        mean_base,
-    )
-    from .calibrate import (
-        CalibrationData,
-        CalibrationError,
-        LayerCalibration,
-        Reservoir,
-        calibrate,
-    )
+    from .base import BASE_METHODS, Decomposition, aligned_barycenter, decompose, mean_base
+    from .calibrate import CalibrationData, CalibrationError, LayerCalibration, Reservoir, calibrate
     from .compressed import (
         CompressedExpertList,
         CompressedExperts,
@@ -42,14 +30,11 @@ if TYPE_CHECKING:
         select_units,
         unit_output_importance,
     )
-    from .models import (
-        ExpertWeights,
-        MoELayer,
-        NoMoEError,
-        find_moe_layers,
-        module_bytes,
-    )
+    from .models import ExpertWeights, MoELayer, NoMoEError, find_moe_layers, module_bytes
     from .pipeline import METHODS, Plan, compress_model, prepare
+    from .scoring import REFERENCE, VARIANTS, Scoring
+    from .tasks import build_tasks, run_tasks
+    from .verify import literal_unit_scores, reference_matches_formula
     from .zoo import load_seed
 
 __version__ = "0.1.0"
@@ -87,6 +72,13 @@ _MODULE_OF = {
     "prepare": "pipeline",
     "ParserMoeConfig": "hf",
     "ParserMoeForCausalLM": "hf",
+    "REFERENCE": "scoring",
+    "VARIANTS": "scoring",
+    "Scoring": "scoring",
+    "build_tasks": "tasks",
+    "run_tasks": "tasks",
+    "literal_unit_scores": "verify",
+    "reference_matches_formula": "verify",
     "load_seed": "zoo",
 }
 
@@ -105,9 +97,12 @@ __all__ = [
     "ParserMoeConfig",
     "ParserMoeForCausalLM",
     "Plan",
+    "REFERENCE",
     "Reservoir",
-    "__version__",
+    "Scoring",
+    "VARIANTS",
     "aligned_barycenter",
+    "build_tasks",
     "calibrate",
     "check_keep_ratio",
     "compress_model",
@@ -116,15 +111,19 @@ __all__ = [
     "element_scores_from_units",
     "find_moe_layers",
     "layer_output_importance",
+    "literal_unit_scores",
     "load_compressed",
     "load_seed",
     "mean_base",
     "module_bytes",
     "prepare",
+    "reference_matches_formula",
+    "run_tasks",
     "save_compressed",
     "select_elements",
     "select_units",
     "unit_output_importance",
+    "__version__",
 ]
 
 

@@ -17,7 +17,7 @@ from hwtopo import console
 
 from . import __version__
 
-METHOD_CHOICES = ("parser", "magnitude", "reconstruction", "wanda")
+METHOD_CHOICES = ("parser", "reference", "output_wanda", "magnitude", "reconstruction", "wanda", "wanda_routed")
 MAX_THREADS = 1024
 
 
@@ -39,6 +39,13 @@ def _seed(text: str) -> int:
     return v
 
 
+def _seed_list(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("--seeds needs at least one integer seed, e.g. 0,1,2")
+    return tuple(_seed(p) for p in parts)
+
+
 def _checkpoint(text: str) -> Path:
     """argparse type: a transformers checkpoint directory (one with config.json)."""
     p = Path(text)
@@ -57,7 +64,9 @@ def _new_dir(path: str, field: str) -> Path:
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--model", type=_checkpoint, help="local transformers MoE checkpoint dir (default: the tiny MoE)")
+    sp.add_argument(
+        "--model", type=_checkpoint, help="local transformers MoE checkpoint dir (default: the shipped tiny MoEs)"
+    )
     sp.add_argument("--base", choices=("aligned", "mean"), default="aligned", help="shared base of the experts")
     sp.add_argument("--seed", type=_seed, default=0, help="seed of calibration/eval windows")
     sp.add_argument(
@@ -71,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sd = console.command(sub, "demo", "compress the tiny MoE with every method; table, report.md and plot")
     sd.add_argument("--out", default="demo-output/parser-moe", help="output directory (its parent must exist)")
-    sd.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.3), help="keep ratios, comma separated")
+    sd.add_argument("--ratios", type=_ratios, default=(0.1, 0.2), help="keep ratios, comma separated")
     _common(sd)
 
     sb = console.command(sub, "bench", "PARSER vs baselines at equal expert memory, side by side")
-    sb.add_argument("--quick", action="store_true", help="fewer calibration/eval tokens (< 3 min once cached)")
+    sb.add_argument("--quick", action="store_true", help="fewer calibration/eval tokens and task items (< 3 min)")
     sb.add_argument("--json", help="write the results JSON here")
-    sb.add_argument("--ratios", type=_ratios, default=(0.1, 0.2, 0.3), help="keep ratios, comma separated")
+    sb.add_argument("--ratios", type=_ratios, default=(0.1, 0.2), help="keep ratios, comma separated")
     _common(sb)
 
     sc = console.command(sub, "compress", "compress one model and save it (safetensors + config)")
@@ -91,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sc.add_argument("--unstructured", action="store_true", help="keep residual entries at the same bytes")
     _common(sc)
+
+    st = console.command(sub, "train", "retrain the shipped tiny MoEs (one per seed) into --out")
+    st.add_argument("--out", help="checkpoint folder (default: the package's own, replacing what ships)")
+    st.add_argument("--seeds", type=_seed_list, default=(0, 1, 2), help="training seeds, comma separated")
+    st.add_argument("--steps", type=console.positive_int("--steps", 10**6), help="training steps (default 500)")
+    st.add_argument("--threads", type=console.positive_int("--threads", MAX_THREADS), help="torch threads")
     return p
 
 
@@ -165,6 +180,7 @@ def cmd_bench(args) -> int:
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
         "results": res["results"],
         "headline": res["headline"],
+        "spread": res["spread"],
         "emulated": False,
     }
     print(_table(res["results"]))
@@ -259,7 +275,17 @@ def cmd_compress(args) -> int:
     return 0
 
 
-HANDLERS: dict[str, Callable] = {"bench": cmd_bench, "demo": cmd_demo, "compress": cmd_compress}
+def cmd_train(args) -> int:
+    out = _new_dir(args.out, "--out") if args.out else None
+    _prepare(args)
+    from .zoo import train_seed
+
+    for seed in args.seeds:
+        print(f"wrote {train_seed(seed, out, args.steps, progress=not args.quiet)}")
+    return 0
+
+
+HANDLERS: dict[str, Callable] = {"bench": cmd_bench, "demo": cmd_demo, "compress": cmd_compress, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,11 @@ def check_keep_ratio(keep_ratio: float) -> float:
     return r
 
 
+def mean_square(t: torch.Tensor) -> torch.Tensor:
+    """Mean of t^2 over rows; zeros (not NaN) for an expert that was routed no calibration token."""
+    return t.pow(2).sum(0) / max(t.shape[0], 1)
+
+
 def hidden_activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: Callable) -> torch.Tensor:
     """h = act(x G^T) * (x U^T) for x [N, H], G/U [I, H] -> [N, I]."""
     return act(x @ gate.T) * (x @ up.T)
@@ -129,15 +134,15 @@ def element_scores_from_units(
     for e in range(E):
         x = calib.inputs[e]
         g, u, d = dec.experts.gate[e], dec.experts.up[e], dec.experts.down[e]
-        xr = x.pow(2).mean(0).sqrt()  # [H]
+        xr = mean_square(x).sqrt()  # [H]
         zg = x @ g.T
         zu = x @ u.T
         zg_req = zg.detach().clone().requires_grad_(True)
         a = act(zg_req)
         (da,) = torch.autograd.grad(a.sum(), zg_req)
-        sens_g = (da * zu).pow(2).mean(0).sqrt()  # [I]
-        sens_u = a.detach().pow(2).mean(0).sqrt()  # [I]
-        hr = (a.detach() * zu).pow(2).mean(0).sqrt()  # [I]
+        sens_g = mean_square(da * zu).sqrt()  # [I]
+        sens_u = mean_square(a.detach()).sqrt()  # [I]
+        hr = mean_square(a.detach() * zu).sqrt()  # [I]
         eg = (dec.res_gate[e].abs() * xr) * sens_g[:, None] * d.norm(dim=0)[:, None]
         eu = (dec.res_up[e].abs() * xr) * sens_u[:, None] * d.norm(dim=0)[:, None]
         ed = dec.res_down[e].abs() * hr[None, :]  # [H, I]

@@ -15,23 +15,16 @@ import torch
 from torch import nn
 
 from .base import Decomposition, decompose
-from .baselines import BASELINES, entry_scores, unit_scores
 from .calibrate import CalibrationData, CalibrationError
 from .compressed import CompressedExperts, install
-from .importance import (
-    check_keep_ratio,
-    element_scores_from_units,
-    layer_output_importance,
-    select_elements,
-    select_units,
-)
+from .importance import check_keep_ratio, select_elements, select_units
 from .models import MoELayer, find_moe_layers
+from .scoring import VARIANTS, Scoring, resolve, score_entries, score_units
 
 log = logging.getLogger(__name__)
 
-METHODS = ("parser", *BASELINES)
-# the issue's literal score: no routing-weight or routing-frequency weighting (an ablation)
-VARIANTS = (*METHODS, "parser_plain")
+# the named variants compress_model accepts (each also takes a Scoring directly)
+METHODS = tuple(VARIANTS)
 
 
 @dataclass
@@ -63,20 +56,15 @@ def prepare(model: nn.Module, calib: CalibrationData, base: str = "aligned", rou
     return Plan(layers, decomps, calib, dtypes, devices)
 
 
-def _scores(plan: Plan, ly: MoELayer, method: str, structured: bool):
-    key = (ly.name, method, structured)
+def layer_scores(plan: Plan, ly: MoELayer, scoring: Scoring, structured: bool = True):
+    """Unit scores [E, I] (structured) or per-entry scores of layer ``ly`` under ``scoring``, memoised
+    on the plan (the per-expert minimum does not change scores, so it is not part of the key)."""
+    key = (ly.name, scoring.criterion, scoring.route_weight, scoring.routed_share, structured)
     if key in plan._scores:
         return plan._scores[key]
     dec, cal = plan.decomps[ly.name], plan.calib.layers[ly.name]
-    if method in ("parser", "parser_plain"):
-        plain = method == "parser_plain"
-        s = layer_output_importance(dec, cal, ly.act_fn, weighted=not plain, by_frequency=not plain)
-        if not structured:
-            s = element_scores_from_units(s, dec, cal, ly.act_fn)
-    elif method in BASELINES:
-        s = unit_scores(method, dec, cal, ly.act_fn) if structured else entry_scores(method, dec, cal, ly.act_fn)
-    else:
-        raise ValueError(f"method must be one of {VARIANTS}, got {method!r}")
+    fn = score_units if structured else score_entries
+    s = fn(scoring, dec, cal, ly.act_fn)
     plan._scores[key] = s
     return s
 
@@ -94,21 +82,23 @@ def entry_ratio_for(keep_ratio: float, hidden: int, value_bytes: int, index_byte
 def compress_model(
     model: nn.Module,
     plan: Plan,
-    method: str = "parser",
+    method: str | Scoring = "parser",
     keep_ratio: float = 0.2,
     *,
     structured: bool = True,
-    min_per_expert: int = 2,
+    min_per_expert: int | None = None,
     inplace: bool = False,
 ) -> nn.Module:
     """Return ``model`` (a deep copy unless ``inplace``) with every MoE layer compressed by ``method``.
 
+    ``method`` is a variant name of :data:`METHODS` (its default setting) or a :class:`Scoring`.
     ``keep_ratio`` is the fraction of residual units kept (structured) or of residual entries kept
     (unstructured; :func:`entry_ratio_for` converts a unit ratio into the entry ratio of equal bytes).
+    ``min_per_expert`` overrides the scoring's minimum of kept units (entries) per expert.
     """
     keep_ratio = check_keep_ratio(keep_ratio)
-    if method not in VARIANTS:
-        raise ValueError(f"method must be one of {VARIANTS}, got {method!r}")
+    scoring = resolve(method)
+    minimum = scoring.min_per_expert if min_per_expert is None else int(min_per_expert)
     target = model if inplace else copy.deepcopy(model)
     by_name = {ly.name: ly for ly in find_moe_layers(target)}
     for ly in plan.layers:
@@ -116,12 +106,12 @@ def compress_model(
         base = (dec.base_gate, dec.base_up, dec.base_down)
         experts = (dec.experts.gate, dec.experts.up, dec.experts.down)
         dtype = plan.dtype[ly.name]
-        s = _scores(plan, ly, method, structured)
+        s = layer_scores(plan, ly, scoring, structured)
         if structured:
-            mask = select_units(s, keep_ratio, min_per_expert)
+            mask = select_units(s, keep_ratio, minimum)
             storage = CompressedExperts.from_units(base, experts, mask, ly.act_fn, dtype)
         else:
-            masks = select_elements(s, keep_ratio, min_per_expert)
+            masks = select_elements(s, keep_ratio, minimum)
             storage = CompressedExperts.from_entries(base, experts, masks, ly.act_fn, dtype)
         install(target, by_name[ly.name], storage.to(plan.device.get(ly.name, "cpu")))
     return target
