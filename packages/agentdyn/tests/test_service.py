@@ -18,8 +18,11 @@ from agentdyn.emulator import EmulatorConfig
 from agentdyn.llm import LLMConfig
 from agentdyn.monitor import SystemSampler
 from agentdyn.runtime import Harness
-from agentdyn.sandbox import zombie_children
+from agentdyn.sandbox import SandboxUnavailable, missing_layers, zombie_children
 from agentdyn.service import make_app
+
+# a host without every sandbox layer (CI runners are not root) serves with --unsafe-no-sandbox
+UNSAFE = bool(missing_layers())
 
 
 @contextlib.asynccontextmanager
@@ -97,7 +100,9 @@ def test_hung_tool_is_killed_and_the_request_still_answers():
                 return r.status, await r.json()
 
     status, body = asyncio.run(go())
-    assert status == 200, body
+    # the agent answered, but a tool call failed: the request is not ok, and says which and why
+    assert status == 500 and body["ok"] is False, body
+    assert body["error"].startswith("tool 'run_tests' failed: tool 'run_tests' timed out after 25s")
     tools = [e for e in body["timeline"] if e["phase"] == "tool"]
     assert [e["tool"] for e in tools] == ["repo_init", "run_tests", "read_file", "apply_patch", "run_tests"]
     assert tools[1]["ok"] is True and tools[1]["killed"] is False  # buggy tests run and fail
@@ -163,7 +168,7 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
         "1.5",
         "--site-pages",
         "30",
-    ]
+    ] + (["--unsafe-no-sandbox"] if UNSAFE else [])
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = p.stdout.readline()
@@ -225,7 +230,7 @@ def test_port_in_use_still_stops_the_harness():
             s.bind(("127.0.0.1", 0))
             s.listen(1)
             with pytest.raises(OSError):
-                await serve(h, "127.0.0.1", s.getsockname()[1])
+                await serve(h, "127.0.0.1", s.getsockname()[1], unsafe_no_sandbox=UNSAFE)
         return calls
 
     assert asyncio.run(go()) == ["stop"]
@@ -352,3 +357,84 @@ def test_serve_beyond_loopback_without_token_starts_nothing():
     with pytest.raises(ValueError, match="--token"):
         asyncio.run(serve(h, "0.0.0.0", 0))
     assert started == []
+
+
+def test_serve_refuses_a_host_without_the_sandbox_unless_told(monkeypatch):
+    from agentdyn import service
+
+    monkeypatch.setattr(service, "missing_layers", lambda: {"cgroup pids": "no writable cgroup pids controller"})
+    h = Harness(emulator=_fast(), site_pages=30)
+    started = []
+
+    async def start():
+        started.append(h.isolation)
+        raise RuntimeError("started")  # far enough: the sandbox was settled before this
+
+    h.start = start
+    with pytest.raises(SandboxUnavailable, match=r"cgroup pids.*--unsafe-no-sandbox"):
+        asyncio.run(service.serve(h, "127.0.0.1", 0))
+    assert started == []
+    with pytest.raises(RuntimeError, match="started"):
+        asyncio.run(service.serve(h, "127.0.0.1", 0, unsafe_no_sandbox=True))
+    assert started == ["off"]
+
+
+def test_every_bad_input_field_is_a_400_naming_it():
+    cases = [
+        ({"task_type": "rag_qa", "input": {"shards": "abc"}}, "input.shards"),
+        ({"task_type": "rag_qa", "input": {"shards": 0}}, "input.shards"),
+        ({"task_type": "rag_qa", "input": {"shard": 4, "shards": 4}}, "input.shard"),
+        ({"task_type": "rag_qa", "input": {"question": "q" * 900_000}}, "input.question"),
+        ({"task_type": "rag_qa", "input": {"question": "  "}}, "input.question"),
+        ({"task_type": "web_search", "input": {"query": 5}}, "input.query"),
+        ({"task_type": "web_search", "input": {"pages": 10**6}}, "input.pages"),
+        ({"task_type": "web_search", "input": {"question": "q"}}, "input.question"),
+        ({"task_type": "coding", "input": {"work": 10**9}}, "input.work"),
+        ({"task_type": "coding", "input": {"work": 40_000.5}}, "input.work"),
+        ({"task_type": "coding", "input": {"variant": "rm -rf"}}, "input.variant"),
+        ({"task_type": "coding", "tool_timeout_s": 31}, "tool_timeout_s"),  # over this server's ceiling
+        ({"task_type": "coding", "request_id": ""}, "request_id"),
+        ({"task_type": "coding", "request_id": "ü"}, "request_id"),
+    ]
+
+    async def go():
+        h = Harness(emulator=_fast(), site_pages=30, tool_timeout_s=30)
+        out = []
+        async with _served(h) as url, aiohttp.ClientSession() as s:
+            for body, _ in cases:
+                async with s.post(url + "/v1/agent", json=body) as r:
+                    out.append((r.status, await r.json()))
+            ran = h.runtime.completed + h.runtime.failed
+        return out, ran
+
+    out, ran = asyncio.run(go())
+    assert [(st, b.get("field")) for st, b in out] == [(400, f) for _, f in cases]
+    assert "(0, 30]" in out[-3][1]["error"] and "integer in [1, 256]" in out[1][1]["error"]
+    assert ran == 0
+
+
+def test_duplicate_in_flight_request_id_is_409_and_work_dirs_are_the_servers():
+    async def go():
+        h = Harness(emulator=_fast(), site_pages=30)
+        async with _served(h) as url, aiohttp.ClientSession() as s:
+            h.runtime.keep_workdirs = True
+            gate = asyncio.Event()
+            h.emulator.gate = gate  # the first request waits in its LLM call
+            body = {"task_type": "web_search", "input": {"searches": 0}, "request_id": "same"}
+            first = asyncio.create_task(s.post(url + "/v1/agent", json=body))
+            while h.runtime.inflight < 1:
+                await asyncio.sleep(0.01)
+            async with s.post(url + "/v1/agent", json=body) as r:
+                dup = r.status, await r.json()
+            gate.set()
+            async with await first as r:
+                one = r.status
+            async with s.post(url + "/v1/agent", json=body) as r:  # no longer in flight: fine
+                again = r.status
+            dirs = sorted(os.listdir(h.runtime.workroot))
+        return dup, one, again, dirs
+
+    dup, one, again, dirs = asyncio.run(go())
+    assert dup[0] == 409 and dup[1]["field"] == "request_id" and "in flight" in dup[1]["error"]
+    assert one == again == 200
+    assert len(dirs) == 2 and all(d.startswith("req-") and "same" not in d for d in dirs)

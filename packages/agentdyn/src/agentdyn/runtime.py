@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -61,7 +60,7 @@ TASK_TYPES = {
 
 
 class RequestError(ValueError):
-    """A malformed agent request; ``field`` names what is wrong, ``status`` is 400 or 422."""
+    """A malformed agent request; ``field`` names what is wrong, ``status`` is 400, 409 or 422."""
 
     def __init__(self, field: str, message: str, status: int = 400):
         super().__init__(f"{field}: {message}")
@@ -77,8 +76,43 @@ class AgentRequest:
     max_steps: int = 12
 
 
-def validate_request(body) -> AgentRequest:
-    """A request body (parsed JSON) -> ``AgentRequest``; raises ``RequestError`` naming the field."""
+MAX_TEXT = 4096  # characters of a question or query: more is not a question
+MAX_TOOL_TIMEOUT_S = 3600.0
+_TEXT = ("text", MAX_TEXT)
+# per task type: input field -> (kind, bound); the tools' own arguments come from these
+INPUT_FIELDS: dict[str, dict[str, tuple]] = {
+    "rag_qa": {"question": _TEXT, "shard": ("int", 0, 255), "shards": ("int", 1, 256)},
+    "web_search": {"query": _TEXT, "pages": ("int", 1, 200), "searches": ("int", 0, 10)},
+    "coding": {"work": ("int", 100, 1_000_000), "variant": ("choice", "fix", "hang")},
+}
+
+
+def _check_input(task_type: str, inp) -> dict:
+    """The request's ``input`` checked against ``INPUT_FIELDS``: one 400 naming the first bad field."""
+    if not isinstance(inp, dict):
+        raise RequestError("input", "must be a JSON object")
+    fields = INPUT_FIELDS[task_type]
+    for key, value in inp.items():
+        name = f"input.{key}"
+        if key not in fields:
+            raise RequestError(name, f"unknown field for {task_type}; valid: {', '.join(fields)}")
+        kind, *bound = fields[key]
+        if kind == "text" and not (isinstance(value, str) and 0 < len(value.strip()) and len(value) <= bound[0]):
+            raise RequestError(name, f"must be a non-empty string of at most {bound[0]} characters")
+        if kind == "int" and (
+            isinstance(value, bool) or not isinstance(value, int) or not bound[0] <= value <= bound[1]
+        ):
+            raise RequestError(name, f"must be an integer in [{bound[0]}, {bound[1]}]")
+        if kind == "choice" and value not in bound:
+            raise RequestError(name, f"must be one of {', '.join(map(repr, bound))}")
+    if task_type == "rag_qa" and inp.get("shard", 0) >= inp.get("shards", 4):
+        raise RequestError("input.shard", f"must be below input.shards ({inp.get('shards', 4)})")
+    return inp
+
+
+def validate_request(body, max_tool_timeout_s: float = MAX_TOOL_TIMEOUT_S) -> AgentRequest:
+    """A request body (parsed JSON) -> ``AgentRequest``; raises ``RequestError`` naming the field.
+    ``max_tool_timeout_s``: the server's ceiling on the ``tool_timeout_s`` a client may ask for."""
     if not isinstance(body, dict):
         raise RequestError("body", 'must be a JSON object like {"task_type": "coding", "input": {}}')
     unknown = set(body) - {"task_type", "input", "request_id", "tool_timeout_s", "max_steps"}
@@ -93,18 +127,27 @@ def validate_request(body) -> AgentRequest:
         raise RequestError("task_type", f"must be a string, one of {', '.join(TASK_TYPES)}")
     if tt not in TASK_TYPES:
         raise RequestError("task_type", f"unknown task type {tt!r}; one of {', '.join(TASK_TYPES)}", status=422)
-    inp = body.get("input", {})
-    if not isinstance(inp, dict):
-        raise RequestError("input", "must be a JSON object")
+    inp = _check_input(tt, body.get("input", {}))
     to = body.get("tool_timeout_s")
-    if to is not None and (isinstance(to, bool) or not isinstance(to, (int, float)) or not 0 < to <= 3600):
-        raise RequestError("tool_timeout_s", "must be a number of seconds in (0, 3600]")
+    if to is not None and (
+        isinstance(to, bool) or not isinstance(to, (int, float)) or not 0 < to <= max_tool_timeout_s
+    ):
+        raise RequestError(
+            "tool_timeout_s", f"must be a number of seconds in (0, {max_tool_timeout_s:g}] (this server's ceiling)"
+        )
     ms = body.get("max_steps", 12)
     if isinstance(ms, bool) or not isinstance(ms, int) or not 1 <= ms <= 100:
         raise RequestError("max_steps", "must be an integer in [1, 100]")
-    rid = body.get("request_id") or uuid.uuid4().hex[:12]
-    if not isinstance(rid, str) or not rid.replace("-", "").replace("_", "").isalnum() or len(rid) > 64:
-        raise RequestError("request_id", "must be up to 64 letters, digits, '-' or '_'")
+    rid = body.get("request_id", None)
+    if rid is None:
+        rid = uuid.uuid4().hex[:12]
+    if not (
+        isinstance(rid, str)
+        and 0 < len(rid) <= 64
+        and rid.isascii()
+        and rid.replace("-", "").replace("_", "").isalnum()
+    ):
+        raise RequestError("request_id", "must be 1 to 64 ASCII letters, digits, '-' or '_'")
     return AgentRequest(tt, inp, rid, to, ms)
 
 
@@ -134,6 +177,14 @@ class AgentResult:
         }
 
 
+def _tool_failure(failed: list[str]) -> str | None:
+    """The request's error when tool calls failed (the model may answer anyway): the first, and how many."""
+    if not failed:
+        return None
+    more = f" (and {len(failed) - 1} more failed tool call(s))" if len(failed) > 1 else ""
+    return failed[0] + more
+
+
 class Runtime:
     """Runs agent requests against an LLM endpoint with sandboxed tools under a scheduling policy."""
 
@@ -147,6 +198,7 @@ class Runtime:
         sampler: SystemSampler | None = None,
         keep_workdirs: bool = False,
         tool_threads: int | str | None = None,
+        isolation: str = "auto",
     ):
         self.llm = llm if isinstance(llm, LLMClient) else LLMClient(llm)
         self.policy = policy or NativePolicy()
@@ -157,7 +209,9 @@ class Runtime:
         self.sampler = sampler
         self.keep_workdirs = keep_workdirs
         self.watcher = GroupWatcher()
-        self.sandbox = Sandbox(self.watcher, tool_threads=tool_threads)
+        # web_search reaches the fixture site and nothing else
+        net = {"web_search": [site_url]} if site_url else {}
+        self.sandbox = Sandbox(self.watcher, tool_threads=tool_threads, isolation=isolation, net=net)
         self.inflight = 0
         self.completed = 0
         self.failed = 0
@@ -183,7 +237,7 @@ class Runtime:
         def ev(kind: str, a: float, b: float, **kw) -> None:
             timeline.append({"phase": kind, "start": round(a - t0, 4), "end": round(b - t0, 4), **kw})
 
-        workdir = os.path.join(self.workroot, req.request_id)
+        workdir = self.sandbox.workdir(self.workroot)  # named by the server, never by the client
         try:
             tq = time.monotonic()
             async with self.policy.request_slot(req.request_id, req.task_type):
@@ -193,8 +247,7 @@ class Runtime:
                 answer, error = await self._loop(req, workdir, usage, ev, on_tool)
         finally:
             self.inflight -= 1
-            if not self.keep_workdirs:
-                shutil.rmtree(workdir, ignore_errors=True)
+            self.sandbox.release(workdir, remove=not self.keep_workdirs)
         ok = error is None
         self.completed += ok
         self.failed += not ok
@@ -210,6 +263,7 @@ class Runtime:
             {"role": "user", "content": json.dumps(req.input)},
         ]
         limits = SandboxLimits(timeout_s=req.tool_timeout_s or self.tool_timeout_s)
+        failed: list[str] = []  # each failed tool call: the request is not ok, whatever the model says
         for _ in range(req.max_steps):
             a = time.monotonic()
             try:
@@ -226,7 +280,7 @@ class Runtime:
                 {"role": "assistant", "content": msg.get("content"), **({"tool_calls": calls} if calls else {})}
             )
             if not calls:
-                return msg.get("content") or "", None
+                return msg.get("content") or "", _tool_failure(failed)
             for call in calls:
                 fn = call.get("function") or {}
                 name = fn.get("name", "")
@@ -242,13 +296,16 @@ class Runtime:
                             {"error": f"tool {name!r} is not available; available: {', '.join(allowed)}"}
                         )
                     else:
-                        content = await self._tool(
+                        content, err = await self._tool(
                             req, name, self._tool_args(name, args), workdir, limits, usage, ev, on_tool
                         )
+                        if err:
+                            failed.append(f"tool {name!r} failed: {err}")
                 messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": content})
         return None, f"max_steps: the agent did not answer within {req.max_steps} LLM calls"
 
-    async def _tool(self, req, name, args, workdir, limits, usage, ev, on_tool) -> str:
+    async def _tool(self, req, name, args, workdir, limits, usage, ev, on_tool) -> tuple[str, str | None]:
+        """Run one tool call: (what the model is told, the tool's error or None)."""
         q0 = time.monotonic()
         async with self.policy.tool_slot(req.request_id, req.task_type, name) as group:
             q1 = time.monotonic()
@@ -273,10 +330,10 @@ class Runtime:
         if on_tool is not None:
             on_tool(req, name, res)
         body = {"ok": res.ok, "result": res.output} if res.ok else {"ok": False, "error": res.error}
-        return json.dumps(body, default=str)[:4000]
+        return json.dumps(body, default=str)[:4000], None if res.ok else (res.error or "failed")
 
     async def close(self) -> None:
-        self.sandbox.kill_all()
+        await self.sandbox.close()
         await self.llm.close()
         self.policy.close()
         if self._own_root:
@@ -296,6 +353,7 @@ class Harness:
         tool_timeout_s: float = 120.0,
         sampler: SystemSampler | None = None,
         tool_threads: int | str | None = None,
+        isolation: str = "auto",
     ):
         self.emulator = LLMEmulator(emulator) if llm is None else None
         self.llm_config = llm
@@ -304,6 +362,7 @@ class Harness:
         self.tool_timeout_s = tool_timeout_s
         self.sampler = sampler
         self.tool_threads = tool_threads
+        self.isolation = isolation  # the tool sandbox: strict, auto or off (see agentdyn.sandbox)
         self.runtime: Runtime | None = None
 
     async def start(self) -> Harness:
@@ -311,14 +370,19 @@ class Harness:
             url = await self.emulator.start()
             self.llm_config = LLMConfig(base_url=url, timeout_s=60, retries=2)
         await self.site.start()
-        self.runtime = Runtime(
-            self.llm_config,
-            self.policy,
-            self.site.url,
-            tool_timeout_s=self.tool_timeout_s,
-            sampler=self.sampler,
-            tool_threads=self.tool_threads,
-        )
+        try:
+            self.runtime = Runtime(
+                self.llm_config,
+                self.policy,
+                self.site.url,
+                tool_timeout_s=self.tool_timeout_s,
+                sampler=self.sampler,
+                tool_threads=self.tool_threads,
+                isolation=self.isolation,
+            )
+        except BaseException:  # e.g. SandboxUnavailable: nothing keeps running
+            await self.stop()
+            raise
         return self
 
     def set_policy(self, policy: Policy) -> None:

@@ -2,13 +2,19 @@
 
 ``POST /v1/agent`` {"task_type", "input", "request_id"?, "tool_timeout_s"?, "max_steps"?} runs one
 agent request and answers its result with the timeline. Malformed bodies get 400 naming the field
-(JSON nested deeper than 64 levels too; a body over ``max_body_bytes`` 413), unknown task types
-422, an LLM that stays down or slow after the bounded retries 502 with the reason, other agent
-failures 500; an unexpected exception is a 500 naming no internals (logged). With a ``token``
-every route needs ``Authorization: Bearer <token>`` (401 without); a host beyond loopback needs
-one. ``GET /healthz`` and ``GET /v1/stats`` report state. On SIGTERM or SIGINT the service
-drains: new requests get 503, in-flight ones finish (up to ``drain_timeout_s``), then tools,
-groups and servers are closed and the process exits 0.
+(each field of ``input`` too; JSON nested deeper than 64 levels; a ``tool_timeout_s`` above the
+server's ``--tool-timeout``; a body over ``max_body_bytes`` 413), unknown task types 422, a
+``request_id`` already in flight 409. The client's ``request_id`` only labels the request: its
+work directory is named by the server. An LLM that stays down or slow after the bounded retries
+is a 502 with the reason; a failed tool call (timed out, out of memory, an error) makes the
+request ``ok: false`` with that error, a 500, as other agent failures; an unexpected exception is
+a 500 naming no internals (logged). With a ``token`` every route needs ``Authorization: Bearer
+<token>`` (401 without); a host beyond loopback needs one. ``GET /healthz`` and ``GET /v1/stats``
+report state (the sandbox's layers too). ``serve`` refuses to start when the host does not permit
+every sandbox layer (``SandboxUnavailable`` names the missing ones) unless told
+``unsafe_no_sandbox``. On SIGTERM or SIGINT the service drains: new requests get 503, in-flight
+ones finish (up to ``drain_timeout_s``), then tools, groups and servers are closed and the
+process exits 0.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from aiohttp import web
 from hwtopo.httpguard import BadRequest, check_bind, middleware, read_json
 
 from .runtime import Harness, RequestError, validate_request
+from .sandbox import SandboxUnavailable, missing_layers
 
 __all__ = ["make_app", "serve"]
 
@@ -51,11 +58,17 @@ async def _agent(request: web.Request) -> web.Response:
     except BadRequest as e:
         return _err(e.status, f"body: {e}", "body")
     try:
-        req = validate_request(body)
+        req = validate_request(body, max_tool_timeout_s=h.runtime.tool_timeout_s)
     except RequestError as e:
         return _err(e.status, str(e), e.field)
+    if req.request_id in state["inflight_ids"]:
+        return _err(409, f"request_id: {req.request_id!r} is in flight; use another id or wait for it", "request_id")
     state["accepted"] += 1
-    res = await h.runtime.run(req)
+    state["inflight_ids"].add(req.request_id)
+    try:
+        res = await h.runtime.run(req)
+    finally:
+        state["inflight_ids"].discard(req.request_id)
     out = res.to_dict()
     if res.ok:
         return web.json_response(out)
@@ -84,6 +97,7 @@ async def _stats(request: web.Request) -> web.Response:
         "policy": rt.policy.describe(),
         "pressure": rt.sampler.latest().to_dict() if rt.sampler is not None else None,
         "emulated": {"llm": h.emulator.config.describe() if h.emulator else False, "site": h.site.describe()},
+        "sandbox": rt.sandbox.describe(),
     }
     return web.json_response(body)
 
@@ -94,7 +108,7 @@ def make_app(harness: Harness, *, token: str | None = None, max_body_bytes: int 
     app = web.Application(middlewares=[guard], client_max_size=max_body_bytes)
     app[HARNESS] = harness
     app[BODY_LIMIT] = max_body_bytes
-    app[STATE] = {"draining": False, "accepted": 0, "started": time.monotonic()}
+    app[STATE] = {"draining": False, "accepted": 0, "started": time.monotonic(), "inflight_ids": set()}
     app.router.add_post("/v1/agent", _agent)
     app.router.add_get("/healthz", _health)
     app.router.add_get("/v1/stats", _stats)
@@ -109,11 +123,22 @@ async def serve(
     ready=None,
     setup=None,
     token: str | None = None,
+    unsafe_no_sandbox: bool = False,
 ) -> int:
     """Run until SIGTERM/SIGINT, then drain. ``await setup(harness)`` runs after start (e.g. to
     calibrate and install a policy); ``ready(url)`` is called once listening. A ``host`` beyond
-    loopback needs a ``token`` (ValueError before anything starts)."""
+    loopback needs a ``token`` (ValueError before anything starts). Tools run in the full sandbox
+    (``SandboxUnavailable`` before anything starts, naming each layer the host lacks) unless
+    ``unsafe_no_sandbox``, which runs them with only an allow-listed environment and rlimits."""
     check_bind(host, token)
+    if unsafe_no_sandbox:
+        log.warning("--unsafe-no-sandbox: tools run as this service's user, with its filesystem and network")
+        harness.isolation = "off"
+    else:
+        missing = missing_layers()
+        if missing:
+            raise SandboxUnavailable(missing)
+        harness.isolation = "strict"
     await harness.start()
     runner = None
     try:  # a failed setup or bind (port in use) still stops the harness: no leaked sessions or tools

@@ -35,11 +35,14 @@ def burn(args: dict, workdir: str) -> dict:
 
 
 def whereami(args: dict, workdir: str) -> dict:
-    """The CPUs and cgroups this tool process runs in, its process group and session, and the
-    thread counts its numerical libraries are told."""
+    """The CPUs and cgroups this tool process runs in, its process group and session, its user,
+    group and host name, and the thread counts its numerical libraries are told."""
     with open("/proc/self/cgroup") as f:
         cgroups = f.read().strip().splitlines()
     return {
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+        "hostname": os.uname().nodename,
         "cpus": sorted(os.sched_getaffinity(0)),
         "cgroups": cgroups,
         "pgid": os.getpgid(0),
