@@ -7,8 +7,9 @@ import pytest
 
 from agentdyn.bench import WorkloadConfig, bench
 from agentdyn.emulator import EmulatorConfig
+from agentdyn.escapes import ATTEMPTS
 from agentdyn.runtime import AgentRequest, Harness, RequestError, validate_request
-from agentdyn.sandbox import zombie_children
+from agentdyn.sandbox import missing_layers, zombie_children
 from agentdyn.scheduler import StaticLimitPolicy, make_policy
 
 FAST = EmulatorConfig(ttft_s=0.05, ttft_sigma=0.0, tokens_per_s=2000, tps_sigma=0.0)
@@ -119,6 +120,11 @@ def test_bench_pipeline_reports_headline_keys():
     for k in ("cpu_task_latency_ratio", "mixed_avg_latency_reduction", "static_limit_avg_latency_reduction"):
         assert isinstance(h[k], float)
     assert h["requests_failed"] == 0 and h["zombie_processes"] == 0
+    # every escape attempt was made against the sandbox and failed (None: the host lacks a layer)
+    if missing_layers():
+        assert h["sandbox_escapes"] is None and out["sandbox"]["missing"] == missing_layers()
+    else:
+        assert h["sandbox_escapes"] == 0 and len(out["sandbox"]["escape_attempts"]) == len(ATTEMPTS)
     assert h["cpu_task"] == "coding"
     assert set(out["results"]) == {"native", "static", "optimized"}
     assert out["order"] == ["native", "optimized", "static"]  # native and optimized side by side

@@ -180,6 +180,23 @@ def _schedule(variants: tuple[str, ...], repeats: int) -> list[str]:
     return order + [v for v in variants if v not in pair]
 
 
+async def _escape_attempts(out: dict, progress=None) -> int | None:
+    """How many of ``agentdyn.escapes.ATTEMPTS`` got out of the strict sandbox (each listed in
+    ``out["sandbox"]``); None where this host lacks a sandbox layer (named there instead)."""
+    from .escapes import run_attempts
+    from .sandbox import missing_layers
+
+    missing = missing_layers()
+    if missing:
+        out["sandbox"] = {"escape_attempts": None, "missing": missing}
+        return None
+    if progress:
+        progress("escape attempts against the tool sandbox")
+    attempts = await run_attempts("strict")
+    out["sandbox"] = {"escape_attempts": attempts}
+    return sum(v is not None for v in attempts.values())
+
+
 async def bench(
     cfg: WorkloadConfig, variants: tuple[str, ...] = ("native", "static", "optimized"), progress=None, repeats: int = 1
 ) -> dict:
@@ -239,6 +256,7 @@ async def bench(
         out["results"][v]["rounds"] = len(rs)
     await asyncio.sleep(0.2)
     zombies = len(zombie_children())
+    escapes = await _escape_attempts(out, progress)
     r = out["results"]
     head: dict = {"cpu_task": cpu_task}
     if "native" in r and "optimized" in r:
@@ -250,6 +268,7 @@ async def bench(
         head["static_limit_avg_latency_reduction"] = 1 - r["static"]["mean_latency_s"] / r["native"]["mean_latency_s"]
     head["requests_failed"] = sum(x["failed"] for x in r.values())
     head["zombie_processes"] = zombies
+    head["sandbox_escapes"] = escapes
     out["headline"] = head
     out["sampler_overhead"] = sampler.overhead()
     return out

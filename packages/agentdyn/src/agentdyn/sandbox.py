@@ -435,6 +435,8 @@ class Sandbox:
         self._uids: dict[str, int] = {}
         self._relays: dict[tuple[str, int], tuple[str, asyncio.AbstractServer]] = {}
         self._state: str | None = None
+        # remount each mount read-only instead of one mount_setattr (what kernels before 5.12 get)
+        self.legacy_mounts = False
 
     def describe(self) -> dict:
         """Which layers tools run under here, and which are missing (with why)."""
@@ -492,7 +494,7 @@ class Sandbox:
         forward = [[h, p, await self._relay(h, p)] for h, p in self.net.get(tool, [])]
         hide = [*self.hide, os.path.dirname(workdir)] + ([self._state] if self._state else [])
         keep = self.keep + ([os.path.join(self._state, "net")] if forward else [])
-        return _jail(self.claim(workdir), workdir, hide, keep, forward)
+        return _jail(self.claim(workdir), workdir, hide, keep, forward) | {"legacy_mounts": self.legacy_mounts}
 
     # ------------------------------------------------------------ running a tool
 
