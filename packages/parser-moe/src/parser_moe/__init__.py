@@ -6,23 +6,22 @@ without importing torch.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .base import BASE_METHODS, Decomposition, aligned_barycenter, decompose, mean_base
-    from .calibrate import CalibrationData, CalibrationError, LayerCalibration, Reservoir, calibrate
-    from .compressed import (
+import lazy_loader
+
+if TYPE_CHECKING:  # the names as type checkers see them; at run time each loads on first use
+    from .base import BASE_METHODS, Decomposition, aligned_barycenter, decompose, mean_base  # noqa: F401
+    from .calibrate import CalibrationData, CalibrationError, LayerCalibration, Reservoir, calibrate  # noqa: F401
+    from .compressed import (  # noqa: F401
         CompressedExpertList,
         CompressedExperts,
         compressed_modules,
         load_compressed,
         save_compressed,
     )
-    from .hf import ParserMoeConfig, ParserMoeForCausalLM
-    from .importance import (
+    from .hf import ParserMoeConfig, ParserMoeForCausalLM  # noqa: F401
+    from .importance import (  # noqa: F401
         check_keep_ratio,
         element_scores_from_units,
         layer_output_importance,
@@ -30,124 +29,44 @@ if TYPE_CHECKING:
         select_units,
         unit_output_importance,
     )
-    from .models import ExpertWeights, MoELayer, NoMoEError, find_moe_layers, module_bytes
-    from .pipeline import METHODS, Plan, compress_model, prepare
-    from .scoring import REFERENCE, VARIANTS, Scoring
-    from .tasks import build_tasks, run_tasks
-    from .verify import literal_unit_scores, reference_matches_formula
-    from .zoo import load_seed
+    from .models import ExpertWeights, MoELayer, NoMoEError, find_moe_layers, module_bytes  # noqa: F401
+    from .pipeline import METHODS, Plan, compress_model, prepare  # noqa: F401
+    from .scoring import REFERENCE, VARIANTS, Scoring  # noqa: F401
+    from .tasks import build_tasks, run_tasks  # noqa: F401
+    from .verify import literal_unit_scores, reference_matches_formula  # noqa: F401
+    from .zoo import load_seed  # noqa: F401
 
 __version__ = "0.1.0"
 
-_MODULE_OF = {
-    "BASE_METHODS": "base",
-    "Decomposition": "base",
-    "aligned_barycenter": "base",
-    "decompose": "base",
-    "mean_base": "base",
-    "CalibrationData": "calibrate",
-    "CalibrationError": "calibrate",
-    "LayerCalibration": "calibrate",
-    "Reservoir": "calibrate",
-    "calibrate": "calibrate",
-    "CompressedExpertList": "compressed",
-    "CompressedExperts": "compressed",
-    "compressed_modules": "compressed",
-    "load_compressed": "compressed",
-    "save_compressed": "compressed",
-    "check_keep_ratio": "importance",
-    "element_scores_from_units": "importance",
-    "layer_output_importance": "importance",
-    "select_elements": "importance",
-    "select_units": "importance",
-    "unit_output_importance": "importance",
-    "ExpertWeights": "models",
-    "MoELayer": "models",
-    "NoMoEError": "models",
-    "find_moe_layers": "models",
-    "module_bytes": "models",
-    "METHODS": "pipeline",
-    "Plan": "pipeline",
-    "compress_model": "pipeline",
-    "prepare": "pipeline",
-    "ParserMoeConfig": "hf",
-    "ParserMoeForCausalLM": "hf",
-    "REFERENCE": "scoring",
-    "VARIANTS": "scoring",
-    "Scoring": "scoring",
-    "build_tasks": "tasks",
-    "run_tasks": "tasks",
-    "literal_unit_scores": "verify",
-    "reference_matches_formula": "verify",
-    "load_seed": "zoo",
-}
-
-__all__ = [
-    "BASE_METHODS",
-    "METHODS",
-    "CalibrationData",
-    "CalibrationError",
-    "CompressedExpertList",
-    "CompressedExperts",
-    "Decomposition",
-    "ExpertWeights",
-    "LayerCalibration",
-    "MoELayer",
-    "NoMoEError",
-    "ParserMoeConfig",
-    "ParserMoeForCausalLM",
-    "Plan",
-    "REFERENCE",
-    "Reservoir",
-    "Scoring",
-    "VARIANTS",
-    "aligned_barycenter",
-    "build_tasks",
-    "calibrate",
-    "check_keep_ratio",
-    "compress_model",
-    "compressed_modules",
-    "decompose",
-    "element_scores_from_units",
-    "find_moe_layers",
-    "layer_output_importance",
-    "literal_unit_scores",
-    "load_compressed",
-    "load_seed",
-    "mean_base",
-    "module_bytes",
-    "prepare",
-    "reference_matches_formula",
-    "run_tasks",
-    "save_compressed",
-    "select_elements",
-    "select_units",
-    "unit_output_importance",
-    "__version__",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'parser_moe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
-
-
-class _Package(types.ModuleType):
-    """Keeps ``parser_moe.calibrate`` the function: importing a submodule binds it on its package,
-    which would hide the public function of the same name (the eager imports rebound it at once)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and name in _MODULE_OF:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# lazy_loader keeps ``parser_moe.calibrate`` the function after ``import parser_moe.calibrate``
+# (the import machinery would bind the submodule of the same name over it)
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "base": ["BASE_METHODS", "Decomposition", "aligned_barycenter", "decompose", "mean_base"],
+        "calibrate": ["CalibrationData", "CalibrationError", "LayerCalibration", "Reservoir", "calibrate"],
+        "compressed": [
+            "CompressedExpertList",
+            "CompressedExperts",
+            "compressed_modules",
+            "load_compressed",
+            "save_compressed",
+        ],
+        "hf": ["ParserMoeConfig", "ParserMoeForCausalLM"],
+        "importance": [
+            "check_keep_ratio",
+            "element_scores_from_units",
+            "layer_output_importance",
+            "select_elements",
+            "select_units",
+            "unit_output_importance",
+        ],
+        "models": ["ExpertWeights", "MoELayer", "NoMoEError", "find_moe_layers", "module_bytes"],
+        "pipeline": ["METHODS", "Plan", "compress_model", "prepare"],
+        "scoring": ["REFERENCE", "VARIANTS", "Scoring"],
+        "tasks": ["build_tasks", "run_tasks"],
+        "verify": ["literal_unit_scores", "reference_matches_formula"],
+        "zoo": ["load_seed"],
+    },
+)
+__all__ += ["__version__"]

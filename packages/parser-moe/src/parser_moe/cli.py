@@ -19,6 +19,7 @@ from . import __version__
 
 METHOD_CHOICES = ("parser", "reference", "output_wanda", "magnitude", "reconstruction", "wanda", "wanda_routed")
 MAX_THREADS = 1024
+MAX_SEED = 2**32 - 1  # numpy and torch generators take 32-bit seeds
 
 
 def _ratios(text: str) -> tuple[float, ...]:
@@ -29,21 +30,12 @@ def _ratios(text: str) -> tuple[float, ...]:
     return tuple(keep(p) for p in parts)
 
 
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v < 2**32:
-        raise argparse.ArgumentTypeError(f"--seed must be an integer >= 0 and < 2**32, not {text!r}")
-    return v
-
-
 def _seed_list(text: str) -> tuple[int, ...]:
+    seed = console.integer("--seeds", 0, MAX_SEED)
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError("--seeds needs at least one integer seed, e.g. 0,1,2")
-    return tuple(_seed(p) for p in parts)
+    return tuple(seed(p) for p in parts)
 
 
 def _checkpoint(text: str) -> Path:
@@ -68,7 +60,9 @@ def _common(sp: argparse.ArgumentParser) -> None:
         "--model", type=_checkpoint, help="local transformers MoE checkpoint dir (default: the shipped tiny MoEs)"
     )
     sp.add_argument("--base", choices=("aligned", "mean"), default="aligned", help="shared base of the experts")
-    sp.add_argument("--seed", type=_seed, default=0, help="seed of calibration/eval windows")
+    sp.add_argument(
+        "--seed", type=console.integer("--seed", 0, MAX_SEED), default=0, help="seed of calibration/eval windows"
+    )
     sp.add_argument(
         "--threads", type=console.positive_int("--threads", MAX_THREADS), help="torch threads (default: torch's choice)"
     )
