@@ -7,7 +7,7 @@ from unittest.mock import Mock
 
 import pytest
 
-from hwtopo.testing import assert_fails
+from hwtopo.testing import assert_fails, run_cli
 from xronos.cli import main
 
 
@@ -72,16 +72,12 @@ def test_usage_error_is_one_line():
     assert err.startswith("xronos: error: --speeds") and "\n" not in err
 
 
-def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
+def test_unexpected_error_is_one_line_exit_1(monkeypatch):
     import xronos.cli as cli
 
-    def boom(args):
-        raise KeyError("rank3")
-
-    monkeypatch.setattr(cli, "cmd_partition", boom)
-    assert cli.main(["partition"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err == "xronos: error: KeyError: 'rank3'"
+    monkeypatch.setattr(cli, "cmd_partition", Mock(side_effect=KeyError("rank3")))
+    res = run_cli(cli.main, "partition")
+    assert (res.code, res.err.strip()) == (1, "xronos: error: KeyError: 'rank3'")
 
 
 @pytest.mark.slow
