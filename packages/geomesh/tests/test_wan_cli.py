@@ -6,7 +6,7 @@ import pytest
 import hwtopo
 from geomesh import WanEmulator, ring_wire_bytes
 from geomesh.cli import main
-from hwtopo.testing import assert_fails
+from hwtopo.testing import assert_fails, run_cli
 
 
 def test_ring_wire_bytes():
@@ -96,13 +96,9 @@ def test_init_from_env_without_torchrun_is_a_clear_error(monkeypatch):
         init_from_env()
 
 
-def test_unexpected_error_is_one_line_exit_1(monkeypatch, capsys):
+def test_unexpected_error_is_one_line_exit_1(monkeypatch):
     import geomesh.cli as cli
 
-    def boom(args):
-        raise KeyError("use-a100")
-
-    monkeypatch.setattr(cli, "cmd_plan", boom)
-    assert cli.main(["plan"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err == "geomesh: error: KeyError: 'use-a100'"
+    monkeypatch.setattr(cli, "cmd_plan", Mock(side_effect=KeyError("use-a100")))
+    res = run_cli(cli.main, "plan")
+    assert (res.code, res.err.strip()) == (1, "geomesh: error: KeyError: 'use-a100'")
