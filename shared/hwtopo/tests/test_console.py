@@ -201,3 +201,14 @@ def test_the_shared_demo_root_is_created_in_a_fresh_directory(tmp_path, monkeypa
     with pytest.raises(console.UsageError, match="its parent"):
         console.output_dir("elsewhere/kvpool", "--out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-output"]
+
+
+def test_huge_integers_and_sizes_are_usage_errors_with_whole_bounds():
+    seed = console.integer("--seed", 0, 2**32 - 1)
+    with pytest.raises(Exception, match=r"--seed must be an integer >= 0 and <= 4294967295, not '1000"):
+        seed("1" + "0" * 400)
+    mem = console.size("--memory")
+    assert mem("256MiB") == 256 << 20
+    for bad in ("0", "1e400GiB", "nan", "-1GiB", "lots", "2PiB"):
+        with pytest.raises(Exception, match="--memory must be a size from 1 B to"):
+            mem(bad)

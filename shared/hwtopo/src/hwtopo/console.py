@@ -34,6 +34,7 @@ __all__ = [
     "positive_int",
     "positive_float",
     "fraction",
+    "size",
     "output_file",
     "output_dir",
     "progress",
@@ -105,16 +106,24 @@ def run(
         return 1
 
 
+def _bound(x: float, kind: type) -> str:
+    return str(int(x)) if kind is int else f"{x:g}"
+
+
 def _number(text: str, field: str, kind: type, low: float, high: float | None, closed: bool) -> float:
     try:
         v = kind(text)
+        finite = kind is int or math.isfinite(v)  # an int of any size is finite (isfinite would overflow)
     except ValueError:
-        v = math.nan
-    ok = math.isfinite(v) and (v >= low if closed else v > low) and (high is None or v <= high)
+        v, finite = math.nan, False
+    ok = finite and (v >= low if closed else v > low) and (high is None or v <= high)
     if not ok:
         what = "an integer" if kind is int else "a number"
-        bound = f"{'>=' if closed else '>'} {low:g}" + ("" if high is None else f" and <= {high:g}")
-        raise argparse.ArgumentTypeError(f"{field} must be {what} {bound}, not {text!r}")
+        bound = f"{'>=' if closed else '>'} {_bound(low, kind)}" + (
+            "" if high is None else f" and <= {_bound(high, kind)}"
+        )
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise argparse.ArgumentTypeError(f"{field} must be {what} {bound}, not {shown!r}")
     return v
 
 
@@ -141,6 +150,25 @@ def positive_float(field: str, maximum: float | None = None) -> Callable[[str], 
 def fraction(field: str) -> Callable[[str], float]:
     """argparse type: a number in [0, 1]."""
     return number(field, 0.0, 1.0)
+
+
+def size(field: str, maximum: float = 2.0**50) -> Callable[[str], int]:
+    """argparse type: a byte size such as ``256MiB`` or ``4GB``, >= 1 B and <= ``maximum`` (1 PiB)."""
+    from .units import SpecError, format_bytes, parse_bytes
+
+    def parse(text: str) -> int:
+        try:
+            v = parse_bytes(text, field)
+        except (SpecError, ValueError, OverflowError):
+            v = math.nan
+        if not (math.isfinite(v) and 1 <= v <= maximum):
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            raise argparse.ArgumentTypeError(
+                f"{field} must be a size from 1 B to {format_bytes(maximum)}, e.g. 256MiB, not {shown!r}"
+            )
+        return int(v)
+
+    return parse
 
 
 def output_file(path: str | os.PathLike, field: str) -> Path:
