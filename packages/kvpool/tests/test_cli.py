@@ -61,5 +61,5 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     caplog.set_level("WARNING", logger="hwtopo.console")  # an earlier --quiet run raised the root level
     assert _plot({}, tmp_path / "p.png") is False
-    assert "pip install 'kvpool[plot]'" in caplog.text
+    assert "pip install 'mlsyskit-kvpool[plot]'" in caplog.text
     assert not (tmp_path / "p.png").exists()

@@ -28,23 +28,6 @@ def _bandwidth(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--ssd-cap: {e}") from None
 
 
-def _bytes(field: str):
-    """argparse type: a size such as 256MiB, > 0 and <= MAX_BYTES, the error naming ``field``."""
-
-    def parse(text: str) -> int:
-        import hwtopo
-
-        try:
-            v = hwtopo.parse_bytes(text, field)
-        except hwtopo.SpecError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        if not 1 <= v <= MAX_BYTES:
-            raise argparse.ArgumentTypeError(f"{field} must be at least 1 B and at most 1PiB, not {text!r}")
-        return int(v)
-
-    return parse
-
-
 def _parser() -> argparse.ArgumentParser:
     p, sub = console.parser("kvpool", "One KV-cache pool across memory modules and SSDs.", _version())
 
@@ -88,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
         default=2,
         help="memory modules of the pool",
     )
-    s.add_argument("--memory-bytes", type=_bytes("--memory-bytes"), default="256MiB", help="per memory module")
-    s.add_argument("--ssd-bytes", type=_bytes("--ssd-bytes"), default="1GiB", help="slab size per SSD")
+    s.add_argument(
+        "--memory-bytes", type=console.size("--memory-bytes", MAX_BYTES), default="256MiB", help="per memory module"
+    )
+    s.add_argument("--ssd-bytes", type=console.size("--ssd-bytes", MAX_BYTES), default="1GiB", help="slab size per SSD")
     s.add_argument("--model-id", required=False, default="model", help="model identity hashed into keys")
     s.add_argument(
         "--layout",
