@@ -62,22 +62,6 @@ def _one_of(field: str, allowed: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-def _size(field: str, maximum: float) -> Callable[[str], float]:
-    """argparse type: a byte size such as 24GiB, > 0 and <= ``maximum``."""
-
-    def parse(text: str) -> float:
-        try:
-            v = hwtopo.parse_bytes(text, field)
-        except hwtopo.SpecError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        if not 0 < v <= maximum:
-            limit = hwtopo.format_bytes(maximum)
-            raise argparse.ArgumentTypeError(f"{field} must be > 0 B and <= {limit}, not {text!r}")
-        return v
-
-    return parse
-
-
 def _bandwidth(text: str) -> float:
     try:
         return hwtopo.parse_bandwidth(text, "--bandwidth")
@@ -492,7 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     p = console.command(sub, "fit", "OoM guard: the largest batch predicted to fit a memory limit")
-    p.add_argument("--memory", required=True, type=_size("--memory", MAX_MEMORY), help="the memory limit, e.g. 24GiB")
+    p.add_argument(
+        "--memory", required=True, type=console.size("--memory", MAX_MEMORY), help="the memory limit, e.g. 24GiB"
+    )
     p.add_argument("--margin", type=console.fraction("--margin"), default=0.1, help="safety margin as a fraction")
     p.add_argument("--json", action="store_true", help="print JSON instead of a sentence")
     _model_args(p)
