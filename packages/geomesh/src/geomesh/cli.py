@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -172,21 +171,6 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _size(field: str):
-    """argparse type: a size such as 4GiB, positive and at most 1 PiB."""
-
-    def parse(text: str) -> float:
-        try:
-            v = float(hwtopo.parse_bytes(text))
-        except (hwtopo.SpecError, ValueError):
-            v = math.nan
-        if not (math.isfinite(v) and 0 < v <= MAX_BYTES):
-            raise argparse.ArgumentTypeError(f"{field} must be a size in (0, 1PiB], e.g. 4GiB, not {text!r}")
-        return v
-
-    return parse
-
-
 def cmd_plan(args) -> int:
     from .balance import BalanceError, MemoryModel, plan, profiles_from_cluster
 
@@ -260,10 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per outer step, all workers",
     )
     p.add_argument("--batch", type=console.positive_int("--batch", 1 << 20), help="preferred batch size")
-    p.add_argument("--fixed-memory", type=_size("--fixed-memory"), default="4GiB", help="weights + optimizer state")
+    p.add_argument(
+        "--fixed-memory",
+        type=console.size("--fixed-memory", MAX_BYTES),
+        default="4GiB",
+        help="weights + optimizer state",
+    )
     p.add_argument(
         "--memory-per-sample",
-        type=_size("--memory-per-sample"),
+        type=console.size("--memory-per-sample", MAX_BYTES),
         default="512MiB",
         help="activation memory per sequence",
     )
