@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from agentdyn import sandbox as sandbox_mod
+from agentdyn.escapes import leftover_processes
 from agentdyn.monitor import group_pids
 from agentdyn.sandbox import (
     UID_BASE,
@@ -34,20 +35,6 @@ def _alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _pool_processes() -> list[int]:
-    """Live processes running as any uid of the sandbox's pool."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and _alive(d):
-            try:
-                uid = os.stat(f"/proc/{d}").st_uid
-            except OSError:
-                continue
-            if UID_BASE <= uid < UID_BASE + UID_POOL:
-                out.append(int(d))
-    return out
 
 
 def test_off_runs_a_tool_in_its_own_process_group_and_session(tmp_path):
@@ -84,6 +71,7 @@ def test_hung_tool_is_killed_with_everything_it_started(tmp_path, isolation):
         return await sb.run("sleep", {"seconds": 60, "children": 2}, str(tmp_path), lim), sb
 
     res, sb = asyncio.run(go())
+    uid = sb.claim(str(tmp_path))  # the uid its tools ran as (None unjailed)
     assert not res.ok and res.killed
     assert "timed out after 4s" in res.error and "every process it started were killed" in res.error
     kids = [int(x) for x in (tmp_path / "children.pids").read_text().split()]
@@ -91,7 +79,7 @@ def test_hung_tool_is_killed_with_everything_it_started(tmp_path, isolation):
     if isolation == "off":
         assert not any(_alive(k) for k in kids)
     else:  # pids of its own namespace; none of its user's processes is left on the host
-        assert _pool_processes() == []
+        assert leftover_processes((uid,)) == []
     assert not sb.live
     assert zombie_children() == []
     assert res.usage.wall_s >= 4
@@ -115,7 +103,7 @@ def test_cancelled_tool_is_cleaned_up(tmp_path, isolation):
     assert [p for p in group_pids(pg) if _alive(p)] == []
     assert zombie_children() == [] and not sb.live
     if isolation == "strict":
-        assert _pool_processes() == []
+        assert leftover_processes((sb.claim(str(tmp_path)),)) == []
 
 
 @pytest.mark.parametrize("isolation", MODES)

@@ -15,11 +15,13 @@ import pytest
 from aiohttp import web
 
 from agentdyn.emulator import EmulatorConfig
+from agentdyn.escapes import leftover_processes
 from agentdyn.llm import LLMConfig
 from agentdyn.monitor import SystemSampler
 from agentdyn.runtime import Harness
 from agentdyn.sandbox import SandboxUnavailable, missing_layers, zombie_children
 from agentdyn.service import make_app
+from hwtopo import cgroups
 
 # a host without every sandbox layer (CI runners are not root) serves with --unsafe-no-sandbox
 UNSAFE = bool(missing_layers())
@@ -151,9 +153,16 @@ def test_holds_200_concurrent_requests():
     assert stats["completed"] == 200 and stats["failed"] == 0
 
 
+def _leftovers(pid: int, tmp: str) -> list[str]:
+    """What a stopped service left: cgroups named for it, entries in its temp dir, tool processes."""
+    out = [str(g) for h in cgroups._hierarchies() for g in h.root.glob(f"{cgroups.PREFIX}{pid}-*")]
+    return out + os.listdir(tmp) + [f"pid {p}" for p in leftover_processes(under=tmp)]
+
+
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # its work root, sandbox state and probes go to tmp_path, which must be empty once it stops
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
     cmd = [
         sys.executable,
         "-m",
@@ -165,7 +174,7 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
         "--policy",
         "native",
         "--ttft",
-        "1.5",
+        "3",
         "--site-pages",
         "30",
     ] + (["--unsafe-no-sandbox"] if UNSAFE else [])
@@ -178,7 +187,7 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
         def post(i):
             req = urllib.request.Request(
                 url + "/v1/agent",
-                data=json.dumps({"task_type": "web_search", "input": {"searches": 0}}).encode(),
+                data=json.dumps({"task_type": "web_search", "input": {"searches": i % 2}}).encode(),
                 method="POST",
             )
             try:
@@ -193,21 +202,23 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
 
         async def go():
             tasks = [asyncio.create_task(asyncio.to_thread(post, i)) for i in range(5)]
-            while await asyncio.to_thread(accepted) < 5:  # all five in (waiting on the 4 s LLM)
+            while await asyncio.to_thread(accepted) < 5:  # all five in (waiting on the 3 s LLM)
                 await asyncio.sleep(0.05)
             p.send_signal(signal.SIGTERM)
-            return await asyncio.gather(*tasks)
+            late = await asyncio.to_thread(post, 5)  # the five still hold the LLM for seconds
+            return await asyncio.gather(*tasks), late
 
-        codes = asyncio.run(go())
+        codes, late = asyncio.run(go())
         rc = p.wait(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert codes == [200] * 5
+    assert codes == [200] * 5 and late == 503
     assert rc == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/healthz", timeout=2)
+    assert _leftovers(p.pid, str(tmp_path)) == []
 
 
 def test_port_in_use_still_stops_the_harness():

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .sandbox import UID_BASE, UID_POOL, Sandbox, SandboxLimits
 
-__all__ = ["ATTEMPTS", "Attempt", "EscapeHost", "run_attempt", "run_attempts"]
+__all__ = ["ATTEMPTS", "Attempt", "EscapeHost", "leftover_processes", "run_attempt", "run_attempts"]
 
 _WRITE_OUTSIDE = """
 def test_escape_write_outside():
@@ -229,7 +229,7 @@ class EscapeHost:
             "touch": 4 * limits.memory_bytes,
         }
 
-    def breaches(self, marker: str) -> list[str]:
+    def breaches(self, marker: str, uid: int | None) -> list[str]:
         """What the host sees of an escape since the last call: a file outside, a signal, a changed
         source, a connection, a process left behind."""
         out = []
@@ -254,7 +254,7 @@ class EscapeHost:
             out.append("a tool connected to a loopback listener")
         except BlockingIOError:
             pass
-        stray = _processes(marker)
+        stray = leftover_processes(() if uid is None else (uid,), marker)
         if stray:
             out.append(f"processes outlived their tool: {stray}")
             for pid in stray:
@@ -277,8 +277,10 @@ class EscapeHost:
         shutil.rmtree(self.outside, ignore_errors=True)
 
 
-def _processes(marker: str) -> list[int]:
-    """Live processes of any sandbox uid, or whose command line carries ``marker``."""
+def leftover_processes(uids: tuple[int, ...] = (), marker: str | None = None, under: str | None = None) -> list[int]:
+    """Live processes that should not exist once the tools that made them have ended: running as
+    one of ``uids``, or with ``marker`` in their command line, or as any sandbox uid with their
+    working directory under ``under``. (Other services' tools on this host match none of these.)"""
     out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -290,11 +292,17 @@ def _processes(marker: str) -> list[int]:
             uid = os.stat(f"/proc/{d}").st_uid
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 cmd = f.read().decode(errors="replace")
+            cwd = os.readlink(f"/proc/{d}/cwd") if under is not None else ""
         except (OSError, IndexError):
             continue
-        if UID_BASE <= uid < UID_BASE + UID_POOL or marker in cmd:
+        pooled = UID_BASE <= uid < UID_BASE + UID_POOL
+        if uid in uids or (marker is not None and marker in cmd) or (pooled and under and _under(cwd, under)):
             out.append(int(d))
     return out
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 async def run_attempt(sb: Sandbox, host: EscapeHost, attempt: Attempt, root: str) -> str | None:
@@ -302,6 +310,7 @@ async def run_attempt(sb: Sandbox, host: EscapeHost, attempt: Attempt, root: str
     None when the sandbox held, else what escaped (or why the result cannot be trusted)."""
     limits = SandboxLimits(timeout_s=120, **attempt.limits)
     workdir = sb.workdir(root)
+    uid = sb.claim(workdir)  # every process of the attempt runs as this uid
     ctx = host.context(workdir, limits)
     try:
         init = await sb.run("repo_init", {"work": 100}, workdir, limits)
@@ -322,7 +331,7 @@ async def run_attempt(sb: Sandbox, host: EscapeHost, attempt: Attempt, root: str
             problems.append(
                 f"the escape test did not pass (passed {out['passed']}, failed {out['failed']}): {out['tail']}"
             )
-    problems += host.breaches(ctx["marker"])
+    problems += host.breaches(ctx["marker"], uid)
     return "; ".join(problems) or None
 
 

@@ -277,7 +277,9 @@ def _network(forward: list) -> list[tuple[socket.socket, str]]:
             srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             srv.bind((host, int(port)))
             srv.listen(64)
-            out.append((srv, path))
+            # a socket's path must fit in 108 bytes; its directory's descriptor keeps it short
+            fd = os.open(os.path.dirname(path), os.O_PATH | os.O_CLOEXEC)
+            out.append((srv, f"/proc/self/fd/{fd}/{os.path.basename(path)}"))
         return out
     except OSError as e:
         raise JailError(layer, f"loopback relay: {e}") from None

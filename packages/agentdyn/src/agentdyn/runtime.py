@@ -232,12 +232,12 @@ class Runtime:
         usage = RequestUsage()
         timeline: list[dict] = []
         answer = error = None
-        self.inflight += 1
 
         def ev(kind: str, a: float, b: float, **kw) -> None:
             timeline.append({"phase": kind, "start": round(a - t0, 4), "end": round(b - t0, 4), **kw})
 
         workdir = self.sandbox.workdir(self.workroot)  # named by the server, never by the client
+        self.inflight += 1
         try:
             tq = time.monotonic()
             async with self.policy.request_slot(req.request_id, req.task_type):

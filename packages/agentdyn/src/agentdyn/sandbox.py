@@ -484,8 +484,16 @@ class Sandbox:
             netdir = os.path.join(self._state, "net")
             os.makedirs(netdir, exist_ok=True)
             os.chmod(netdir, 0o755)
-            path = os.path.join(netdir, f"{host}_{port}.sock")
-            server = await asyncio.start_unix_server(functools.partial(_relay_conn, host, port), path=path)
+            name = f"{host}_{port}.sock"
+            # a socket's path must fit in 108 bytes, which a long TMPDIR exceeds: bound through
+            # the directory's descriptor
+            fd = os.open(netdir, os.O_PATH | os.O_CLOEXEC)
+            try:
+                relay = functools.partial(_relay_conn, host, port)
+                server = await asyncio.start_unix_server(relay, path=f"/proc/self/fd/{fd}/{name}")
+            finally:
+                os.close(fd)
+            path = os.path.join(netdir, name)
             os.chmod(path, 0o666)
             self._relays[(host, port)] = (path, server)
         return self._relays[(host, port)][0]
