@@ -304,3 +304,24 @@ def test_a_nested_group_sits_inside_its_parent_and_goes_with_it():
         outer.close()  # takes the nested group with it
     assert not m.exists() and not outer.paths["memory"].exists()
     inner.close()
+
+
+def test_a_v2_group_is_killed_with_the_groups_nested_in_it(monkeypatch):
+    found = [h for h in _killable_hierarchies() if h.version == 2]
+    if not found:
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    monkeypatch.setattr(cgroups, "_hierarchies", lambda mounts=None: found[:1])
+    outer = hwtopo.CGroup("outer", killable=True, strict=True)
+    inner = hwtopo.CGroup("inner", killable=True, parent=outer, strict=True)
+    p = _scatter(inner, 3)
+    try:
+        assert inner.paths["freezer"].parent == outer.paths["freezer"]
+        assert p.stdout.readline().strip() == "3"
+        assert p.pid in inner.pids() and p.pid in outer.pids()  # held by both
+        assert outer.kill() is True  # cgroup.kill reaches the groups inside
+        assert not inner.alive()
+    finally:
+        p.kill()
+        p.wait()
+        outer.close()
+    assert not inner.paths["freezer"].exists() and not outer.paths["freezer"].exists()

@@ -398,8 +398,9 @@ class CGroup:
             (path / "cgroup.procs").write_text(str(pid))
 
     def pids(self) -> list[int]:
-        """The processes in the group (in any of its directories)."""
-        return sorted({p for path in set(self.paths.values()) for p in _procs(path)})
+        """The processes in the group (in any of its directories, groups nested in it included)."""
+        dirs = {d for path in set(self.paths.values()) for d, _, _ in os.walk(path)}
+        return sorted({p for d in dirs for p in _procs(Path(d))})
 
     def alive(self) -> list[int]:
         """The group's processes that have not exited (a zombie waiting for its parent has)."""
