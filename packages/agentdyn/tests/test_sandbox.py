@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -209,3 +210,29 @@ def test_an_unprivileged_service_is_told_which_layers_it_lacks():
     missing = json.loads(p.stdout)
     assert {"unprivileged user", "pid namespace", "read-only filesystem"} <= set(missing)
     assert "not root" in missing["mount namespace"]
+
+
+_SERVICE = """
+import asyncio, sys
+from agentdyn.sandbox import Sandbox, SandboxLimits
+asyncio.run(Sandbox(isolation="strict").run("sleep", {"seconds": 300, "children": 2}, sys.argv[1], SandboxLimits(timeout_s=600)))
+"""
+
+
+@needs_jail
+def test_a_killed_service_takes_its_tools_with_it(tmp_path):
+    work = tmp_path / "w"
+    svc = subprocess.Popen([sys.executable, "-c", _SERVICE, str(work)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (work / "children.pids").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (work / "children.pids").exists(), "the tool did not start"
+        assert leftover_processes(under=str(tmp_path))  # the tool and its two children run
+    finally:
+        svc.kill()  # SIGKILL: no cleanup of its own runs
+        svc.wait()
+    deadline = time.monotonic() + 30
+    while leftover_processes(under=str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftover_processes(under=str(tmp_path)) == []

@@ -122,15 +122,22 @@ def enter(spec: dict) -> None:
         _wait_and_exit(child)
     # PID 1 of the new namespace from here on (its parent, outside it, has no pid here)
     os.close(alive_w)
-    _ok(_prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "pid namespace", "PR_SET_PDEATHSIG")
-    if select.select([alive_r], [], [], 0)[0]:
-        os._exit(1)  # the wrapper died before the death signal was armed
-    os.close(alive_r)
+    _die_with(alive_r)
     listeners = _build(spec)
     _drop(spec["uid"], spec["gid"])
+    _die_with(alive_r)  # the uid change disarmed the death signal
+    os.close(alive_r)
     os.chdir(spec["workdir"])
     for srv, path in listeners:
         threading.Thread(target=_accept, args=(srv, path), daemon=True).start()
+
+
+def _die_with(alive_r: int) -> None:
+    """SIGKILL this process when the wrapper dies (and so the namespace with every tool process),
+    or exit now if it already has (the read end of its pipe sees EOF)."""
+    _ok(_prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "pid namespace", "PR_SET_PDEATHSIG")
+    if select.select([alive_r], [], [], 0)[0]:
+        os._exit(1)
 
 
 def _wait_and_exit(child: int) -> None:

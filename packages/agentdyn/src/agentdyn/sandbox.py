@@ -553,6 +553,8 @@ class Sandbox:
         threads = getattr(group, "threads", None) if group is not None else None
         env = tool_env(self.env, int(threads)) if threads else self.env  # the class's allocation, told to its libraries
         env = dict(env, HOME=workdir, TMPDIR=workdir)
+        if self.jailed:  # its uid has no passwd entry: getpass.getuser() reads these instead
+            env.update(USER="agentdyn-tool", LOGNAME="agentdyn-tool")
         cg = self._tool_group(tool, limits, group)
         try:
             proc = await asyncio.create_subprocess_exec(
