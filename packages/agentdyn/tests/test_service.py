@@ -449,3 +449,13 @@ def test_duplicate_in_flight_request_id_is_409_and_work_dirs_are_the_servers():
     assert dup[0] == 409 and dup[1]["field"] == "request_id" and "in flight" in dup[1]["error"]
     assert one == again == 200
     assert len(dirs) == 2 and all(d.startswith("req-") and "same" not in d for d in dirs)
+
+
+def test_cli_serve_on_a_host_without_the_sandbox_exits_1_naming_the_layer(monkeypatch):
+    from agentdyn import service
+    from agentdyn.cli import main
+    from hwtopo.testing import assert_fails
+
+    monkeypatch.setattr(service, "missing_layers", lambda: {"pid namespace": "unshare: Operation not permitted"})
+    res = assert_fails(main, ["serve", "--port", "0"], 1, "pid namespace", prog="agentdyn")
+    assert "--unsafe-no-sandbox" in res.err

@@ -204,10 +204,12 @@ def _token(args) -> str | None:
 
 
 def cmd_serve(args) -> int:
-    from .service import serve
+    from .service import sandbox_isolation, serve
 
     token = _token(args)  # before the harness starts its emulator, site and sampler
     _check_profiles(args)
+    if not args.unsafe_no_sandbox:
+        sandbox_isolation()  # a host without the tool sandbox: refused (exit 1) before anything starts
     h = _harness(args)
     progress = _progress(args)
 

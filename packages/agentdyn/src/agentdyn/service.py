@@ -31,7 +31,7 @@ from hwtopo.httpguard import BadRequest, check_bind, middleware, read_json
 from .runtime import Harness, RequestError, validate_request
 from .sandbox import SandboxUnavailable, missing_layers
 
-__all__ = ["make_app", "serve"]
+__all__ = ["make_app", "sandbox_isolation", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,18 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+def sandbox_isolation(unsafe_no_sandbox: bool = False) -> str:
+    """The tool isolation a service runs with: ``"strict"``, after checking that this host permits
+    every sandbox layer (``SandboxUnavailable`` naming those it lacks), or ``"off"`` when told."""
+    if unsafe_no_sandbox:
+        log.warning("--unsafe-no-sandbox: tools run as this service's user, with its filesystem and network")
+        return "off"
+    missing = missing_layers()
+    if missing:
+        raise SandboxUnavailable(missing)
+    return "strict"
+
+
 def make_app(harness: Harness, *, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """The service app around a started ``Harness``; ``token``: the bearer token requests must carry."""
     guard = middleware(token, max_body_bytes, _err)
@@ -131,14 +143,7 @@ async def serve(
     (``SandboxUnavailable`` before anything starts, naming each layer the host lacks) unless
     ``unsafe_no_sandbox``, which runs them with only an allow-listed environment and rlimits."""
     check_bind(host, token)
-    if unsafe_no_sandbox:
-        log.warning("--unsafe-no-sandbox: tools run as this service's user, with its filesystem and network")
-        harness.isolation = "off"
-    else:
-        missing = missing_layers()
-        if missing:
-            raise SandboxUnavailable(missing)
-        harness.isolation = "strict"
+    harness.isolation = sandbox_isolation(unsafe_no_sandbox)
     await harness.start()
     runner = None
     try:  # a failed setup or bind (port in use) still stops the harness: no leaked sessions or tools
