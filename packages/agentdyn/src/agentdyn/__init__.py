@@ -20,7 +20,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "monitor": ["SystemSampler", "Usage", "read_psi"],
         "profiles": ["ProfileStore"],
         "runtime": ["AgentRequest", "AgentResult", "Harness", "Runtime", "TASK_TYPES"],
-        "sandbox": ["Sandbox", "SandboxLimits"],
+        "sandbox": ["Sandbox", "SandboxLimits", "SandboxUnavailable", "missing_layers"],
         "scheduler": ["CpuAwarePolicy", "NativePolicy", "StaticLimitPolicy", "make_policy"],
         "website": ["FixtureSite"],
     },
