@@ -9,22 +9,18 @@ from .gns import GradientNoiseScale, efficiency_models
 
 __all__ = ["BenchConfig", "QUICK", "FULL"]
 
-# The workloads of `cona bench --quick` and `cona bench` (one place, so README, demo and bench agree): the tiny
-# model's noise scale grows from ~20-40 samples at step 0 to ~250 by the target, while throughput keeps growing up
-# to the largest global batch, so the batch that uses samples best grows during training and stays below the
-# throughput-optimal one. The quick bench fits in 3 minutes with cached probes; its space starts at gb16, since gb8
-# runs only as pp2 or tp2 on 2 ranks, at a quarter of gb64's samples/s, and never contends.
+# `cona bench --quick` and `cona bench`. The quick space starts at gb16: on 2 ranks gb8 runs only as pp2 or tp2,
+# at a quarter of gb64's samples/s, and never contends.
 QUICK = {"world": 2, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1, "global_batches": (16, 32, 64, 128, 256)}
 FULL = {"world": 4, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1}
 
+_POSITIVE = ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl", "lr", "slice_s")
+_AT_LEAST_1 = ("world", "probe_rounds", "probe_steps", "gns_every", "reference_batch", "seq_len", "seeds")
+_AT_LEAST_1 += ("target_window", "step0_batches")
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
-
-def _whole(value, low: int) -> bool:
-    return isinstance(value, int) and value >= low
+def _number(v, low: float = -math.inf) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v >= low
 
 
 @dataclass
@@ -51,7 +47,7 @@ class BenchConfig:
     # which the mean of the last target_window evaluations is at or below log(target_ppl)
     target_ppl: float = 5.9
     eval_every_s: float = 0.1
-    target_window: int = 10  # a mean of 10 trails the latest loss by ~0.45 s, alike for every variant
+    target_window: int = 10
     val_samples: int = 512  # enough windows that one evaluation's own noise moves time to target little
     budget_s: float = 30.0  # training clock per variant; a variant that misses the target is censored here
     seed: int = 0
@@ -66,11 +62,10 @@ class BenchConfig:
     oracle_branches: int | None = None
     held_out_samples: int | None = None  # None: as many as val_samples, at most 128
     # step 0: the squared gradients of step0_warm_batches batches stand in for Adam's v; every micro-batch of
-    # step0_batches global batches bounds the initial noise scale; the first warm batch trains as the first step
-    # when the initial choice runs its global batch
+    # step0_batches global batches bounds the initial noise scale, which must hold under every initial model
     step0_warm_batches: int = 1
     step0_batches: int = 1
-    initial_models: tuple[str, ...] = ("sqrt", "tuned")  # the initial choice holds under each efficiency model
+    initial_models: tuple[str, ...] = ("sqrt", "tuned")
     # gradient statistics: a pair every gns_every steps, in Adam's preconditioned metric, smoothed per pair
     gns_every: int = 8
     gns_precondition: bool = True
@@ -84,10 +79,9 @@ class BenchConfig:
     decision_eval_every_s: float = 2.0  # cona reads (and pays for) its own evaluations this far apart
     decision_val_samples: int | None = None  # windows of those; None: a quarter of val_samples, at most 32
     trend_window_s: float = 5.0  # the time left is fitted to cona's evaluations of this last stretch
-    # throughput: the probe plan and the model's fastest strategies timed in probe_rounds interleaved rounds of
-    # probe_steps steps (fewer past probe_round_s), median round kept; then every global batch's contenders (its
-    # leader and strategies within probe_paired_band of it) timed against each other in probe_paired_cycles
-    # cycles of probe_paired_block_s blocks
+    # throughput: the probe plan and the fastest strategies timed in probe_rounds interleaved rounds of probe_steps
+    # steps (fewer past probe_round_s), median round kept; then every global batch's contenders (within
+    # probe_paired_band of its leader) timed against each other in probe_paired_cycles cycles of blocks
     probe_steps: int = 20
     probe_round_s: float | None = 1.0
     probe_rounds: int = 3
@@ -98,94 +92,58 @@ class BenchConfig:
     probe_cache: bool = True  # reuse step times an earlier run measured with the same key (ProbeCache)
 
     def __post_init__(self) -> None:
-        self.global_batches = tuple(self.global_batches)
-        self.micro_batches = tuple(self.micro_batches)
-        for name in ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl", "lr", "slice_s"):
+        self.global_batches, self.micro_batches = tuple(self.global_batches), tuple(self.micro_batches)
+        for name in _POSITIVE:
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("world", "probe_rounds", "probe_steps", "gns_every", "reference_batch", "seq_len", "seeds"):
+        for name in _AT_LEAST_1:
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        _require(self.target_ppl > 1, f"target_ppl must be > 1, got {self.target_ppl}")
         self.initial_models = efficiency_models(self.initial_models, "initial_models")
-        self._check_windows()
-        self._check_statistics()
-        self._check_probes()
-        self.adam_betas = tuple(float(b) for b in self.adam_betas)
-
-    def _check_windows(self) -> None:
-        w = self.world
-        _require(
-            self.val_samples >= 2 * w,
-            f"val_samples must be >= 2 x world ({2 * w}): evaluations split the windows over dp, got {self.val_samples}",
-        )
+        w, betas = self.world, self.adam_betas
         if self.decision_val_samples is None:
             self.decision_val_samples = max(w, min(self.val_samples // 4, 32) // w * w)
-        _require(
-            1 <= self.decision_val_samples <= self.val_samples and self.decision_val_samples % w == 0,
-            f"decision_val_samples must be in 1..val_samples ({self.val_samples}) and divisible by world ({w}), "
-            f"got {self.decision_val_samples}",
-        )
-        _require(
-            self.held_out_samples is None or self.held_out_samples >= 2 * w,
-            f"held_out_samples must be >= 2 x world ({2 * w}): the oracle picks on as many held-out windows, cut "
-            f"to a multiple of world (or None: up to 128), got {self.held_out_samples}",
-        )
-        _require(
-            self.held_out_bytes > 2 * self.seq_len,
-            f"held_out_bytes must be above 2 x seq_len ({2 * self.seq_len}): the oracle picks on windows of that "
-            f"text, got {self.held_out_bytes}",
-        )
-        _require(
-            self.target_window >= 1, f"target_window must be >= 1 (evaluations averaged), got {self.target_window}"
-        )
-        _require(
-            self.oracle_branches is None or self.oracle_branches >= 1,
-            f"oracle_branches must be >= 1, got {self.oracle_branches}",
-        )
-
-    def _check_statistics(self) -> None:
-        _require(
-            self.step0_batches >= 1 and self.step0_warm_batches >= 0,
-            f"step0_batches must be >= 1 and step0_warm_batches >= 0, got {self.step0_batches} and "
-            f"{self.step0_warm_batches}",
-        )
-        betas = self.adam_betas
-        ok = isinstance(betas, (tuple, list)) and len(betas) == 2
-        _require(
-            ok and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas),
-            f"adam_betas must be two numbers in [0, 1), got {betas!r}",
-        )
-        _require(
-            _whole(self.growth_pairs, 9) and self.growth_pairs <= 256,
-            f"growth_pairs must be a whole number of statistics pairs in 9..256 (3 groups of 3 at least; 256 are "
-            f"kept), got {self.growth_pairs!r}",
-        )
-        _require(
-            _whole(self.range_window, 2),
-            f"range_window must be a whole number of statistics pairs >= 2, got {self.range_window!r}",
-        )
-        z = self.range_z
-        _require(
-            isinstance(z, (int, float)) and math.isfinite(z) and z >= 0,
-            f"range_z must be a number of standard errors >= 0, got {z}",
-        )
-        _require(
-            self.clip_norm is None or self.clip_norm > 0,
-            f"clip_norm must be > 0 (or None for no clipping), got {self.clip_norm}",
-        )
-
-    def _check_probes(self) -> None:
-        _require(
-            self.probe_round_s is None or self.probe_round_s > 0,
-            f"probe_round_s must be > 0 seconds (or None for no limit), got {self.probe_round_s}",
-        )
-        _require(
-            self.probe_paired_cycles >= 0,
-            f"probe_paired_cycles must be >= 0 (0: no paired timing), got {self.probe_paired_cycles}",
-        )
-        _require(0 <= self.probe_paired_band < 1, f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}")
-        _require(
-            self.probe_paired_block_s > 0, f"probe_paired_block_s must be > 0 seconds, got {self.probe_paired_block_s}"
-        )
+        dvs, hos = self.decision_val_samples, self.held_out_samples
+        for ok, msg in (
+            (self.target_ppl > 1, f"target_ppl must be > 1, got {self.target_ppl}"),
+            (self.val_samples >= 2 * w, f"val_samples must be >= 2 x world ({2 * w}), got {self.val_samples}"),
+            (
+                1 <= dvs <= self.val_samples and dvs % w == 0,
+                f"decision_val_samples must be in 1..val_samples ({self.val_samples}) and divisible by world ({w})"
+                f", got {dvs}",
+            ),
+            (hos is None or hos >= 2 * w, f"held_out_samples must be >= 2 x world ({2 * w}) or None, got {hos}"),
+            (
+                self.held_out_bytes > 2 * self.seq_len,
+                f"held_out_bytes must be above 2 x seq_len ({2 * self.seq_len}), got {self.held_out_bytes}",
+            ),
+            (self.oracle_branches is None or self.oracle_branches >= 1, "oracle_branches must be >= 1 or None"),
+            (self.step0_warm_batches >= 0, f"step0_warm_batches must be >= 0, got {self.step0_warm_batches}"),
+            (
+                isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b, 0) and b < 1 for b in betas),
+                f"adam_betas must be two numbers in [0, 1), got {betas!r}",
+            ),
+            (
+                isinstance(self.growth_pairs, int) and 9 <= self.growth_pairs <= 256,
+                f"growth_pairs must be a whole number of statistics pairs in 9..256, got {self.growth_pairs!r}",
+            ),
+            (
+                isinstance(self.range_window, int) and self.range_window >= 2,
+                f"range_window must be a whole number of statistics pairs >= 2, got {self.range_window!r}",
+            ),
+            (_number(self.range_z, 0), f"range_z must be a number of standard errors >= 0, got {self.range_z}"),
+            (self.clip_norm is None or self.clip_norm > 0, f"clip_norm must be > 0 or None, got {self.clip_norm}"),
+            (
+                self.probe_round_s is None or self.probe_round_s > 0,
+                f"probe_round_s must be > 0 seconds or None, got {self.probe_round_s}",
+            ),
+            (self.probe_paired_cycles >= 0, f"probe_paired_cycles must be >= 0, got {self.probe_paired_cycles}"),
+            (0 <= self.probe_paired_band < 1, f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}"),
+            (
+                self.probe_paired_block_s > 0,
+                f"probe_paired_block_s must be > 0 seconds, got {self.probe_paired_block_s}",
+            ),
+        ):
+            _require(ok, msg)
+        self.adam_betas = tuple(float(b) for b in betas)
 
     @property
     def seed_list(self) -> list[int]:
@@ -202,3 +160,8 @@ class BenchConfig:
     def lr_for(self, global_batch: int) -> float:
         """Square-root learning-rate scaling from the reference batch (the same rule for every variant)."""
         return self.lr * math.sqrt(global_batch / self.reference_batch)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

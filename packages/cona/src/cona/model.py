@@ -49,12 +49,11 @@ def build_model(config, seed: int = 0):
 
 
 def model_skeleton(config):
-    """LlamaForCausalLM's module tree on the meta device, its weights left uninitialised: an executor puts its
-    own shards in. Initialising them (random draws, even on meta) was most of building an executor, paid at step 0
-    and at every switch that reshards."""
+    """LlamaForCausalLM's module tree on the meta device, weights uninitialised (an executor puts its shards in;
+    initialising them was most of the cost of building an executor)."""
     try:
         from transformers.initialization import no_init_weights
-    except ImportError:  # a transformers 5 without it: the same tree, initialised
+    except ImportError:  # an early transformers 5 without it: the same tree, initialised
         from contextlib import nullcontext as no_init_weights
     with torch.device("meta"), no_init_weights():
         return _llama(config)
@@ -88,12 +87,10 @@ def stdlib_tokens(max_bytes: int = 2_000_000) -> np.ndarray:
 
 @dataclass
 class TextData:
-    """A deterministic stream of training samples and a fixed validation set over a token array.
+    """A deterministic training stream, validation windows and an optional held-out split over a token array.
 
-    Sample i of the stream depends only on (seed, i), so every strategy and every rank sees the same
-    samples in the same order whatever the batch sizes. The last ``held_out_tokens`` tokens, if any, are a
-    third split (``held_out``), neither trained nor measured on; training and validation split the rest.
-    """
+    Sample i depends only on (seed, i): every strategy and rank sees the same samples in the same order. The last
+    ``held_out_tokens`` tokens are neither trained nor measured on; training and validation split the rest."""
 
     tokens: np.ndarray
     seq_len: int
@@ -126,8 +123,7 @@ class TextData:
         return self._windows(np.linspace(self._split, self._end - self.seq_len, count))
 
     def held_out(self, count: int) -> torch.Tensor:
-        """``count`` evenly spaced windows [count, seq_len] of the held-out split: other text than the training
-        and validation splits, for decisions that must not select on the validation windows' own noise."""
+        """``count`` evenly spaced windows of the held-out split (other text than training and validation)."""
         if not self.held_out_tokens:
             raise ValueError("this TextData has no held-out split (held_out_tokens=0)")
         return self._windows(np.linspace(self._end, len(self.tokens) - self.seq_len, count))

@@ -4,8 +4,7 @@ Compute: 6 x params x tokens (+ attention scores) FLOPs split over dp x tp x pp 
 the accelerators' peak, stretched by the GPipe bubble (accum + pp - 1) / accum. Communication:
 TP all-reduces of the activations (4 per layer per micro-batch, ring), PP point-to-point sends,
 one DP gradient all-reduce (ring), each at the bandwidth of the links it crosses (ranks are placed
-tp innermost, then pp, then dp; ranks on one machine use ``intra_bandwidth``). Every number is a
-model prediction (``"source": "simulated"``), never a measurement.
+tp innermost, then pp, then dp; ranks on one machine use ``intra_bandwidth``). A prediction, never a measurement.
 """
 
 from __future__ import annotations
@@ -42,18 +41,6 @@ class SimulatedStep:
     def throughput(self) -> float:
         return self.strategy.global_batch / self.step_s
 
-    def to_dict(self) -> dict:
-        return {
-            "strategy": self.strategy.name,
-            "step_s": self.step_s,
-            "samples_per_s": self.throughput,
-            "compute_s": self.compute_s,
-            "tp_comm_s": self.tp_comm_s,
-            "pp_comm_s": self.pp_comm_s,
-            "dp_comm_s": self.dp_comm_s,
-            "source": "simulated",
-        }
-
 
 def _ranks(cluster: hwtopo.Cluster) -> list[tuple[str, float]]:
     """(machine name, peak FLOP/s) per rank: one per accelerator, else one per machine."""
@@ -88,11 +75,8 @@ def simulate_step(
     bytes_per_value: int = 2,
     intra_bandwidth_bytes_per_s: float | None = None,
 ) -> SimulatedStep:
-    """Predicted step time of ``s`` for a model of ``dims`` on ``cluster``.
-
-    Bandwidth between accelerators of one machine comes from the spec (``accelerators[].interconnect``)
-    unless given; 450 GB/s (NVLink 4) when the spec declares none.
-    """
+    """Predicted step time of ``s`` for a model of ``dims`` on ``cluster``. Bandwidth within a machine: the
+    spec's ``accelerators[].interconnect`` unless given, else 450 GB/s (NVLink 4)."""
     ranks = _ranks(cluster)
     if intra_bandwidth_bytes_per_s is None:
         declared = [m.accelerator_interconnect_bytes_per_s for m in cluster.machines]

@@ -8,7 +8,8 @@ fits the memory one rank has (this machine's or a rank's share of an hwtopo spec
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import itertools
+from dataclasses import dataclass, fields
 
 import hwtopo
 
@@ -47,9 +48,6 @@ class Strategy:
     @property
     def name(self) -> str:
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}-mb{self.micro_batch}-gb{self.global_batch}"
-
-    def to_dict(self) -> dict:
-        return asdict(self) | {"name": self.name}
 
     @classmethod
     def parse(cls, text: str) -> Strategy:
@@ -96,9 +94,9 @@ class ModelDims:
 
 def check_strategy(s: Strategy, dims: ModelDims, world: int | None = None) -> None:
     """Raise StrategyError naming the first dimension that does not divide (or the world mismatch)."""
-    for field_name in ("dp", "tp", "pp", "micro_batch", "global_batch"):
-        if getattr(s, field_name) < 1:
-            raise StrategyError(f"{s.name}: {field_name} must be >= 1")
+    for f in fields(s):
+        if getattr(s, f.name) < 1:
+            raise StrategyError(f"{s.name}: {f.name} must be >= 1")
     if world is not None and s.world != world:
         raise StrategyError(f"{s.name}: dp*tp*pp = {s.world} but the world has {world} ranks")
     if dims.heads % s.tp:
@@ -134,8 +132,6 @@ def memory_per_rank_bytes(s: Strategy, dims: ModelDims, bytes_per_param: int = 4
 
 def rank_memory_budget(cluster: hwtopo.Cluster | None, world: int) -> float:
     """Memory one rank may use: accelerator memory when there is one per rank, else host memory / ranks."""
-    if world < 1:
-        raise StrategyError(f"world size must be >= 1, got {world}")
     cluster = cluster or hwtopo.probe_cluster()
     accs = [a.memory_bytes for m in cluster.machines for a in m.accelerators if a.memory_bytes]
     if len(accs) >= world:
@@ -161,27 +157,21 @@ def enumerate_strategies(
         raise StrategyError("global_batches and micro_batches must each list at least one size")
     budget = memory_budget_bytes if memory_budget_bytes is not None else rank_memory_budget(cluster, world)
     out, reasons = [], []
-    for dp in range(1, world + 1):
-        if world % dp:
+    for dp, tp in itertools.product(range(1, world + 1), repeat=2):
+        if world % (dp * tp):
             continue
-        for tp in range(1, world // dp + 1):
-            if (world // dp) % tp:
+        for gb, mb in itertools.product(sorted(set(global_batches)), sorted(set(micro_batches))):
+            s = Strategy(dp, tp, world // (dp * tp), mb, gb)
+            try:
+                check_strategy(s, dims, world)
+            except StrategyError as e:
+                reasons.append(str(e))
                 continue
-            pp = world // (dp * tp)
-            for gb in sorted(set(global_batches)):
-                for mb in sorted(set(micro_batches)):
-                    s = Strategy(dp, tp, pp, mb, gb)
-                    try:
-                        check_strategy(s, dims, world)
-                    except StrategyError as e:
-                        reasons.append(str(e))
-                        continue
-                    if memory_per_rank_bytes(s, dims) > budget:
-                        reasons.append(
-                            f"{s.name}: needs {hwtopo.format_bytes(memory_per_rank_bytes(s, dims))} per rank"
-                        )
-                        continue
-                    out.append(s)
+            need = memory_per_rank_bytes(s, dims)
+            if need > budget:
+                reasons.append(f"{s.name}: needs {hwtopo.format_bytes(need)} per rank")
+            else:
+                out.append(s)
     if not out:
         why = "; ".join(reasons[:3]) or "no (dp, tp, pp) factorization"
         raise StrategyError(f"no feasible strategy for world={world} ranks: {why}")
