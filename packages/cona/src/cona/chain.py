@@ -1,25 +1,15 @@
 """Surrogate and chaining, the paper's core: rank strategies by expected loss decrease per second.
 
-The surrogate of a strategy is its goodput: measured (or cost-model) throughput in samples/s times the
-statistical efficiency of its global batch under the current gradient noise scale and the learning-rate rule
-training uses (``gns.batch_efficiency``: square-root scaling for Adam by default, Pollux's "tuned" model on
-request), i.e. the reference-batch-equivalent samples it processes per second; the expected validation-loss
-decrease per second is proportional to it.
+A strategy's surrogate is its goodput: throughput (samples/s, probed or modelled) times the statistical efficiency
+of its global batch under the current noise scale and the learning-rate rule (``gns.batch_efficiency``), i.e. the
+reference-batch-equivalent samples it processes per second.
 
-The initial choice (``Chainer.initial``) takes, for a noise scale known only to lie in a range, the strategy whose
-goodput stays closest to the best anywhere in the range and under every efficiency model named
-(``robust_choice``): before any step nothing shows which learning-rate regime training is in. A running decision
-(``Chainer.decide``) switches only to a rival that wins over the time left to the target ``T`` (estimated from the
-loss trend, ``remaining_time``), its switch cost ``c`` paid, wherever in the noise-scale range the truth lies:
+The initial choice (``Chainer.initial``) takes, for a noise scale only known to lie in a range, the strategy whose
+goodput stays closest to the best anywhere in the range and under every efficiency model named (``robust_choice``).
+A running decision (``Chainer.decide``) switches only to a rival that wins over the time left to the target T
+(``remaining_time``), its switch cost c paid, wherever in the noise-scale range the truth lies (``switch_gain``):
 
     switch  iff  min over phi in range of  goodput_new(phi) (T - c) / (goodput_cur(phi) T)  > 1 + margin
-
-(``switch_gain``): the predicted rate gain times the time left exceeds the measured switch cost, with an
-allowance for the ranking's uncertainty. The statistics behind the range describe where training was when their
-pairs were taken, while the noise scale keeps growing; the bench carries the range to the middle of the coming
-decision interval along its fitted growth (``GradientNoiseScale.ahead``) before deciding.
-
-Every decision (switch or stay) is logged with the ranking and the reason.
 """
 
 from __future__ import annotations
@@ -27,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .gns import GradientNoiseScale, batch_efficiency, efficiency_models
 from .space import Strategy
@@ -54,13 +44,7 @@ class Estimate:
     source: str  # "probe" or "model"
 
     def to_dict(self) -> dict:
-        return {
-            "strategy": self.strategy.name,
-            "throughput": self.throughput,
-            "efficiency": self.efficiency,
-            "goodput": self.goodput,
-            "source": self.source,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"strategy": self.strategy.name}
 
 
 @dataclass(frozen=True)
@@ -77,18 +61,9 @@ class Decision:
     efficiency_model: str = "sqrt"  # the learning-rate rule(s) the choice assumes ("sqrt+tuned": robust over both)
 
     def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "elapsed_s": self.elapsed_s,
-            "current": self.current.name if self.current else None,
-            "chosen": self.chosen.name,
-            "switched": self.switched,
-            "reason": self.reason,
-            "noise_scale": self.noise_scale,
-            "switch_cost_s": self.switch_cost_s,
-            "efficiency_model": self.efficiency_model,
-            "ranking": [e.to_dict() for e in self.ranking[:5]],
-        }
+        named = {"current": self.current.name if self.current else None, "chosen": self.chosen.name}
+        top = [e.to_dict() for e in self.ranking[:5]]
+        return {f.name: getattr(self, f.name) for f in fields(self)} | named | {"ranking": top}
 
 
 ThroughputFn = Callable[[Strategy], tuple[float, str]]
@@ -119,10 +94,9 @@ def switch_gain(
     lr_scaling: str = "sqrt",
 ) -> float:
     """Worst case over ``noise_scales`` of the progress a switch makes over ``horizon_s`` (paying
-    ``switch_cost_s`` first) relative to staying, minus 1: > 0 means switching wins wherever the noise scale
-    lies in the range; -1 when the switch cost eats the whole horizon."""
+    ``switch_cost_s`` first) relative to staying, minus 1 (-1 when the switch cost eats the horizon)."""
     keep = horizon_s - switch_cost_s
-    if keep <= 0:  # the switch would not finish paying for itself before the target
+    if keep <= 0:
         return -1.0
     worst = math.inf
     for phi in noise_scales:
@@ -133,14 +107,10 @@ def switch_gain(
 
 
 def remaining_time(trace: Sequence[tuple[float, float]], target_loss: float, window_s: float, cap_s: float) -> float:
-    """Training time left until the loss reaches ``target_loss``, from the ``(clock, loss)`` points of the last
-    ``window_s``: the loss is taken to fall linearly in log(clock) (a decelerating trend) at the slope fitted over
-    the window, from its current level (mean of the last 3 points). 0 when the level is at the target, ``cap_s``
-    when the loss does not fall or there are fewer than 3 points. A trend fit, not a forecast: it under-estimates
-    the time left early in training and over-estimates it late."""
-    if not trace:
-        return cap_s
-    t_last = trace[-1][0]
+    """Training time left until the loss reaches ``target_loss``: the ``(clock, loss)`` points of the last
+    ``window_s`` fitted as falling linearly in log(clock), from the mean of the last 3 points. 0 at the target,
+    ``cap_s`` when the loss does not fall or there are fewer than 3 points."""
+    t_last = trace[-1][0] if trace else 0.0
     pts = [(math.log(t), v) for t, v in trace if t >= t_last - window_s and t > 0 and math.isfinite(v)]
     if len(pts) < 3:
         return cap_s
@@ -171,15 +141,10 @@ def robust_choice(
     lr_scaling: str | Sequence[str] = "sqrt",
     tie: float = 0.0,
 ) -> tuple[Strategy, float]:
-    """The strategy whose goodput stays closest to the best one over every noise scale in [lo, hi] and every
-    efficiency model in ``lr_scaling`` (one name or several), and that worst ratio (max over strategies of the
-    min over the range and the models of goodput / best goodput).
-
-    A point estimate from a near-zero |G|^2 can be off by orders of magnitude either way, while the worst-case
-    ratio tells how much progress a choice can lose wherever in the range the truth lies. ``tie``: strategies
-    whose worst ratio is within this fraction of the best one's are level (the throughput table is no more exact
-    than that); of those the largest global batch is taken, then the fastest: the noise scale grows from the
-    initial weights on, so over the time the choice holds a larger batch only gains on one it tied with."""
+    """The strategy whose goodput stays closest to the best over every noise scale in [lo, hi] and every
+    efficiency model in ``lr_scaling``, and that worst ratio of its goodput to the best. Strategies within ``tie``
+    of the best worst ratio are level: of those the largest global batch, then the fastest, since the noise
+    scale only grows from the initial weights on."""
     if not (isinstance(tie, (int, float)) and 0.0 <= tie < 1.0):
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie}")
     worst = worst_ratios(tputs, lo, hi, reference_batch, points, lr_scaling)
@@ -208,8 +173,7 @@ def worst_ratios(
 
 
 def take_level(worst: Mapping[Strategy, float], tputs: Mapping[Strategy, float], tie: float) -> Strategy:
-    """Of the strategies whose worst ratio is within ``tie`` of the best one's, the largest global batch, then
-    the fastest (``robust_choice``)."""
+    """Of the strategies within ``tie`` of the best worst ratio, the largest global batch, then the fastest."""
     top = max(worst.values())
     level = [s for s in worst if worst[s] >= top * (1.0 - tie)]
     return max(level, key=lambda s: (s.global_batch, tputs[s], worst[s], s.name))
@@ -219,16 +183,12 @@ def take_level(worst: Mapping[Strategy, float], tputs: Mapping[Strategy, float],
 class Chainer:
     """Online strategy chaining over a fixed candidate set.
 
-    ``throughput(strategy) -> (samples/s, source)`` comes from probes or a fitted cost model.
-    ``switch_cost_s`` is the prior for a switch that reshards (another dp x tp x pp layout) and
-    ``same_layout_cost_s`` for one that keeps the layout (only micro-batch and global batch change: no state
-    moves, ``Executor.retarget``); measured ones are fed back via ``observe_switch`` and replace the prior of
-    their kind (``expected_switch_cost_s``). ``horizon_s`` is the time a switch must pay off over when no
-    estimate of the time left is given; ``margin`` is the hysteresis (0.05: the newcomer must be 5% better), and
-    for the initial choice the tolerance within which two strategies are level. ``initial_models``: the
-    efficiency models the initial choice under a noise-scale range must hold under (None: only the estimator's
-    ``lr_scaling``). Running decisions use the estimator's model unless ``decide(models=...)`` names others.
-    """
+    ``throughput(strategy) -> (samples/s, source)`` (or a mapping of samples/s) from probes or a cost model.
+    ``switch_cost_s`` / ``same_layout_cost_s``: priors for a switch that reshards / keeps the dp x tp x pp layout,
+    replaced by the mean of the measured ones of that kind (``observe_switch``). ``horizon_s``: what a switch must
+    pay off over when no time left is given. ``margin``: the hysteresis, and for the initial choice the tolerance
+    within which strategies are level. ``initial_models``: the efficiency models the initial choice must hold
+    under (None: the estimator's)."""
 
     candidates: Sequence[Strategy]
     throughput: ThroughputFn | Mapping[Strategy, float]
@@ -244,14 +204,10 @@ class Chainer:
     def __post_init__(self) -> None:
         if not self.candidates:
             raise ValueError("candidates must list at least one strategy")
-        if self.horizon_s <= 0:
-            raise ValueError(f"horizon_s must be > 0, got {self.horizon_s}")
-        if self.margin < 0:
-            raise ValueError(f"margin must be >= 0, got {self.margin}")
-        for name in ("switch_cost_s", "same_layout_cost_s"):
+        for name in ("horizon_s", "margin", "switch_cost_s", "same_layout_cost_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be a number >= 0, got {v}")
         if self.initial_models is not None:
             self.initial_models = efficiency_models(self.initial_models, "initial_models")
 
@@ -261,14 +217,14 @@ class Chainer:
         return self.throughput(s)
 
     def expected_switch_cost_s(self, current: Strategy | None = None, new: Strategy | None = None) -> float:
-        """Expected seconds of a switch from ``current`` to ``new``: the mean of the measured switches of its kind
-        (same dp x tp x pp layout or not) so far, else that kind's prior. Without both strategies: a resharding."""
+        """Expected seconds of a switch from ``current`` to ``new``: the mean measured of its kind (same layout or
+        not), else that kind's prior. Without both strategies: a resharding."""
         same = current is not None and new is not None and _layout(current) == _layout(new)
         seen = self._switch_costs[same]
         return sum(seen) / len(seen) if seen else (self.same_layout_cost_s if same else self.switch_cost_s)
 
     def observe_switch(self, seconds: float, same_layout: bool = False) -> None:
-        """A measured switch: ``same_layout`` when it kept the dp x tp x pp layout (no state moved)."""
+        """A measured switch; ``same_layout`` when it kept the dp x tp x pp layout."""
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"seconds must be a measured switch time >= 0, got {seconds!r}")
         self._switch_costs[bool(same_layout)].append(float(seconds))
@@ -286,10 +242,8 @@ class Chainer:
     def initial(
         self, noise_range: tuple[float, float] | None = None, step: int = 0, elapsed_s: float = 0.0
     ) -> Decision:
-        """The strategy to start with. With ``noise_range`` (the noise scale only known to lie in it, as after step
-        0): the one whose goodput stays closest to the best anywhere in the range under every one of
-        ``initial_models`` (``robust_choice``; level within ``margin``, the larger batch). Without: the best
-        goodput at the estimator's noise scale."""
+        """The strategy to start with: over ``noise_range`` (as after step 0) the ``robust_choice`` under every one
+        of ``initial_models``, level within ``margin``; without a range the best goodput at the current estimate."""
         phi = self.gns.noise_scale
         ranking = tuple(self.rank(phi))
         if noise_range is None:
@@ -330,11 +284,9 @@ class Chainer:
         models: Sequence[str] | str | None = None,
     ) -> Decision:
         """The running decision: switch from ``current`` only to a strategy whose progress over ``remaining_s``
-        (the estimated training time left; ``horizon_s`` when not given), its switch cost paid, beats staying by
-        more than ``margin`` at every noise scale in ``noise_range`` (the point estimate alone when not given) and
-        under every efficiency model in ``models`` (the estimator's own when None): ``switch_gain``.
-        ``noise_scale``: the point estimate to rank by, in place of the estimator's (e.g. carried to where the
-        decision applies, ``GradientNoiseScale.ahead``). ``current`` None: the initial choice (``initial``)."""
+        (else ``horizon_s``), its switch cost paid, beats staying by more than ``margin`` at every noise scale in
+        ``noise_range`` and under every one of ``models`` (``switch_gain``). ``noise_scale``: the point estimate to
+        rank by, in place of the estimator's. ``current`` None: the initial choice."""
         if current is None:
             return self.initial(noise_range, step, elapsed_s)
         models = (self.gns.lr_scaling,) if models is None else efficiency_models(models, "models")
@@ -367,35 +319,21 @@ class Chainer:
         noise_range: tuple[float, float] | None,
         models: tuple[str, ...],
     ) -> Decision:
-        """``decide`` once the estimator has statistics: each rival's worst-case gain over the noise-scale range
-        and the models (``switch_gain``, at its own kind of switch cost), the most robust one against ``margin``."""
+        """``decide`` once the estimator has statistics: the rival with the best worst-case gain against ``margin``."""
         current = cur.strategy
         lo, hi = noise_range if noise_range is not None else (phi, phi)
         grid = noise_grid(min(lo, phi), max(hi, phi), points=9)
         h = self.horizon_s if remaining_s is None else max(remaining_s, 0.0)
 
         def gain(e: Estimate) -> float:
-            cost = self.expected_switch_cost_s(current, e.strategy)
-            return min(
-                switch_gain(
-                    e.throughput,
-                    e.strategy.global_batch,
-                    cur.throughput,
-                    current.global_batch,
-                    grid,
-                    h,
-                    cost,
-                    self.gns.reference_batch,
-                    m,
-                )
-                for m in models
-            )
+            c, m0 = self.expected_switch_cost_s(current, e.strategy), self.gns.reference_batch
+            args = (e.throughput, e.strategy.global_batch, cur.throughput, current.global_batch, grid, h, c, m0)
+            return min(switch_gain(*args, m) for m in models)
 
         gains = sorted(
             ((gain(e), e) for e in ranking if e.strategy != current),
             key=lambda ge: (-ge[0], -ge[1].goodput, ge[1].strategy.name),
         )
-        # the cost logged is that of a switch to the most robust rival (same layout: no state moves)
         cost = self.expected_switch_cost_s(current, gains[0][1].strategy) if gains else 0.0
         left = f"{h:.2f}s to target estimated" if remaining_s is not None else f"a {h:.2f}s horizon"
         where = f"noise scale {phi:.1f} in [{min(lo, phi):.1f}, {max(hi, phi):.1f}], {left}, switch {cost:.2f}s"

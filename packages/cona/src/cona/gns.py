@@ -1,28 +1,17 @@
 """Gradient statistics: online unbiased |G|^2 and gradient variance, the gradient noise scale.
 
-Two gradient estimates of the same step at different batch sizes b < B (e.g. one micro-batch and
-the whole global batch, or one data-parallel rank's gradient and the all-reduced one) give, with
-E|g_b|^2 = |G|^2 + tr(Sigma)/b (McCandlish et al. 2018, appendix A):
+Two gradients of one step at batch sizes b < B give, with E|g_b|^2 = |G|^2 + tr(Sigma)/b (McCandlish et al. 2018):
 
-    |G|^2 ~ (B |g_B|^2 - b |g_b|^2) / (B - b)          (unbiased)
-    tr(Sigma) ~ (|g_b|^2 - |g_B|^2) / (1/b - 1/B)       (unbiased, per-sample variance)
+    |G|^2 ~ (B |g_B|^2 - b |g_b|^2) / (B - b)          tr(Sigma) ~ (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
 
-Both are smoothed with a bias-corrected EMA; the noise scale is their ratio.
+both unbiased and smoothed by a bias-corrected EMA; the noise scale phi is their ratio. The statistical
+efficiency of a global batch M relative to the reference batch M0 depends on how the learning rate follows M
+(``batch_efficiency``):
 
-Statistical efficiency (progress per sample of a global batch M relative to the reference batch M0,
-at which the learning rate was tuned) depends on how the learning rate follows the batch
-(``batch_efficiency``, ``lr_scaling``):
-
-- ``"tuned"`` (Pollux/AdaScale: every batch runs at its own gain-scaled, well-tuned LR): one step at M
-  makes the progress of ``gain(M) = M (phi + M0) / (M0 (phi + M))`` steps at M0, i.e.
-  ``efficiency(M) = (phi + M0) / (phi + M)``.
-- ``"sqrt"`` (Adam with the fixed square-root rule lr(M) = lr0 sqrt(M / M0), the rule the bench uses):
-  Adam divides the step by sqrt(v) with v ~ |G|^2 + tr(Sigma)/M per coordinate (in the preconditioned
-  metric), so a step's expected first-order progress is lr(M) |G|^2 / sqrt(|G|^2 + tr(Sigma)/M), and
-  per sample, with lr(M) ~ sqrt(M), it is proportional to 1 / sqrt(M + phi):
-  ``efficiency(M) = sqrt((phi + M0) / (phi + M))``. Per-sample progress is batch-independent while
-  M << phi (the SDE regime in which square-root scaling is exact for Adam, Malladi et al. 2022) and
-  falls as M approaches and passes phi, half as steeply (in log) as the "tuned" model says.
+- ``"tuned"`` (Pollux/AdaScale, an LR tuned per batch): ``efficiency(M) = (phi + M0) / (phi + M)``.
+- ``"sqrt"`` (Adam with lr0 sqrt(M / M0), the bench's rule): Adam divides the step by sqrt(v), v ~ |G|^2 +
+  tr(Sigma)/M, so progress per sample goes as 1 / sqrt(M + phi): ``efficiency(M) = sqrt((phi + M0) / (phi + M))``,
+  flat while M << phi (Malladi et al. 2022) and half as steep in log as "tuned" beyond.
 """
 
 from __future__ import annotations
@@ -47,10 +36,8 @@ LR_SCALINGS = ("sqrt", "tuned")
 
 def unbiased_estimates(sq_small: float, b_small: float, sq_big: float, b_big: float) -> tuple[float, float]:
     """(|G|^2, tr(Sigma)) from squared norms of gradients averaged over b_small and b_big samples."""
-    if not (b_small > 0 and b_big > 0):
-        raise ValueError(f"batch sizes must be positive, got b_small={b_small}, b_big={b_big}")
-    if b_big <= b_small:
-        raise ValueError(f"b_big must exceed b_small for an estimate, got b_small={b_small}, b_big={b_big}")
+    if not 0 < b_small < b_big:
+        raise ValueError(f"b_big must exceed b_small > 0 for an estimate, got b_small={b_small}, b_big={b_big}")
     g2 = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
     s = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
     return g2, s
@@ -62,11 +49,10 @@ def micro_batch_pairs(
     """Jackknife pseudo-values of (|G|^2, tr(Sigma)) from K gradients g_k of b samples each at the same weights:
     ``norms`` |g_k|^2, ``dots`` g_k . S and ``mean_sq`` |S|^2, S their mean.
 
-    Every micro-batch of a global batch is a sample, not only one per data-parallel rank: the mean of g_k . g_l over
-    k != l, (K^2 |S|^2 - sum |g_k|^2) / (K (K - 1)), is unbiased for |G|^2, and b (mean |g_k|^2 - |G|^2) for
-    tr(Sigma). Leaving micro-batch k out gives both again over K - 1 (|S_-k|^2 from |S|^2, g_k . S and |g_k|^2); the
-    pseudo-values K x - (K - 1) x_-k average to the estimates (U-statistics) and spread as they would over
-    independent repeats, so ``fieller_interval`` over them bounds the noise scale from one global batch."""
+    The mean of g_k . g_l over k != l, (K^2 |S|^2 - sum |g_k|^2) / (K (K - 1)), is unbiased for |G|^2, and
+    b (mean |g_k|^2 - |G|^2) for tr(Sigma). The pseudo-values K x - (K - 1) x_-k (micro-batch k left out) average
+    to them and spread as independent repeats would, so ``fieller_interval`` over them bounds the noise scale
+    from one global batch."""
     k = len(norms)
     if k < 3 or len(dots) != k:
         raise ValueError(f"need norms and dots of at least 3 micro-batches, got {len(norms)} and {len(dots)}")
@@ -127,8 +113,8 @@ _T975 = tuple(
 
 def fieller_interval(pairs: Sequence[tuple[float, float]], z: float | None = None) -> tuple[float, float]:
     """Fieller's confidence set for mean(s) / mean(g) over (g, s) pairs, within [0, inf): the ratios R with
-    (s_bar - R g_bar)^2 <= z^2 Var(s_bar - R g_bar). ``z`` None: the two-sided 95% Student-t quantile for the
-    pairs. Bounded when g_bar is resolved above zero (g_bar^2 > z^2 Var(g_bar)); otherwise [lower, inf)."""
+    (s_bar - R g_bar)^2 <= z^2 Var(s_bar - R g_bar) (``z`` None: the 95% Student-t quantile for the pairs).
+    Bounded when g_bar is resolved above zero; otherwise [lower, inf)."""
     n = len(pairs)
     if n < 2:
         return 0.0, math.inf
@@ -139,18 +125,13 @@ def fieller_interval(pairs: Sequence[tuple[float, float]], z: float | None = Non
     a = g * g - q * vgg  # (s - R g)^2 - q (vss - 2 R vsg + R^2 vgg) <= 0, i.e. a R^2 + b R + c <= 0
     b = -2.0 * (s * g - q * vsg)
     c = s * s - q * vss
-    disc = b * b - 4.0 * a * c
-    if a > 0 and g > 0:
-        if disc < 0:  # cannot happen for a > 0 with real data (the point estimate satisfies it); be safe
-            return 0.0, math.inf
-        r = math.sqrt(disc)
-        lo, hi = sorted(((-b - r) / (2 * a), (-b + r) / (2 * a)))
-        return max(lo, 0.0), max(hi, 0.0)
-    if a < 0 and disc > 0:  # unbounded: R outside the roots; the part >= 0 that is an interval
-        r = math.sqrt(disc)
-        r1, r2 = sorted(((-b - r) / (2 * a), (-b + r) / (2 * a)))
-        if r1 < 0.0 < r2:
-            return r2, math.inf
+    disc = b * b - 4.0 * a * c  # < 0 with a > 0 only by rounding, where the pairs do not vary
+    r = math.sqrt(max(disc, 0.0))
+    r1, r2 = sorted(((-b - r) / (2 * a), (-b + r) / (2 * a))) if a else (0.0, 0.0)
+    if a > 0 and g > 0 and disc >= 0:
+        return max(r1, 0.0), max(r2, 0.0)
+    if a < 0 and disc > 0 and r1 < 0.0 < r2:  # unbounded: R outside the roots, of which the part >= 0
+        return r2, math.inf
     return 0.0, math.inf
 
 
@@ -167,20 +148,14 @@ def _means_and_covariance(pairs: Sequence[tuple[float, float]]) -> tuple[float, 
 
 def t_quantile_975(df: int) -> float:
     """The 0.975 quantile of Student's t with ``df`` degrees of freedom (1.96 beyond 30; 12.706 below 1)."""
-    if df < 1:
-        return _T975[0]
-    return _T975[df - 1] if df <= len(_T975) else 1.96
+    return _T975[max(df, 1) - 1] if df <= len(_T975) else 1.96
 
 
 @dataclass
 class GradientNoiseScale:
-    """Online estimator of |G|^2, tr(Sigma) and the noise scale phi = tr(Sigma)/|G|^2.
-
-    ``decay`` is the EMA factor per update (0.9: about the last 10 steps). ``reference_batch`` is
-    M0, the batch size at which the learning rate was tuned; ``lr_scaling`` how the learning rate follows
-    the batch from there (``"sqrt"`` or ``"tuned"``), which sets the efficiency model. The estimator belongs to
-    the training run, not to a strategy, so it survives strategy switches.
-    """
+    """Online estimator of |G|^2, tr(Sigma) and the noise scale phi = tr(Sigma)/|G|^2 of one training run (it
+    survives strategy switches). ``decay``: the EMA factor per update; ``reference_batch``: M0, the batch the LR
+    was tuned at; ``lr_scaling``: how the LR follows the batch from there (the efficiency model)."""
 
     reference_batch: int
     decay: float = 0.9
@@ -207,9 +182,8 @@ class GradientNoiseScale:
     def update(
         self, sq_small: float, b_small: float, sq_big: float, b_big: float, step: int = -1, at: float | None = None
     ) -> bool:
-        """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small.
-        ``at``: where in training the pair was taken, in samples trained before the step whose weights the
-        gradients were taken at (0: the initial weights; ``growth`` and ``ahead`` read it)."""
+        """Fold in one pair of squared gradient norms; False (nothing changed) when b_big <= b_small. ``at``: the
+        samples trained before the weights the gradients were taken at (``growth`` and ``ahead`` read it)."""
         if b_big <= b_small or not (math.isfinite(sq_small) and math.isfinite(sq_big)):
             return False
         if at is not None and not (math.isfinite(at) and at >= 0):
@@ -244,41 +218,28 @@ class GradientNoiseScale:
 
     @property
     def noise_scale(self) -> float:
-        """phi = tr(Sigma)/|G|^2 in samples; small early in training, grows as the gradient shrinks.
-
-        While the smoothed |G|^2 estimate is not positive (noise dominates) the last well-defined value is
-        kept (0 before there was one).
-        """
+        """phi = tr(Sigma)/|G|^2 in samples; the last well-defined value (0 before one) while |G|^2 <= 0."""
         g2, s = self.grad_sq, max(self.variance, 0.0)
-        if g2 <= 0:  # the noise swamps |G|^2 for now: keep the last well-defined value
+        if g2 <= 0:
             return self._last_phi
         self._last_phi = min(s / g2, 1e9)
         return self._last_phi
 
     def interval(self, z: float | None = 2.0, window: int | None = None) -> tuple[float, float]:
-        """The noise scales the unsmoothed pairs support: Fieller's confidence set for the ratio of the mean
-        tr(Sigma) to the mean |G|^2 at ``z`` standard errors (``None``: Student's t for the pairs), which
-        counts the sampling error of both and their covariance (each pair's two estimates come from the same
-        two norms), clipped to phi >= 0. The upper end is ``math.inf`` when |G|^2 is not resolved above zero;
-        (0, inf) with fewer than two pairs. ``window``: only the last that many updates (the noise scale
-        drifts during training; the EMA weighs recent ones). Taking only |G|^2 as uncertain would put the lower end
-        far above the truth while |G|^2 is unresolved and tr(Sigma) noisy."""
+        """The noise scales the unsmoothed pairs (the last ``window`` of them) support: Fieller's set at ``z``
+        standard errors (``fieller_interval``), which counts the error of both estimates and their covariance."""
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 pair (or None for all), got {window}")
         pairs = self.raw if window is None else self.raw[-window:]
         return fieller_interval(pairs, z)
 
     def growth(self, pairs: int = 24, groups: int = 3) -> tuple[float, float] | None:
-        """How fast the noise scale grows with training, and how well that is known: the slope of log phi against
-        log samples trained, and its standard error, fitted by weighted least squares to the pooled noise scale
-        (mean tr(Sigma) / mean |G|^2) of ``groups`` consecutive groups of the last ``pairs`` pairs, each weighted
-        by the inverse of its log's variance (delta method over its pairs' spread and covariance, as Fieller's
-        set counts them). None while there are fewer than three pairs per group, a pair's position is unknown,
-        fewer than two groups resolve both means above zero, or the groups' positions do not differ."""
+        """The slope of log phi against log samples trained, and its standard error: weighted least squares over
+        the pooled noise scale of ``groups`` consecutive groups of the last ``pairs`` pairs, each weighted by the
+        inverse variance of its log (delta method). None without 3 pairs per group, positions, two groups that
+        resolve both means above zero, or distinct positions."""
         if pairs < 1 or groups < 2:
             raise ValueError(f"growth needs pairs >= 1 and groups >= 2, got pairs={pairs}, groups={groups}")
-        if len(self.at) != len(self.raw):  # pairs added without positions (``raw`` edited directly)
-            return None
         at = self.at[-pairs:]
         raw = self.raw[-pairs:]
         if len(raw) < 3 * groups or any(a is None for a in at):
@@ -300,8 +261,7 @@ class GradientNoiseScale:
         return sum(wi * (x - mx) * (y - my) for x, y, wi in pts) / sxx, 1.0 / math.sqrt(sxx)
 
     def position(self, window: int | None = None) -> float | None:
-        """The position (samples trained) the smoothed estimate describes (``window`` None: the EMA's weighted
-        mean position), or that the last ``window`` pairs describe (their mean); None where unknown."""
+        """The samples trained that the EMA (``window`` None) or the last ``window`` pairs describe; None if unknown."""
         if window is None:
             return self._at / self._w if self._w > 0 and self._at_known else None
         if window < 1:
@@ -319,13 +279,10 @@ class GradientNoiseScale:
         limit: float = 1.0,
         fit: tuple[float, float] | None = None,
     ) -> tuple[float, float, float, tuple[float, float] | None]:
-        """Factors that carry a noise scale read from the recent statistics (the EMA's, or with ``window`` the
-        last ``window`` pairs') from the position it describes to position ``to`` (samples trained) along the
-        fitted growth (``growth``): (low, point, high), at the growth's estimate minus, at and plus ``z`` standard
-        errors, each exponent clipped to +-``limit``; and the growth fitted. A range carried by (low, high) counts
-        the growth's uncertainty as well as its own. Both estimates lag where the noise scale grows fast (the pairs
-        of a range span a second or more of training). Factors 1 where the growth or the position is not known.
-        ``fit``: a growth already fitted (``growth``'s result), so that carrying several estimates fits it once."""
+        """Factors (low, point, high) that carry a noise scale read from the EMA (or the last ``window`` pairs) from
+        the position it describes to ``to`` samples trained along the fitted growth (``fit``, else ``growth``) at
+        minus, zero and plus ``z`` standard errors, exponents clipped to +-``limit``; and that fit. Factors 1
+        where the growth or the position is unknown. The statistics lag where the noise scale grows fast."""
         if not (z >= 0 and limit >= 0):
             raise ValueError(f"z and limit must be >= 0, got z={z}, limit={limit}")
         if fit is None:
@@ -341,37 +298,13 @@ class GradientNoiseScale:
         return low, point, high, fit
 
     def efficiency(self, batch: float, noise_scale: float | None = None) -> float:
-        """Per-sample statistical efficiency of a global batch relative to the reference batch (<= 1 above M0)
-        under this run's learning-rate rule (``lr_scaling``)."""
+        """Per-sample efficiency of a global batch relative to the reference batch under ``lr_scaling``."""
         phi = self.noise_scale if noise_scale is None else noise_scale
         return batch_efficiency(batch, phi, self.reference_batch, self.lr_scaling)
 
     def gain(self, batch: float, noise_scale: float | None = None) -> float:
-        """Progress of one step at ``batch`` in reference-batch steps (with ``lr_scaling="tuned"`` the AdaScale
-        gain, by which AdaScale scales the LR)."""
+        """Progress of one step at ``batch`` in reference-batch steps (AdaScale's gain under "tuned")."""
         return batch / self.reference_batch * self.efficiency(batch, noise_scale)
 
     def snapshot(self, step: int = -1) -> GnsSnapshot:
         return GnsSnapshot(step, self.grad_sq, self.variance, self.noise_scale, self.updates)
-
-    def state_dict(self) -> dict:
-        return {
-            "reference_batch": self.reference_batch,
-            "decay": self.decay,
-            "g2": self._g2,
-            "s": self._s,
-            "w": self._w,
-            "updates": self.updates,
-            "lr_scaling": self.lr_scaling,
-            "at": self._at,
-            "at_known": self._at_known,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.reference_batch = int(state["reference_batch"])
-        self.decay = float(state["decay"])
-        self._g2, self._s, self._w = float(state["g2"]), float(state["s"]), float(state["w"])
-        self.updates = int(state["updates"])
-        # a state saved before positions were kept: unknown if it had updates, else every later one sets them
-        self._at, self._at_known = float(state.get("at", 0.0)), bool(state.get("at_known", self._w == 0))
-        self.lr_scaling = str(state.get("lr_scaling", self.lr_scaling))
