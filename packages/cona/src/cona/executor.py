@@ -1,33 +1,29 @@
-"""Executors: one training step of a Llama-family causal LM under any dp x tp x pp strategy.
+"""One training step of a Llama-family causal LM under any dp x tp x pp strategy.
 
-Rank layout: rank = d * (pp * tp) + p * tp + t. Tensor parallelism is Megatron-style: q/k/v and
-gate/up projections are column-split (whole heads per rank), o/down projections row-split with an
-all-reduce of their output; the block inputs pass through an identity whose backward all-reduces.
-Pipeline parallelism splits the decoder layers into contiguous stages (embedding on the first,
-norm + head on the last) and runs micro-batches GPipe-style over point-to-point send/recv. Data
-parallelism averages gradients with one flat all-reduce. AdamW state is elementwise, so sharding
-it with the weights is exact.
-
-Layout-independent state: every full (unsharded) tensor under its transformers name -- weights and
-Adam moments -- plus the step. ``full_state()`` assembles it on every rank with one all-reduce in
-which each element is contributed by exactly one rank (so it is exact), and ``Executor(..., state)``
-slices it for any strategy: that is the in-memory resharding path; ``save_state``/``load_state``
-write and read the same form as a safetensors checkpoint.
+Rank = d * (pp * tp) + p * tp + t. Tensor parallelism is Megatron's: q/k/v and gate/up column-split (whole heads
+per rank), o/down row-split with an all-reduce of their output, block inputs through an identity whose backward
+all-reduces. Pipeline stages are contiguous layers (embedding first, norm + head last) run GPipe-style over
+send/recv; data parallelism averages gradients with one flat all-reduce. AdamW is elementwise, so its sharded
+state is exact. ``full_state()`` assembles the full tensors (weights, Adam moments, step) on every rank with
+one all-reduce to which each element comes from one rank, and ``Executor(..., state)`` slices them for any
+strategy: exact resharding, in memory or through ``save_state``/``load_state`` (safetensors).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+import hwtopo
 
 from . import dist as cdist
 from .space import ModelDims, Strategy, check_strategy
@@ -73,14 +69,10 @@ def initial_state(config, seed: int = 0) -> FullState:
 
 def save_state(path: str | os.PathLike, state: FullState, meta: dict | None = None) -> None:
     """Write a layout-independent checkpoint atomically (safetensors, flat keys 'kind/name')."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     flat = {f"{k}/{n}": t.contiguous() for k in _KINDS for n, t in state.tensors[k].items()}
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(flat, str(tmp), metadata={"step": str(state.step), "meta": json.dumps(meta or {})})
-    os.replace(tmp, path)
+    hwtopo.atomic_write_bytes(path, save(flat, metadata={"step": str(state.step), "meta": json.dumps(meta or {})}))
 
 
 def load_state(path: str | os.PathLike) -> FullState:
@@ -129,7 +121,6 @@ class StepResult:
     b_big: int
     compute_s: float
     gns_s: float
-    timings: dict = field(default_factory=dict)
     grad_norm: float | None = None  # global L2 norm of the whole (unsharded) gradient, before clipping
     clip_coef: float = 1.0  # the factor the gradients were scaled by (1.0: not clipped)
 
@@ -154,9 +145,8 @@ class Executor:
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0 (or None for no clipping), got {clip_norm}")
         self.clip_norm = clip_norm
-        # gradient statistics in Adam's preconditioned metric g / (sqrt(v_hat) + eps) (Pollux's
-        # preconditioned noise scale for adaptive optimizers); before the first optimizer step v_hat
-        # comes from the squared gradients folded in by ``fold_second_moment``
+        # gradient statistics in Adam's metric g / (sqrt(v_hat) + eps) (Pollux's preconditioned noise scale);
+        # before the first optimizer step v_hat comes from ``fold_second_moment``
         self.precondition = precondition
         self._eps, self._beta2 = eps, betas[1]
         self._v0: dict[nn.Parameter, torch.Tensor] = {}
@@ -180,30 +170,23 @@ class Executor:
             keep.append("model.embed_tokens.")
         if self.last:
             keep += ["model.norm.", "lm_head."]
-        names = [n for n, _ in full.named_parameters() if n.startswith(tuple(keep))]
         self.full_shapes = {n: tuple(p.shape) for n, p in full.named_parameters()}
-        # materialise this rank's shards from the full state
         modules = dict(full.named_modules())
         self.params: dict[str, nn.Parameter] = {}
-        for n in names:
+        for n in (n for n in self.full_shapes if n.startswith(tuple(keep))):  # this rank's shards of the state
             mod_name, attr = n.rsplit(".", 1)
-            piece = self._slice(n, state.tensors["param"][n]).to(self.device, copy=True)
-            param = nn.Parameter(piece)
-            setattr(modules[mod_name], attr, param)
-            self.params[n] = param
+            self.params[n] = nn.Parameter(self._slice(n, state.tensors["param"][n]).to(self.device, copy=True))
+            setattr(modules[mod_name], attr, self.params[n])
         if strategy.tp > 1:
             self._install_tp_hooks()
         self.opt = torch.optim.AdamW(
             list(self.params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
         )
         self.step = state.step
-        if state.step > 0:
+        if state.step > 0:  # Adam's moments, sliced like the weights
             for n, p in self.params.items():
-                self.opt.state[p] = {
-                    "step": torch.tensor(float(state.step)),
-                    "exp_avg": self._slice(n, state.tensors["exp_avg"][n]).to(self.device, copy=True),
-                    "exp_avg_sq": self._slice(n, state.tensors["exp_avg_sq"][n]).to(self.device, copy=True),
-                }
+                moments = {k: self._slice(n, state.tensors[k][n]).to(self.device, copy=True) for k in _KINDS[1:]}
+                self.opt.state[p] = {"step": torch.tensor(float(state.step))} | moments
         self.owned = [p for n, p in self.params.items() if shard_dim(n) is not None or self.t == 0]
 
     def _place(self, rank: int) -> None:
@@ -227,17 +210,13 @@ class Executor:
         bounds = [round(i * layers / pp) for i in range(pp + 1)]
         self.lo, self.hi = bounds[self.p], bounds[self.p + 1]
 
-    # --- layout ------------------------------------------------------------------------------------
     def same_layout(self, strategy: Strategy) -> bool:
-        """Whether ``strategy`` places every shard where this executor's does (the same dp x tp x pp): it differs
-        at most in micro-batch and global batch, i.e. in how a step's samples are split, not in the state."""
+        """Whether ``strategy`` has this executor's dp x tp x pp (it splits a step's samples otherwise, no state)."""
         return (strategy.dp, strategy.tp, strategy.pp) == (self.s.dp, self.s.tp, self.s.pp)
 
-    def retarget(self, strategy: Strategy, lr: float | None = None) -> Executor:
-        """Switch to ``strategy`` in place when it has this executor's layout (``same_layout``): no state moves,
-        so the switch is exact and costs no resharding; later steps split their batches as ``strategy`` says, at
-        learning rate ``lr`` if given (else each step's ``lr`` argument, or the one set before). A different layout
-        needs ``Executor(strategy, config, self.full_state())`` (resharding)."""
+    def retarget(self, strategy: Strategy) -> Executor:
+        """Switch to ``strategy`` in place when it has this executor's layout: exact, no state moves. Another
+        layout needs ``Executor(strategy, config, self.full_state())`` (resharding)."""
         if not self.same_layout(strategy):
             raise ValueError(
                 f"retarget needs the same dp x tp x pp layout: {strategy.name} is not that of "
@@ -245,9 +224,6 @@ class Executor:
             )
         check_strategy(strategy, ModelDims.from_config(self.config, 1), dist.get_world_size())
         self.s = strategy
-        if lr is not None:
-            for g in self.opt.param_groups:
-                g["lr"] = lr
         return self
 
     def _slice(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -275,7 +251,6 @@ class Executor:
             layer.self_attn.o_proj.register_forward_hook(reduce_out)
             layer.mlp.down_proj.register_forward_hook(reduce_out)
 
-    # --- compute -----------------------------------------------------------------------------------
     def _stage(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.first else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -308,18 +283,10 @@ class Executor:
         self._v0_n += 1
 
     def _preconditioner(self) -> list[torch.Tensor] | None:
-        """1 / (sqrt(v) + eps) of every owned parameter, or None (plain metric).
-
-        v is Adam's bias-corrected second moment (before the first step: the folded squared gradients),
-        floored per tensor at ``V_FLOOR`` x the tensor's mean: a coordinate with no gradient history yet
-        (a byte not seen so far) has v ~ 0, and 1/eps would let one such element swamp every norm, while
-        Adam's own step there is bounded because its v takes in the current gradient first. The mean is
-        over the full tensor (tensor-parallel shards all-reduced), so every layout uses the same metric.
-
-        Written into buffers allocated once per executor, and the floors stay on the device: no new
-        parameter-sized tensors per step and no host synchronisation (the step's only one is the final
-        reduction in ``compute_grads``).
-        """
+        """1 / (sqrt(v) + eps) of every owned parameter, or None (plain metric), into buffers allocated once and
+        without a host sync. v is Adam's bias-corrected second moment (before the first step: the folded squared
+        gradients), floored at ``V_FLOOR`` x its full tensor's mean (the same in every layout): a coordinate with
+        no gradient history has v ~ 0, and 1/eps would let it swamp every norm."""
         if not self.precondition:
             return None
         vs: list[tuple[torch.Tensor, float]] = []  # (v or its running sum, divisor)
@@ -347,8 +314,6 @@ class Executor:
         if self.tp_group is not None:
             dist.all_reduce(sums, group=self.tp_group)
         floors = (sums * V_FLOOR).float().unbind()
-        # one fused pass per operation over every owned tensor (the per-tensor loop was ~100 small operations a
-        # statistics step: most of their cost on a small model); the same elementwise results
         bufs, own = self._pre_bufs, self._pre_owned
         torch._foreach_copy_(bufs, [vs[i][0] for i in own])
         torch._foreach_div_(bufs, [vs[i][1] for i in own])
@@ -359,13 +324,11 @@ class Executor:
         return bufs
 
     def _sq_norm(self, scale: float = 1.0, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Squared norm of the owned gradients (times ``scale``), in the metric ``weights`` if given, as a float64
-        scalar on the device, read by the caller with the step's other reductions: no host sync here, which
-        mid-backward would stall the pipeline on a GPU. The weighted gradients go into a scratch buffer allocated
-        once."""
+        """Squared norm of the owned gradients (times ``scale``) in the metric ``weights``, a float64 scalar left on
+        the device: a host sync mid-backward would stall the pipeline on a GPU."""
         have = [k for k, p in enumerate(self.owned) if p.grad is not None]
         grads = [self.owned[k].grad for k in have]
-        if weights is not None and grads:  # fused over the tensors, like the preconditioner
+        if weights is not None and grads:
             scratch = [self._gns_scratch[k] for k in have]
             torch._foreach_copy_(scratch, grads)
             torch._foreach_mul_(scratch, [weights[k] for k in have])
@@ -448,9 +411,7 @@ class Executor:
         t0 = time.perf_counter()
         self._grads_zero()
         mbs = self._local_micro_batches(batch)
-        if gns and s.dp * s.accum == 1 and s.micro_batch > 1:
-            # one replica, one micro-batch: split it in two for this step so that a smaller-batch
-            # gradient exists (the same gradient, slightly slower; the caller accounts for that)
+        if gns and s.dp * s.accum == 1 and s.micro_batch > 1:  # split the only micro-batch: a smaller gradient
             mbs = list(mbs[0].split((s.micro_batch + 1) // 2))
         want = gns and len(mbs) * s.dp > 1
         tw = time.perf_counter()
@@ -460,9 +421,7 @@ class Executor:
         gns_s += pre_s
         self._dp_allreduce()
         t1 = time.perf_counter()
-        # |G_B|^2 of the whole model: each rank sums the squares of the gradient elements it owns (its
-        # tensor-parallel shards; replicated tensors on tp rank 0 only; its pipeline stage), the world
-        # all-reduce adds them up, and dividing by dp removes the dp identical replicas
+        # |G_B|^2: each rank's owned elements, summed over the world and divided by the dp identical replicas
         need_norm = want or self.clip_norm is not None
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         plain = self._sq_norm() if need_norm else zero
@@ -478,25 +437,13 @@ class Executor:
         compute_s = time.perf_counter() - t0 - gns_s
         b_small = mbs[0].shape[0] if want else s.micro_batch
         return StepResult(
-            loss,
-            sq_small_t,
-            b_small,
-            sq_big_t if want else 0.0,
-            s.global_batch,
-            compute_s,
-            gns_s,
-            {"split": len(mbs) != s.accum},
-            norm,
-            coef,
+            loss, sq_small_t, b_small, sq_big_t if want else 0.0, s.global_batch, compute_s, gns_s, norm, coef
         )
 
     def micro_batch_stats(self, batches: Sequence[torch.Tensor]) -> tuple[int, list[float], list[float], float]:
-        """(micro-batch size b, |g_k|^2 of every micro-batch's gradient g_k, g_k . S, |S|^2) over every micro-batch of
-        ``batches`` on every data-parallel replica, S their mean, in the gradient statistics' metric (Adam's, as
-        ``compute_grads`` takes it), at the current weights and without a step: the input of
-        ``gns.micro_batch_pairs``. Each micro-batch runs on its own (a pipeline one micro-batch at a time) and its
-        gradient is kept until S is known: this rank's gradient shards once per micro-batch, a one-off for step 0.
-        Every rank must call it."""
+        """(b, |g_k|^2, g_k . S, |S|^2) over every micro-batch gradient g_k of ``batches`` on every replica, S their
+        mean, in the statistics' metric, at the current weights and without a step (``gns.micro_batch_pairs``'
+        input). Every rank must call it; it keeps one gradient per micro-batch, a one-off for step 0."""
         s = self.s
         weights = self._preconditioner()
         kept: list[list[torch.Tensor]] = []  # per local micro-batch: this rank's gradients, in ``params`` order
@@ -528,12 +475,7 @@ class Executor:
         return s.micro_batch, vals[:k_all], vals[k_all : 2 * k_all], vals[2 * k_all] / s.dp
 
     def _clip(self, norm: float | None) -> float:
-        """Scale every gradient (shards and replicas alike) so the global norm is at most ``clip_norm``.
-
-        The same rule as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: factor
-        ``clip_norm / (norm + 1e-6)`` when that is below 1. Every rank applies the same factor, computed
-        from the all-reduced norm, so replicas stay identical.
-        """
+        """``torch.nn.utils.clip_grad_norm_`` on the unsharded model: every rank scales by the same factor."""
         if self.clip_norm is None or norm is None:
             return 1.0
         coef = self.clip_norm / (norm + 1e-6)
@@ -552,13 +494,11 @@ class Executor:
         return res
 
     def grads(self) -> list[torch.Tensor]:
-        """Copies of this rank's gradients as ``compute_grads`` left them (averaged over dp, clipped), in parameter
-        order: a gradient to step with later (``step_with``) after other work at the same weights."""
+        """Copies of this rank's gradients as ``compute_grads`` left them, to step with later (``step_with``)."""
         return [p.grad.detach().clone() for p in self.params.values()]
 
     def step_with(self, grads: Sequence[torch.Tensor], lr: float | None = None) -> None:
-        """One optimizer step with ``grads`` (from ``grads()`` of this executor, at the current weights): the step
-        ``train_step`` would have taken on the batch they came from."""
+        """The optimizer step ``train_step`` would have taken with ``grads`` (this executor's ``grads()``)."""
         params = list(self.params.values())
         if len(grads) != len(params) or any(g.shape != p.shape for g, p in zip(grads, params)):
             raise ValueError("grads must be this executor's own, one per parameter shard in order (from grads())")
@@ -578,9 +518,7 @@ class Executor:
 
     @torch.no_grad()
     def evaluate(self, ids: torch.Tensor, micro_batch: int = 32) -> float:
-        """Mean next-token loss over ``ids`` (split across dp replicas); the same value on every rank.
-
-        32 windows per forward: about half the time of 8, and the bench evaluates every 0.1 s of training clock."""
+        """Mean next-token loss over ``ids`` (split across dp replicas); the same value on every rank."""
         s = self.s
         if ids.shape[0] % s.dp:
             raise ValueError(f"validation set of {ids.shape[0]} samples does not split over dp={s.dp}")
@@ -603,23 +541,17 @@ class Executor:
         dist.all_reduce(red)
         return float(red[0]) / ids.shape[0]
 
-    # --- state -------------------------------------------------------------------------------------
     def _gather(self, pick) -> dict[str, torch.Tensor]:
         """Full tensors on every rank: each element comes from exactly one rank (dp replica 0)."""
-        names = list(self.full_shapes)
-        sizes = [int(torch.Size(self.full_shapes[n]).numel()) for n in names]
-        flat = torch.zeros(sum(sizes), device=self.device)
-        off = {}
-        o = 0
-        for n, k in zip(names, sizes):
-            off[n] = o
-            o += k
+        sizes = {n: int(torch.Size(shape).numel()) for n, shape in self.full_shapes.items()}
+        off = dict(zip(sizes, itertools.accumulate(sizes.values(), initial=0)))
+        flat = torch.zeros(sum(sizes.values()), device=self.device)
         if self.d == 0:
             for n, p in self.params.items():
                 t = pick(n, p)
                 if t is None:
                     continue
-                view = flat[off[n] : off[n] + sizes[names.index(n)]].view(self.full_shapes[n])
+                view = flat[off[n] : off[n] + sizes[n]].view(self.full_shapes[n])
                 dim = shard_dim(n)
                 if dim is None or self.s.tp == 1:
                     if self.t == 0:
@@ -628,8 +560,8 @@ class Executor:
                     w = t.shape[dim]
                     view.narrow(dim, self.t * w, w).copy_(t)
         dist.all_reduce(flat)
-        flat = flat.cpu()  # the layout-independent state lives on the CPU (no copy when it is already there)
-        return {n: flat[off[n] : off[n] + k].view(self.full_shapes[n]).clone() for n, k in zip(names, sizes)}
+        flat = flat.cpu()  # the layout-independent state lives on the CPU
+        return {n: flat[off[n] : off[n] + k].view(self.full_shapes[n]).clone() for n, k in sizes.items()}
 
     def full_state(self) -> FullState:
         """The layout-independent state, assembled on every rank (exact)."""
