@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CGroup",
@@ -297,6 +298,8 @@ class CGroup:
     ``paths`` maps each controller in use to its directory; ``version(controller)`` says v1 or v2.
     """
 
+    closed: bool  # declared here: __init__ reads a parent's before it sets its own
+
     def __init__(
         self,
         label: str = "",
@@ -319,7 +322,7 @@ class CGroup:
         _check_limits(cpus, mems, quota_cores, period_s, shares, memory_bytes, pids_max)
         if parent is not None and (not isinstance(parent, CGroup) or parent.closed):
             raise ValueError(f"parent must be a live CGroup, not {parent!r}")
-        self.settings = {"cpus": cpus, "mems": mems, "quota_cores": quota_cores, "shares": shares}
+        self.settings: dict[str, Any] = {"cpus": cpus, "mems": mems, "quota_cores": quota_cores, "shares": shares}
         self.settings.update(
             memory_bytes=memory_bytes,
             pids_max=pids_max,

@@ -159,21 +159,21 @@ class CpuThrottle:
             return
         self.closed = True
         if self._watchdog is not None:
-            self._stop_watchdog()
+            self._stop_watchdog(self._watchdog)
         if self.cgroup is not None:
             self.cgroup.close()
         with _lock:
             _throttles.pop(id(self), None)
 
-    def _stop_watchdog(self) -> None:
+    def _stop_watchdog(self, watchdog: subprocess.Popen) -> None:
         if self._lifeline is not None:
             os.close(self._lifeline)  # the watchdog resumes the process and exits
             self._lifeline = None
         try:
-            self._watchdog.wait(timeout=5)
+            watchdog.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self._watchdog.kill()  # its guardian resumes the process
-            self._watchdog.wait()
+            watchdog.kill()  # its guardian resumes the process
+            watchdog.wait()
         if pid_alive(self.pid):
             try:
                 os.kill(self.pid, signal.SIGCONT)
@@ -438,7 +438,30 @@ def _check_seconds(field: str, value) -> float:
     return v
 
 
-def _schedstat_reader(path: str | None = None):
+class _SchedstatReader:
+    """Called, gives the runqueue wait read from an open schedstat descriptor; ``close()`` once."""
+
+    def __init__(self, fd: int, last: float) -> None:
+        self._fd, self._open, self._last = fd, True, last
+
+    def __call__(self) -> float:
+        if self._open:
+            try:
+                self._last = int(os.pread(self._fd, 128, 0).split()[1]) * 1e-9
+            except (OSError, ValueError, IndexError):
+                pass  # keep the last reading: the wait never goes backwards
+        return self._last
+
+    def close(self) -> None:
+        if self._open:  # once: the descriptor number may be reused after it is closed
+            self._open = False
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+
+def _schedstat_reader(path: str | None = None) -> _SchedstatReader | None:
     """A function giving the calling thread's cumulative runqueue wait in seconds, or None if unavailable.
 
     ``/proc/<pid>/task/<tid>/schedstat`` holds: time on a CPU, time runnable but waiting for one (both
@@ -460,27 +483,7 @@ def _schedstat_reader(path: str | None = None):
     if on_cpu == 0:  # this thread has run Python code, so zero means statistics are off
         os.close(fd)
         return None
-
-    state = {"open": True, "last": int(fields[1]) * 1e-9}
-
-    def read() -> float:
-        if state["open"]:
-            try:
-                state["last"] = int(os.pread(fd, 128, 0).split()[1]) * 1e-9
-            except (OSError, ValueError, IndexError):
-                pass  # keep the last reading: the wait never goes backwards
-        return state["last"]
-
-    def close() -> None:
-        if state["open"]:  # once: the descriptor number may be reused after it is closed
-            state["open"] = False
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    read.close = close
-    return read
+    return _SchedstatReader(fd, int(fields[1]) * 1e-9)
 
 
 def dilate(speed: float, **kwargs) -> Dilation:

@@ -355,7 +355,9 @@ def spawn(
     with tempfile.TemporaryDirectory(prefix="hwtopo-launch-") as tmp:
         job = _Job(fn, tuple(args), world, tmp, threads, backend, pg_timeout_s, setup, init_group)
         rdzv = f"file://{Path(tmp) / 'store'}"
-        procs = [ctx.Process(target=_rank_main, args=(r, job), name=f"rank{r}", daemon=False) for r in range(world)]
+        # typeshed types get_context(str) as BaseContext, which lacks the Process every real context has
+        process = ctx.Process  # type: ignore[attr-defined]
+        procs = [process(target=_rank_main, args=(r, job), name=f"rank{r}", daemon=False) for r in range(world)]
         previous = signal.signal(signal.SIGTERM, _sigterm_to_exit) if main else None
         try:
             for r, p in enumerate(procs):

@@ -86,9 +86,9 @@ def matmul_flops(size: int = 512, threads: int | None = None, seconds: float = 0
         import numpy as np
     except ImportError:
         raise RuntimeError("matmul_flops needs torch or numpy; pip install 'mlsyskit-hwtopo[measure]'") from None
-    a = np.random.rand(size, size).astype("float32")
-    b = np.random.rand(size, size).astype("float32")
-    t = _timeit(lambda: a @ b, seconds)
+    x = np.random.rand(size, size).astype("float32")
+    y = np.random.rand(size, size).astype("float32")
+    t = _timeit(lambda: x @ y, seconds)
     return MatmulResult(flop / t, threads or 0, size, "numpy")
 
 

@@ -92,7 +92,8 @@ class Machine:
     def accelerator_interconnect_bytes_per_s(self) -> float | None:
         """Slowest declared peer bandwidth among this machine's accelerators (None if undeclared)."""
         bws = [a.interconnect_bandwidth_bytes_per_s for a in self.accelerators]
-        return min(bws) if bws and all(b is not None for b in bws) else None
+        declared = [b for b in bws if b is not None]
+        return min(declared) if declared and len(declared) == len(bws) else None
 
     def with_(self, **changes) -> Machine:
         """A copy with fields replaced (e.g. measured flops attached)."""
@@ -145,8 +146,9 @@ class Cluster:
 
     def relative_speeds(self) -> dict[str, float]:
         """Each machine's speed divided by the fastest (measured flops preferred when all have it)."""
-        if self.machines and all(m.flops for m in self.machines):
-            raw = {m.name: float(m.flops) for m in self.machines}
+        measured = [float(m.flops) for m in self.machines if m.flops]
+        if self.machines and len(measured) == len(self.machines):
+            raw = dict(zip((m.name for m in self.machines), measured))
         else:
             raw = {m.name: float(m.speed) for m in self.machines}
         top = max(raw.values(), default=1.0) or 1.0

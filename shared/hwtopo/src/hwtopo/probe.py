@@ -154,10 +154,10 @@ def _cgroup_cpu_limit() -> float | None:
         q, _, p = v2.strip().partition(" ")
         if q != "max" and p:
             return int(q) / int(p)
-    q = _read(SYS / "fs/cgroup/cpu/cpu.cfs_quota_us") or _read(SYS / "fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
-    p = _read(SYS / "fs/cgroup/cpu/cpu.cfs_period_us") or _read(SYS / "fs/cgroup/cpu,cpuacct/cpu.cfs_period_us")
-    if q and p and int(q) > 0:
-        return int(q) / int(p)
+    quota = _read(SYS / "fs/cgroup/cpu/cpu.cfs_quota_us") or _read(SYS / "fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
+    period = _read(SYS / "fs/cgroup/cpu/cpu.cfs_period_us") or _read(SYS / "fs/cgroup/cpu,cpuacct/cpu.cfs_period_us")
+    if quota and period and int(quota) > 0:
+        return int(quota) / int(period)
     return None
 
 
@@ -168,7 +168,7 @@ def probe(name: str | None = None, gpus: bool = True) -> Machine:
     threads = len(cpus)
     cores = threads
     # physical cores: distinct (package, core_id) among usable cpus
-    ids = set()
+    ids: set[tuple[str, str]] = set()
     for c in cpus:
         core = _read(SYS / f"devices/system/cpu/cpu{c}/topology/core_id")
         pkg = _read(SYS / f"devices/system/cpu/cpu{c}/topology/physical_package_id")
