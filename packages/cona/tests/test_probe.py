@@ -19,20 +19,20 @@ from cona.probe import (
 from cona.space import Strategy
 
 
-def test_probe_cache_round_trip_and_old_format(tmp_path):
+def test_probe_cache_round_trip(tmp_path):
     path = tmp_path / "p.json"
     c = ProbeCache.open("k", path)
     s = Strategy(2, 1, 1, 4, 8)
-    assert c.get(s) is None
+    assert c.entry(s) is None
     c.put(s, 0.25, cost_s=1.5)
     c.save()
     again = ProbeCache.open("k", path)
-    assert again.get(s) == 0.25 and again.entry(s)["cost_s"] == 1.5
-    assert ProbeCache.open("other key", path).get(s) is None  # another machine/model/world: probed afresh
-    path.write_text(json.dumps({"k": {s.name: 0.5}}))  # the 0.1.0 format (a bare step time)
-    assert ProbeCache.open("k", path).get(s) == 0.5
+    assert again.entry(s)["step_s"] == 0.25 and again.entry(s)["cost_s"] == 1.5
+    assert ProbeCache.open("other key", path).entry(s) is None  # another machine/model/world: probed afresh
+    path.write_text(json.dumps({"k": {s.name: 0.5}}))  # not an entry
+    assert ProbeCache.open("k", path).entry(s) is None
     path.write_text("not json")
-    assert ProbeCache.open("k", path).get(s) is None
+    assert ProbeCache.open("k", path).entry(s) is None
     with pytest.raises(ValueError, match="must be > 0"):
         c.put(s, 0.0)
 

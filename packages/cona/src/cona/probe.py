@@ -1,14 +1,11 @@
 """Throughput: real probes of strategies, a per-layout cost model fitted from them, and a cache across runs.
 
-``Prober`` measures a bench's table: every strategy of the probe plan, the model's fastest and the fastest of
-every global batch, each in interleaved rounds (the median round kept), then every global batch's contenders
-against each other in paired cycles (``paired_rates``): a drift of the machine's speed lands on every strategy
-alike instead of on whichever was timed during it. The cost model is per (dp, tp, pp) layout: a step runs
-``slots`` sequential micro-batch slots (``accum`` for pp=1, ``accum + pp - 1`` for GPipe), so
+``Prober`` times the probe plan, the model's fastest strategies and the fastest of every global batch in
+interleaved rounds (median kept), then every global batch's contenders against each other in paired cycles
+(``paired_rates``), so that a drift of the machine's speed lands on all of them alike. The cost model is per
+(dp, tp, pp) layout, a step running ``slots`` sequential micro-batch slots (``accum + pp - 1``):
 
     step_s = c0 + c1 * slots + c2 * slots * micro_batch        (c >= 0, least squares)
-
-which predicts every micro-batch / global-batch combination of a layout from three probes of it.
 """
 
 from __future__ import annotations
@@ -29,17 +26,16 @@ import torch
 import torch.distributed as dist
 
 import hwtopo
+from hwtopo import console
 
 from . import dist as cdist
 from .space import Strategy
 
 __all__ = [
-    "cache_dir",
     "code_digest",
     "CostModel",
     "ProbeCache",
     "Prober",
-    "probe_key",
     "paired_rates",
     "pair_contenders",
     "merge_paired",
@@ -53,11 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger("cona.progress")  # the bench's progress lines (rank 0 only)
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlsyskit" / "cona"
 
 
 def _features(s: Strategy) -> list[float]:
@@ -149,13 +140,8 @@ def probe_plan(candidates: Iterable[Strategy], per_layout: int = 3) -> list[Stra
 
 
 def time_steps(step_fn, steps: int = 3, warmup: int = 1, steps_after_first=None) -> float:
-    """Median seconds of ``steps`` timed calls of ``step_fn()`` after ``warmup`` untimed ones (the
-    typical step under the machine's current load, which is what training will see).
-
-    ``steps_after_first(seconds)``, when given, sets the number of timed steps from the first timed one
-    (e.g. fewer for a slow strategy, whose long steps already average out the machine's jitter); in a
-    distributed probe it must return the same count on every rank, since each step holds collectives.
-    """
+    """Median seconds of ``steps`` timed calls of ``step_fn()`` after ``warmup`` untimed ones.
+    ``steps_after_first(seconds)`` resets ``steps`` from the first timed call (the same on every rank)."""
     for _ in range(warmup):
         step_fn()
     times = []
@@ -177,12 +163,10 @@ def round_steps(first_step_s: float, max_steps: int, round_s: float | None, min_
 
 
 def paired_rates(cycles: list[dict], reference: dict | None = None) -> dict:
-    """Throughputs of strategies timed in alternating blocks, one block each per cycle (``cycles``: per cycle,
-    strategy -> samples/s of its block). Each strategy's figure is its median over cycles of its rate relative to
-    the cycle's geometric mean, so a drift or a burst of the machine's speed that a cycle's blocks share cancels
-    from the ratios. ``reference``: strategy -> samples/s measured otherwise (the probe rounds); the figures are put
-    at its level, the median over the strategies of reference / figure, so that one reference read in a slow
-    spell moves no figure. Default level: the geometric mean of the strategies' median block rates."""
+    """Throughputs from ``cycles`` (per cycle, strategy -> samples/s of its block): each strategy's median over
+    cycles of its rate relative to the cycle's geometric mean, so a speed change the cycle shares cancels. The
+    level: the median over strategies of ``reference`` (samples/s from the rounds) / figure, so one slow reference
+    moves nothing; without a reference the geometric mean of the median block rates."""
     if not cycles or any(set(c) != set(cycles[0]) for c in cycles):
         raise ValueError("paired_rates needs at least one cycle, each timing the same strategies")
     names = list(cycles[0])
@@ -200,10 +184,8 @@ DIGEST_SOURCES = ("executor.py", "model.py", "dist.py", "space.py", "probe.py") 
 
 
 def code_digest() -> str:
-    """Short hash of the source that sets a step's time (executor, model, process groups, strategy space,
-    probe) and the transformers version the model runs through: a cache entry measured by other code is
-    stale. Where the sources cannot be read (a bytecode-only install) the package version stands in, marked
-    so, and every process computes the same value."""
+    """Short hash of ``DIGEST_SOURCES`` and the transformers version: a step time measured by other code is
+    stale. Without readable sources (a bytecode-only install) the package version stands in, marked so."""
     import hashlib
     from importlib import metadata, resources
 
@@ -223,27 +205,10 @@ def code_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def probe_key(**parts) -> str:
-    """The cache key of a probe setting: this machine (host, cores), the software and the workload.
-
-    Step times only transfer between runs that share all of these; anything else is probed afresh.
-    """
-    import platform
-
-    import torch
-
-    m = hwtopo.probe()
-    base = {"host": platform.node(), "cores": m.cores, "threads": m.threads, "torch": torch.__version__}
-    return json.dumps(base | parts, sort_keys=True, default=str)
-
-
 @dataclass
 class ProbeCache:
-    """Measured step times by (machine, model, world, strategy), in a JSON file written atomically.
-
-    Each entry keeps the median step time, what the probe cost (seconds of measuring) and when it was
-    measured, so a run that reuses the cache can report the probing cost it did not pay again.
-    """
+    """Measured step times by key (``bench_probe_key``) and strategy in a JSON file written atomically, each with
+    what measuring it cost, when and under which load (a run that reuses it reports the cost it did not pay)."""
 
     path: Path
     key: str
@@ -251,7 +216,7 @@ class ProbeCache:
 
     @classmethod
     def open(cls, key: str, path: Path | None = None) -> ProbeCache:
-        path = Path(path) if path is not None else cache_dir() / "probes.json"
+        path = Path(path) if path is not None else console.cache_dir("cona") / "probes.json"
         try:
             data = json.loads(path.read_text())
             if not isinstance(data, dict):
@@ -262,15 +227,8 @@ class ProbeCache:
 
     def entry(self, s: Strategy) -> dict | None:
         e = self.data.get(self.key, {}).get(s.name)
-        if isinstance(e, (int, float)):  # older format: the step time alone
-            return {"step_s": float(e), "cost_s": None, "measured_at": None}
-        if isinstance(e, dict) and isinstance(e.get("step_s"), (int, float)) and e["step_s"] > 0:
-            return e
-        return None
-
-    def get(self, s: Strategy) -> float | None:
-        e = self.entry(s)
-        return float(e["step_s"]) if e else None
+        ok = isinstance(e, dict) and isinstance(e.get("step_s"), (int, float)) and e["step_s"] > 0
+        return e if ok else None
 
     def put(
         self, s: Strategy, step_s: float, cost_s: float | None = None, rounds: list[float] | None = None, **extra
@@ -278,13 +236,8 @@ class ProbeCache:
         if not step_s > 0:
             raise ValueError(f"step time of {s.name} must be > 0, got {step_s}")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        # the load it was measured under: a cache filled on a busy machine is visible (re-probe with
-        # `cona bench --no-probe-cache`)
         entry = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp, "loadavg_1m": os.getloadavg()[0]}
         self.data.setdefault(self.key, {})[s.name] = entry | {"rounds": rounds} | extra
-
-    def clear(self) -> None:
-        self.data.pop(self.key, None)
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -328,11 +281,9 @@ def pair_contenders(
     leaders: Sequence[Strategy],
     band: float,
 ) -> list[Strategy]:
-    """The strategies the paired cycles time again, in ``candidates``' order: every global batch's leader in the
-    table (``leaders``) and every measured strategy (``step_s``) whose samples/s by its fastest round (or by its
-    table figure, if faster) reach ``1 - band`` of the best such figure of its global batch. Fastest rounds are
-    compared with fastest rounds: interference only slows a round, so a strategy whose median round fell in a slow
-    spell is a contender all the same, and the band is not widened by setting one's best against another's median."""
+    """The strategies the paired cycles time again, in ``candidates``' order: every global batch's leader and every
+    measured strategy whose samples/s by its fastest round (or table figure, if faster) reach ``1 - band`` of the
+    best such figure of its global batch. Fastest against fastest: interference only slows a round."""
 
     def rate(s: Strategy) -> float:
         return s.global_batch / min(fastest_round_s.get(s, math.inf), step_s[s])
@@ -346,9 +297,8 @@ def pair_contenders(
 
 
 def merge_paired(before: dict | None, later: dict) -> dict:
-    """The report of every paired pass so far: ``later`` (one measured pass) folded into ``before`` (the passes
-    before it, or None). Contenders are the union in the order first timed, costs and passes add up, and a
-    strategy timed again keeps its latest figures (what the cost model and the cache hold)."""
+    """The report of the paired passes so far: ``later`` (one pass) folded into ``before`` (or None); a strategy
+    timed again keeps its latest figures."""
     if before is None:
         return later
     return later | {
@@ -361,27 +311,22 @@ def merge_paired(before: dict | None, later: dict) -> dict:
 
 
 def bench_probe_key(cfg) -> str:
-    """The cache key of a bench's probes (``BenchConfig``): the machine, the model, the world and the settings
-    that decide what a probe measures."""
-    c = cfg
-    return probe_key(
-        world=c.world,
-        model=[c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate],
-        seq_len=c.seq_len,
-        backend=cdist.backend(),
-        clip=c.clip_norm is not None,
-        probe_steps=c.probe_steps,
-        probe_rounds=c.probe_rounds,
-        code=code_digest(),
-        round_s=c.probe_round_s,
-        paired=[c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band],
-    )
+    """The cache key of a bench's probes (``BenchConfig``): this machine, the software, the model, the world and
+    the settings that decide what a probe measures."""
+    import platform
+
+    c, m = cfg, hwtopo.probe()
+    key = {"host": platform.node(), "cores": m.cores, "threads": m.threads, "torch": torch.__version__}
+    key |= {"world": c.world, "model": [c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate], "seq_len": c.seq_len}
+    key |= {"backend": cdist.backend(), "clip": c.clip_norm is not None, "code": code_digest()}
+    key |= {"probe_steps": c.probe_steps, "probe_rounds": c.probe_rounds, "round_s": c.probe_round_s}
+    key["paired"] = [c.probe_paired_cycles, c.probe_paired_block_s, c.probe_paired_band]
+    return json.dumps(key, sort_keys=True, default=str)
 
 
 class Prober:
-    """Measures the throughput table of a bench trainer ``tr`` (its ``cfg``, ``candidates``, ``data``, ``state0``,
-    ``cost`` and ``executor(strategy, state)``) into ``tr.cost``, from the ``ProbeCache`` where an earlier run
-    measured the same strategies under the same key, else now (and cached)."""
+    """Measures the throughput table of a bench ``Trainer`` ``tr`` into ``tr.cost``: from the ``ProbeCache`` where
+    an earlier run measured it under the same key, else now (and cached)."""
 
     def __init__(self, tr) -> None:
         self.tr, self.cfg, self.cost = tr, tr.cfg, tr.cost
@@ -433,7 +378,7 @@ class Prober:
         }
 
     def _reuse(self, cached: dict) -> list[str]:
-        """Every strategy an earlier run measured goes into the table, so that its table is this one's."""
+        """Every strategy an earlier run measured goes into the table."""
         reused = []
         for s in self.tr.candidates:
             if s.name in cached:
@@ -445,9 +390,8 @@ class Prober:
         return reused
 
     def _measure(self, todo: list[Strategy]) -> None:
-        """Time the strategies not measured yet in ``probe_rounds`` interleaved rounds (each round builds and times
-        every strategy once) and keep each one's median round (the lower middle one for an even count, so always a
-        measured round)."""
+        """Time the strategies not measured yet in ``probe_rounds`` interleaved rounds (each builds and times every
+        strategy once) and keep each one's lower median round."""
         cfg, tr = self.cfg, self.tr
         fresh = [s for s in dict.fromkeys(todo) if s not in self.cost.measured]
         times: dict[Strategy, list[float]] = {s: [] for s in fresh}
@@ -478,8 +422,8 @@ class Prober:
                 self.cache.put(s, secs, costs[s], rounds=times[s])
 
     def _verify(self) -> None:
-        """An offline searcher measures its pick: the model's fastest strategies are probed, and so is the
-        fastest of every global batch, which cona and the oracle choose among (a modelled figure can be far off)."""
+        """Probe the modelled fastest strategies and the fastest of every global batch (an offline searcher
+        measures its pick, and cona and the oracle choose among these)."""
         for _ in range(4):
             top = fastest_first(self.tr.candidates, self.cost.throughput)[: self.cfg.probe_verify_top]
             top += fastest_per_batch(self.tr.candidates, self.cost.throughput)
@@ -489,9 +433,8 @@ class Prober:
             self._measure(todo)
 
     def _paired_passes(self, done: set[str]) -> dict | None:
-        """Up to 3 passes of paired cycles (``_paired``): their figures refit the cost model and can change which
-        strategy leads a global batch, so each pass verifies again and the next times the new leaders too. A table
-        reused whole from the cache stands as it is. Leaders left without paired figures are named, not hidden."""
+        """Up to 3 passes of paired cycles (``_paired``), each followed by ``_verify``, since its figures can change
+        the leaders; a table reused whole from the cache stands. Leaders left unpaired are named."""
         if not self.cfg.probe_paired_cycles:
             return None
         paired = None
@@ -515,8 +458,7 @@ class Prober:
         return paired
 
     def _cycles(self, cons: list[Strategy], steps: dict[Strategy, int]) -> list[dict]:
-        """``probe_paired_cycles`` cycles of one block per contender, executors kept alive, the order rotated per
-        cycle: per cycle, strategy -> samples/s of its block."""
+        """``probe_paired_cycles`` cycles of one block per contender, in rotated order: strategy -> samples/s."""
         tr = self.tr
         exs = {s: tr.executor(s, tr.state0) for s in cons}
         batches = {s: tr.data.samples(0, s.global_batch) for s in cons}
@@ -534,11 +476,8 @@ class Prober:
         return cycles
 
     def _paired(self, done: set[str]) -> dict:
-        """Time the contenders again in cycles (``_cycles``) and replace their step times by ``paired_rates``:
-        ratios read within each cycle, at the level of their rounds. The contenders are every global batch's leader
-        and every measured strategy within ``probe_paired_band`` of its best (``pair_contenders``), so that the
-        cycles, not the rounds, decide a leader the rounds could not tell from its neighbour. Nothing is measured
-        when every leader is in ``done`` (timed so already, now or by a cached run)."""
+        """Time the contenders (``pair_contenders``) in cycles and replace their step times by ``paired_rates`` at
+        the level of their rounds; nothing when every leader is in ``done`` (paired already)."""
         cfg, tr = self.cfg, self.tr
         leaders = fastest_per_batch(tr.candidates, self.cost.throughput)
         if all(s.name in done for s in leaders):
