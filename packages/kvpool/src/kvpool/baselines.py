@@ -22,7 +22,7 @@ import torch
 from .keys import KVLayout, chunk_keys
 from .pagecache import drop, resident_bytes
 from .retrieval import TORCH_DTYPES, KVBuffers
-from .stores import Throttle
+from .stores import Throttling
 
 __all__ = ["SerialTiers", "SerialLoad"]
 
@@ -97,7 +97,7 @@ class SerialTiers:
         model_id: str,
         memory_bytes: int,
         disk_dir: str | os.PathLike,
-        throttle: Throttle | None = None,
+        throttle: Throttling | None = None,
     ):
         self.layout = layout
         self.model_id = model_id
@@ -180,16 +180,17 @@ class SerialTiers:
         tm = load.timing
         tm["stat_s"] += lookup_stat_s
         tm["disk_s"] += lookup_stat_s
-        for i, mem, path in found:
+        for i, mem, file in found:
             t0 = time.perf_counter()
             if mem is not None:
                 chunk = mem
             else:
+                assert file is not None  # a chunk not in memory was found on disk
                 k0 = _thread_stime()
                 ts = time.perf_counter()
-                size = os.stat(path).st_size
+                size = os.stat(file).st_size
                 to = time.perf_counter()
-                f = open(path, "rb")  # noqa: SIM115 - open/close are timed separately
+                f = open(file, "rb")  # noqa: SIM115 - open/close are timed separately
                 tr = time.perf_counter()
                 chunk = torch.load(f, weights_only=True)
                 tc = time.perf_counter()

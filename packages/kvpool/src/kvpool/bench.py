@@ -129,6 +129,7 @@ def _median(xs):
 def _serial_ttft(model, ids, serial: SerialTiers, T: int, out: KVBuffers):
     t0 = time.perf_counter()
     load = serial.retrieve(ids[0].tolist(), max_tokens=T - 1, extra_tokens=None, out=out)
+    cache: DynamicCache
     if load.tokens:
         cache = PoolCache(load, model.config)  # same compute path as kvpool's; only retrieval differs
         logits = _run(model, ids[:, load.tokens :], cache)
@@ -308,7 +309,7 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
     model = build_model(cfg)
     ids = stdlib_tokens(cfg.tokens)
     own = workdir is None
-    root = Path(tempfile.mkdtemp(prefix="kvpool-bench-")) if own else Path(workdir)
+    root = Path(tempfile.mkdtemp(prefix="kvpool-bench-") if workdir is None else workdir)
     root.mkdir(parents=True, exist_ok=True)
     try:
         with torch.no_grad():

@@ -59,9 +59,12 @@ def race_pool(kind: str, directory: str | os.PathLike | None = None, chunks: int
     """A one-device pool (``"memory"``, or ``"ssd"`` in ``directory``) with room for ``chunks``
     chunks of ``RACE_LAYOUT`` and slow writes. With room for every key, a miss after an
     acknowledged put is a lost write, not an eviction."""
+    store: MemoryStore | PassthroughStore
     if kind == "memory":
         store = MemoryStore("mem0", chunks * RACE_LAYOUT.chunk_bytes, throttle=SlowWrites())
     elif kind == "ssd":
+        if directory is None:
+            raise ValueError("directory: kind 'ssd' needs a directory for its slab")
         unit = -(-(RACE_LAYOUT.unit_bytes + HEADER_BYTES) // ALIGN) * ALIGN
         store = PassthroughStore("ssd0", directory, chunks * RACE_LAYOUT.num_layers * unit, throttle=SlowWrites())
     else:
@@ -190,6 +193,7 @@ def same_key_race(
 
     dropped = pool.counters["lost_chunks"]
     with BackgroundServer(pool) as srv:
+        assert srv.url is not None  # entering waited for the server to start
         counts = asyncio.run(_race(srv.url, pool.layout.chunk_bytes, pairs, shared_keys, conflict_every, clients))
     counts["dropped_chunks"] = pool.counters["lost_chunks"] - dropped
     counts["leaked_bytes"] = leaked_bytes(pool)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -20,7 +21,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .keys import KVLayout
 from .pool import KVPool
-from .retrieval import KVBuffers, LayerwiseLoad
+from .retrieval import KVBuffers
 
 __all__ = ["PoolLayer", "PoolCache", "PrefillResult", "prefill", "cache_kv", "layout_for"]
 
@@ -33,10 +34,21 @@ def layout_for(model, chunk_tokens: int = 256) -> KVLayout:
     return KVLayout.from_config(model.config, dtype=dtype, chunk_tokens=chunk_tokens)
 
 
+class LoadedPrefix(Protocol):
+    """What a cache layer reads from a retrieval: kvpool's LayerwiseLoad or a baseline's SerialLoad."""
+
+    @property
+    def tokens(self) -> int: ...
+
+    def wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class PoolLayer(DynamicLayer):
     """A full-attention cache layer whose first ``prefix`` tokens come from a pool retrieval."""
 
-    def __init__(self, load: LayerwiseLoad, layer_idx: int):
+    def __init__(self, load: LoadedPrefix, layer_idx: int):
         super().__init__()
         self.load = load
         self.layer_idx = layer_idx
@@ -69,7 +81,7 @@ class PoolLayer(DynamicLayer):
 class PoolCache(DynamicCache):
     """A DynamicCache pre-seeded, layer by layer, with a prefix loaded from a KVPool."""
 
-    def __init__(self, load: LayerwiseLoad, config):
+    def __init__(self, load: LoadedPrefix, config):
         super().__init__(config=config)
         if any(type(layer) is not DynamicLayer for layer in self.layers):
             kinds = sorted({type(layer).__name__ for layer in self.layers})
@@ -122,7 +134,9 @@ def prefill(
         keys = pool.keys(tokens)
         # keep at least one token to compute: the model must produce the next token's logits
         load = pool.retrieve(tokens, max_tokens=T - 1, keys=keys, extra_tokens=None, out=out)
+    cache: DynamicCache
     if load is not None and load.tokens > 0:
+        assert pool is not None  # a load comes only from a pool
         cache = PoolCache(load, model.config)
         logits = _run(model, input_ids[:, load.tokens :], cache)
         load.join()

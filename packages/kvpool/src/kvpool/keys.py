@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "KVLayout", "ChunkKey", "chunk_keys", "longest_prefix", "unit_name"]
 
@@ -118,7 +119,13 @@ def chunk_keys(tokens: Sequence[int], model_id: str, layout: KVLayout) -> list[C
     return keys
 
 
-def longest_prefix(keys: Sequence[ChunkKey], index: Container[str] | Callable[[str], bool]) -> int:
+class KeyIndex(Protocol):
+    """Anything that answers ``hex in index``: a set or dict of hex keys, a Placement."""
+
+    def __contains__(self, key: str, /) -> bool: ...
+
+
+def longest_prefix(keys: Sequence[ChunkKey], index: KeyIndex | Callable[[str], bool]) -> int:
     """Number of leading keys present in ``index`` (a set/dict of hex keys, or a predicate)."""
     present = index if callable(index) else index.__contains__
     n = 0

@@ -49,7 +49,7 @@ import torch
 from hwtopo import atomic_write_text
 
 from .pagecache import resident_bytes
-from .stores import ExtentAllocator, StoreStats, Throttle, as_bytes_tensor
+from .stores import ExtentAllocator, StoreStats, Throttling, as_bytes_tensor
 from .uring import IoUring, buffer_address, iovec_array
 
 __all__ = ["PassthroughStore", "DeviceUnavailable", "AlignedBuffer", "ALIGN", "HEADER_BYTES"]
@@ -136,7 +136,7 @@ class PassthroughStore:
         name: str,
         path: str | os.PathLike,
         capacity_bytes: int,
-        throttle: Throttle | None = None,
+        throttle: Throttling | None = None,
         sync: bool = False,
         direct: bool = True,
         snapshot_every: int = 4096,
@@ -176,8 +176,9 @@ class PassthroughStore:
         self.snapshot_path = self.dir / SNAPSHOT
         self.direct = direct and hasattr(os, "O_DIRECT")
         flags = os.O_RDWR | os.O_CREAT
+        self._fd: int | None = None
         try:
-            self.fd = os.open(self.slab_path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+            self._fd = os.open(self.slab_path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
         except OSError as e:
             if not self.direct or e.errno != errno.EINVAL:
                 raise DeviceUnavailable(
@@ -185,7 +186,7 @@ class PassthroughStore:
                 ) from e
             log.warning("%s: O_DIRECT refused by the filesystem at %s; using buffered I/O", name, self.dir)
             self.direct = False
-            self.fd = os.open(self.slab_path, flags, 0o600)
+            self._fd = os.open(self.slab_path, flags, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -204,6 +205,13 @@ class PassthroughStore:
         except BaseException:
             os.close(self.fd)
             raise
+
+    @property
+    def fd(self) -> int:
+        """The slab's descriptor, for this store's reads and writes; a closed store has none."""
+        if self._fd is None:
+            raise ValueError(f"SSD device {self.name!r} is closed")
+        return self._fd
 
     def _reserve(self, on_disk: int) -> None:
         """Extend the slab to its capacity; when the disk cannot hold it, leave nothing behind."""
@@ -468,10 +476,10 @@ class PassthroughStore:
         small), or None on a miss or a failed check. Every unit is checked on its own.
         """
         with self._lock:
-            ents = [self.index.get(nm) for nm in names]
+            ents = {i: e for i, nm in enumerate(names) if (e := self.index.get(nm)) is not None}
         out: list[torch.Tensor | None] = [None] * len(names)
-        bufs = list(stagings)
-        order = sorted((i for i, e in enumerate(ents) if e is not None), key=lambda i: ents[i][0])
+        bufs: dict[int, AlignedBuffer] = {}  # a staging buffer for each unit found
+        order = sorted(ents, key=lambda i: ents[i][0])
         misses = len(names) - len(order)
         if misses:
             self.stats.add(misses=misses)
@@ -480,8 +488,8 @@ class PassthroughStore:
         for i in order:
             off, n = ents[i][0], ents[i][1]
             ext = self.alloc.round(HEADER_BYTES + n)
-            if bufs[i] is None or bufs[i].nbytes < ext:
-                bufs[i] = AlignedBuffer(ext)
+            staging = stagings[i]
+            bufs[i] = staging if staging is not None and staging.nbytes >= ext else AlignedBuffer(ext)
             if runs and off == end and run_bytes + ext <= max_run_bytes:
                 runs[-1].append(i)
                 run_bytes += ext
@@ -511,7 +519,13 @@ class PassthroughStore:
             self.stats.add(read_s=time.perf_counter() - t0)
         return out
 
-    def _uring_runs(self, runs, exts, ents, bufs) -> list[int]:
+    def _uring_runs(
+        self,
+        runs: list[list[int]],
+        exts: list[list[int]],
+        ents: dict[int, tuple[int, int, int, int]],
+        bufs: dict[int, AlignedBuffer],
+    ) -> list[int]:
         """All runs in flight at once on an idle ring of this store; bytes read (or -errno) per run."""
         with self._lock:
             ring = self._rings.pop() if self._rings else None
@@ -524,7 +538,16 @@ class PassthroughStore:
             with self._lock:
                 self._rings.append(ring)
 
-    def _check_run(self, names, run, ex, ents, bufs, got: int, out: list) -> None:
+    def _check_run(
+        self,
+        names: list[str],
+        run: list[int],
+        ex: list[int],
+        ents: dict[int, tuple[int, int, int, int]],
+        bufs: dict[int, AlignedBuffer],
+        got: int,
+        out: list[torch.Tensor | None],
+    ) -> None:
         if got < 0:
             self.stats.add(errors=1, misses=len(run))
             log.warning("%s: read of %d unit(s) failed (%s); treated as misses", self.name, len(run), os.strerror(-got))
@@ -588,7 +611,7 @@ class PassthroughStore:
         return resident_bytes(self.slab_path)
 
     def close(self) -> None:
-        if getattr(self, "fd", None) is None:
+        if getattr(self, "_fd", None) is None:
             return
         try:
             self.snapshot()
@@ -600,7 +623,7 @@ class PassthroughStore:
         for ring in rings:
             ring.close()
         os.close(self.fd)  # releases the flock
-        self.fd = None
+        self._fd = None
 
     def __enter__(self) -> PassthroughStore:
         return self

@@ -125,8 +125,8 @@ class KVPool:
         keys = self.keys(tokens)
         dtype = TORCH_DTYPES[self.layout.dtype]
         want = (1, self.layout.kv_heads, self.layout.head_dim)
-        for i, (k, v) in enumerate(kv):
-            for name, t in (("K", k), ("V", v)):
+        for i, (k_layer, v_layer) in enumerate(kv):
+            for name, t in (("K", k_layer), ("V", v_layer)):
                 if (t.shape[0], t.shape[1], t.shape[3]) != want or t.shape[2] < len(keys) * self.layout.chunk_tokens:
                     raise ValueError(
                         f"kv[{i}] {name}: shape {tuple(t.shape)} does not match the layout "
@@ -353,7 +353,11 @@ class KVPool:
             if max_tokens is not None:
                 m = min(m, max_tokens // self.layout.chunk_tokens)
             hit = keys[:m]
-            where = {k.hex: self.placement.location(k.hex) for k in hit}
+            where: dict[str, str] = {}
+            for k in hit:
+                dev = self.placement.location(k.hex)
+                assert dev is not None  # longest_prefix found it ready, under this same lock
+                where[k.hex] = dev
             self.counters["lookups"] += 1
             self.counters["hit_tokens"] += m * self.layout.chunk_tokens
             self.counters["miss_tokens"] += max(0, len(tokens) - m * self.layout.chunk_tokens)

@@ -65,7 +65,7 @@ class _KeyLocks:
     executor's threads, which GETs and other keys need.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
 
     @contextlib.asynccontextmanager

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -138,6 +139,16 @@ class StoreStats:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
+class Throttling(Protocol):
+    """What a store asks of its throttle: :class:`Throttle`, or a test's or fault sweep's own."""
+
+    def after_read(self, nbytes: int, started: float) -> None: ...
+
+    def after_write(self, nbytes: int, started: float) -> None: ...
+
+    def describe(self) -> dict: ...
+
+
 class Throttle:
     """An emulated bandwidth cap: an operation takes at least ``nbytes / rate`` (token bucket)."""
 
@@ -186,7 +197,7 @@ class MemoryStore:
         name: str,
         capacity_bytes: int,
         align: int = 64,
-        throttle: Throttle | None = None,
+        throttle: Throttling | None = None,
         numa_node: int | None = None,
     ):
         if capacity_bytes <= 0:

@@ -47,9 +47,17 @@ class _CQOff(ctypes.Structure):
 
 class _Params(ctypes.Structure):
     _fields_ = [
-        (n, ctypes.c_uint32)
-        for n in ("sq_entries", "cq_entries", "flags", "sq_thread_cpu", "sq_thread_idle", "features", "wq_fd")
-    ] + [("resv", ctypes.c_uint32 * 3), ("sq_off", _SQOff), ("cq_off", _CQOff)]
+        ("sq_entries", ctypes.c_uint32),
+        ("cq_entries", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("sq_thread_cpu", ctypes.c_uint32),
+        ("sq_thread_idle", ctypes.c_uint32),
+        ("features", ctypes.c_uint32),
+        ("wq_fd", ctypes.c_uint32),
+        ("resv", ctypes.c_uint32 * 3),
+        ("sq_off", _SQOff),
+        ("cq_off", _CQOff),
+    ]
 
 
 class _IOVec(ctypes.Structure):
@@ -65,7 +73,7 @@ def buffer_address(buf) -> int:
         del obj
 
 
-def iovec_array(pieces: list[tuple[int, int]]):
+def iovec_array(pieces: list[tuple[int, int]]) -> ctypes.Array[_IOVec]:
     """A ctypes ``struct iovec[]`` of (address, length) pieces."""
     arr = (_IOVec * len(pieces))()
     for j, (addr, ln) in enumerate(pieces):
@@ -149,7 +157,7 @@ class IoUring:
             if err != errno.EINTR:
                 raise OSError(err, f"io_uring_enter: {os.strerror(err)}")
 
-    def readv(self, reqs: list[tuple[int, int, object, int]]) -> list[int]:
+    def readv(self, reqs: list[tuple[int, int, ctypes.Array[_IOVec], int]]) -> list[int]:
         """Vectored reads ``(fd, offset, iovec_array, n_iovecs)``, all in flight together.
 
         Returns per request the bytes read or ``-errno``, in request order. The iovec arrays and
