@@ -1,17 +1,10 @@
 """The bench: cona and its baselines trained side by side to a target loss, inside ``launch``ed ranks.
 
 Throughput is probed once (or read from the cache); then, per seed, every variant starts from the same initial
-weights and reads the same sample stream:
-
-- ``best_static``: the strategy with the highest probed/modelled throughput (what an offline per-iteration-time
-  searcher picks), kept all run;
-- ``surrogate_static``: the surrogate's choice at step 0 (noise scale bounded by the first batch's
-  micro-batches), kept all run;
-- ``cona``: the chainer re-ranks every ``decide_every_s`` and switches with hysteresis;
-- ``oracle``: the quick oracle sequence (``oracle.Oracle``).
-
-All four advance in turns of ``slice_s`` of training clock (the oracle's branches too), so the step times of
-every variant are measured under the same load. cona's clock is charged its own evaluations and decisions.
+weights and sample stream: ``best_static`` (the highest throughput, what an offline per-iteration-time searcher
+picks), ``surrogate_static`` (the surrogate's choice at step 0, kept), ``cona`` (re-ranks every
+``decide_every_s`` and switches with hysteresis, charged its own evaluations and decisions) and the quick
+``oracle``. All advance in turns of ``slice_s`` of training clock, so their step times see the same load.
 """
 
 from __future__ import annotations
@@ -43,9 +36,8 @@ progress = logging.getLogger("cona.progress")  # the bench's progress lines (ran
 
 @dataclass
 class Step0:
-    """What step 0 measured at the initial weights: the jackknife pairs, the seconds it took (``seconds``, of which
-    ``warm_s`` the first warm batch's forward and backward) on ``strategy``, and that batch's gradient (``warm``, on
-    the executor ``ex``) while it can still train (``Trainer.first_step``)."""
+    """Step 0 at the initial weights on ``strategy``: the jackknife pairs, its ``seconds`` (``warm_s`` of them the
+    first warm batch's), and that batch's gradient ``warm`` on executor ``ex`` while it can still train."""
 
     pairs: list[tuple[float, float]]
     seconds: float
@@ -56,9 +48,8 @@ class Step0:
 
 
 def step0_range(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """The noise scales the step-0 (|G|^2, tr Sigma) pairs support: Fieller's set at the two-sided 95% Student-t
-    quantile for them, whatever ``range_z`` the running decisions use: the initial choice is robust over its range
-    and both efficiency models by design."""
+    """The noise scales the step-0 pairs support: Fieller's set at the 95% Student-t quantile, not ``range_z``
+    (the initial choice is robust over its range and both efficiency models by design)."""
     return fieller_interval(pairs, None)
 
 
@@ -79,12 +70,9 @@ class Trainer:
             )
         self.data = TextData(tokens, cfg.seq_len, self.seed, held_out_tokens=cfg.held_out_bytes)
         self.val = self.data.validation(cfg.val_samples)  # the windows time to target is measured on
-        # the oracle picks on windows of the text after the corpus, as many as split over every dp degree
-        self.held_out = None
+        self.held_out = None  # the oracle's, as many as split over every dp degree
         if cfg.oracle:
-            held = self.data.held_out(
-                min(cfg.val_samples, 128) if cfg.held_out_samples is None else cfg.held_out_samples
-            )
+            held = self.data.held_out(cfg.held_out_samples or min(cfg.val_samples, 128))
             self.held_out = held[: len(held) // cfg.world * cfg.world]
         # cona's own evaluations: evenly spaced measuring windows (its time-left trend compares them with the target)
         self.decision_val = self.val[torch.linspace(0, cfg.val_samples - 1, cfg.decision_val_samples).round().long()]
@@ -97,10 +85,8 @@ class Trainer:
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
         c = self.cfg
-        lr = c.lr_for(s.global_batch)
-        return Executor(
-            s, self.model_cfg, state, lr=lr, clip_norm=c.clip_norm, betas=c.adam_betas, precondition=c.gns_precondition
-        )
+        kw = {"clip_norm": c.clip_norm, "betas": c.adam_betas, "precondition": c.gns_precondition}
+        return Executor(s, self.model_cfg, state, lr=c.lr_for(s.global_batch), **kw)
 
     def probe(self) -> dict:
         """Measure the throughput table into ``cost`` (``probe.Prober``); its report."""
@@ -137,12 +123,10 @@ class Trainer:
         return rank0(time.perf_counter() - t0)
 
     def gns_at_step0(self) -> Step0:
-        """Gradient statistics at the initial weights, no optimizer step: preconditioned by the squared gradients of
-        ``step0_warm_batches`` batches (what Adam's v would hold), then every micro-batch gradient of
-        ``step0_batches`` batches (more if they hold fewer than 3 micro-batches) of the strategy with the most
-        micro-batches per global batch (up to the reference batch x 8: a well-resolved |G|^2 needs the global batch
-        well above the micro-batch). Keeps the first warm batch's gradient (samples 0.. of the stream at the initial
-        weights, averaged and clipped as a step takes it), which ``first_step`` can still make a training step of."""
+        """Gradient statistics at the initial weights: preconditioned by the squared gradients of
+        ``step0_warm_batches`` batches (Adam's v to be), every micro-batch gradient of ``step0_batches`` batches (at
+        least 3 micro-batches) of the strategy with the most micro-batches per global batch up to 8 x the reference
+        batch. Keeps the first warm batch's gradient, which ``first_step`` can still train with."""
         cfg = self.cfg
         t0 = time.perf_counter()
         informative = [c for c in self.candidates if c.dp * c.accum > 1] or self.candidates
@@ -165,9 +149,8 @@ class Trainer:
         return Step0(pairs, secs, s, warm_s, ex if warm is not None else None, warm)
 
     def first_step(self, step0: Step0) -> tuple[FullState, float]:
-        """The first training step of a run that starts on ``step0.strategy``'s global batch, from the gradient step 0
-        already computed on its first batch at the initial weights (the step ``train_step`` would take there, up to
-        floating-point order), and the seconds the step and the hand-over of the state took."""
+        """The first training step (up to floating-point order) from step 0's warm gradient, and the seconds the
+        step and the hand-over of the state took."""
         if step0.ex is None or step0.warm is None:
             raise ValueError("step 0 kept no gradient to step with (no warm batch, or already spent)")
         t0 = time.perf_counter()
@@ -182,8 +165,8 @@ def _pairs(pairs: Sequence[tuple[float, float]]) -> list[list[float]]:
 
 
 def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, Chainer, dict]:
-    """Step 0 of a seed: the statistics, cona's initial choice and, when that runs step 0's global batch, the warm
-    gradient as its first step: what step 0 reports, the chainer, and where cona and surrogate_static start."""
+    """Step 0 of a seed: the statistics, cona's initial choice and, on step 0's global batch, the warm gradient as
+    its first step. Returns what step 0 reports, the chainer, and where cona and surrogate_static start."""
     cfg = tr.cfg
     st0 = tr.gns_at_step0()
     pairs0, gns0_s = st0.pairs, st0.seconds
@@ -192,20 +175,13 @@ def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, 
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, the initial weights)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = cfg.noise_scale_estimator()
-    chainer = Chainer(
-        tr.candidates,
-        tr.cost.throughput,
-        gns_run,
-        margin=cfg.margin,
-        switch_cost_s=reshard_s,
-        initial_models=cfg.initial_models,
-    )
+    kw = {"margin": cfg.margin, "switch_cost_s": reshard_s, "initial_models": cfg.initial_models}
+    chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, **kw)
     t_decide = time.perf_counter()
     first = chainer.initial((lo, hi), 0, gns0_s)
     decision0_s = rank0(time.perf_counter() - t_decide)  # charged to both runs that start on its choice
     choice = first.chosen
-    # on step 0's global batch its first warm batch's gradient is the run's first step: that forward and backward is
-    # training time, not statistics (the step and the hand-over of its state to the chosen layout are charged too)
+    # on step 0's global batch its warm gradient is the first step: training time, not statistics
     start = {"first": first, "state": tr.state0, "consumed": 0, "gns_s": gns0_s, "clock": gns0_s, "first_s": None}
     if st0.warm is not None and choice.global_batch == st0.strategy.global_batch:
         state, first_s = tr.first_step(st0)
@@ -236,8 +212,8 @@ def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, 
 
 
 def _interleave(tr: Trainer, variants: list) -> None:
-    """Advance every variant in turns of ``slice_s`` of training clock until all are done, rotating who goes first
-    so that none always runs first, and report progress."""
+    """Advance every variant in turns of ``slice_s`` of training clock until all are done, rotating who goes
+    first, and report progress."""
     cfg = tr.cfg
     t, rnd, w0 = cfg.slice_s, 0, time.perf_counter()
     finished: set[str] = set()
@@ -269,20 +245,12 @@ def run_seed(tr: Trainer, best_static: Strategy, reshard_s: float) -> dict:
     steps = 1 if start["consumed"] else 0
 
     def started(name: str) -> Run:
-        clock, d_s = start["clock"] + step0["decision_s"], step0["decision_s"]
-        return Run(
-            name,
-            clock=clock,
-            start_s=start["clock"],
-            decision_s=d_s,
-            gns_s=start["gns_s"],
-            steps=steps,
-            samples=start["consumed"],
-        )
+        d_s, c = step0["decision_s"], start["clock"]
+        return Run(name, clock=c + d_s, start_s=c, decision_s=d_s, gns_s=start["gns_s"], steps=steps, samples=consumed)
 
+    choice, state, consumed = first.chosen, start["state"], start["consumed"]
     runs = {"best_static": Run("best_static"), "surrogate_static": started("surrogate_static"), "cona": started("cona")}
     runs["cona"].decisions.append(first.to_dict())
-    choice, state, consumed = first.chosen, start["state"], start["consumed"]
     variants = [
         tr.variant(runs["best_static"], best_static, tr.state0),
         tr.variant(runs["surrogate_static"], choice, state, consumed=consumed),
@@ -312,10 +280,7 @@ def _progress_to_stderr() -> None:
 
 
 def bench_worker(rank: int, world: int, cfg_dict: dict, show_progress: bool = False) -> dict | None:
-    """All variants of every seed in one process group; rank 0 returns the results.
-
-    Throughput is measured once (or read from the cache) and every seed starts from the same measurements: the
-    best static strategy is the one with the highest measured throughput, and cona ranks with the same table."""
+    """All variants of every seed in one process group, on one throughput table; rank 0 returns the results."""
     torch.manual_seed(0)
     progress.disabled = not (show_progress and rank == 0)
     if not progress.disabled:

@@ -1,10 +1,9 @@
 """One training run of the bench, advanced in slices of training clock and timed to a target loss.
 
-A ``Variant`` trains one strategy (cona's switches it) and keeps its ``Run``: the clock, which counts training
-steps, gradient statistics, resharding and cona's own evaluations and decisions (measured on rank 0 and
-broadcast, so all ranks take the same decisions), and the validation trace, whose evaluations are excluded from
-every clock. Time to target is the first evaluation at which the mean of the last ``target_window`` of them is at
-or below the target loss (``time_to_target``).
+A ``Variant`` trains one strategy (cona's switches it) into its ``Run``. The clock counts training steps, gradient
+statistics, resharding and cona's own evaluations and decisions (timed on rank 0 and broadcast, so every rank takes
+the same decisions), never the validation trace's evaluations. Time to target: the first evaluation at which the
+mean of the last ``target_window`` is at or below the target loss.
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ def smoothed(trace: list[tuple[float, float]], window: int = 1) -> list[tuple[fl
 def time_to_target(
     trace: list[tuple[float, float]], target_loss: float, window: int = 1, after: float = -math.inf
 ) -> float | None:
-    """Clock of the first evaluation after ``after`` at which the mean of the last ``window`` evaluations is
-    at or below the target (None if never)."""
+    """Clock of the first evaluation after ``after`` where the mean of the last ``window`` is at or below the
+    target (None if never)."""
     return next((t for t, v in smoothed(trace, window) if v <= target_loss and t > after), None)
 
 
@@ -69,7 +68,6 @@ def summary(run: Run, target_loss: float, window: int) -> dict:
     """A run's result as the bench reports it."""
     return {
         "time_to_target_s": time_to_target(run.trace, target_loss, window),
-        # the first single evaluation at or below the target: one evaluation's dip, for reference
         "first_eval_at_target_s": time_to_target(run.trace, target_loss),
         "final_val_loss": run.trace[-1][1],
         "final_val_ppl": math.exp(run.trace[-1][1]),
@@ -93,8 +91,9 @@ def summary(run: Run, target_loss: float, window: int) -> dict:
 
 
 class Variant:
-    """One training run that can be advanced in slices (so variants interleave under the same load); with a
-    ``chainer`` and its ``gns`` estimator it is cona, deciding every ``decide_every_s``."""
+    """One training run advanced in slices, so variants interleave under the same load; with a ``chainer`` and
+    its ``gns`` estimator it is cona, deciding every ``decide_every_s``; ``held_out``: an oracle branch, whose
+    evaluations also read the held-out windows."""
 
     def __init__(
         self,
@@ -108,13 +107,11 @@ class Variant:
         held_out: bool = False,
     ) -> None:
         self.tr, self.run, self.s, self.chainer, self.gns, self.consumed = tr, run, s, chainer, gns, consumed
-        self.held_out = held_out  # an oracle branch: each evaluation also reads the held-out windows
-        cfg = tr.cfg
+        self.held_out, cfg = held_out, tr.cfg
         self.ex = tr.executor(s, state)
         run.chain.append({"clock": run.clock, "samples": run.samples, "strategy": s.name, "why": "start"})
         self.next_decide = run.clock + cfg.decide_every_s
-        # the untrained model's loss starts a transient, not a point of the decelerating trend ``remaining_time``
-        # fits (with it, the fitted slope read several times too steep): not read, not charged
+        # the untrained model's loss is a transient, not a point of the trend ``remaining_time`` fits: not read
         self.next_charged = run.clock + cfg.decision_eval_every_s
         if not run.trace:
             self._evaluate(readable=False)
@@ -125,8 +122,7 @@ class Variant:
         self.done = False
 
     def advance(self, until_s: float, stop_at_target: bool = True) -> None:
-        """Train until the clock reaches ``until_s`` or (``stop_at_target``) the target loss (by the mean of the
-        last ``target_window`` evaluations, as ``time_to_target`` reads it)."""
+        """Train until the clock reaches ``until_s`` or (``stop_at_target``) the target (``time_to_target``)."""
         run, cfg = self.run, self.tr.cfg
         until_s = min(until_s, cfg.budget_s)
         while not self.done and run.clock < until_s:
@@ -143,8 +139,8 @@ class Variant:
             self.done = True
 
     def _step(self) -> None:
-        """One training step on the next batch of the stream; every ``gns_every``-th (4x as many when the step must
-        split its only micro-batch) also yields a gradient-statistics pair."""
+        """One step on the next batch of the stream; every ``gns_every``-th (4x as many when it must split its only
+        micro-batch) also yields a gradient-statistics pair, taken at the weights before the step."""
         tr, run, cfg, s, gns = self.tr, self.run, self.tr.cfg, self.s, self.gns
         batch = tr.data.samples(self.consumed, s.global_batch)
         self.consumed += s.global_batch
@@ -164,13 +160,12 @@ class Variant:
         run.gns_s += gns_dt
         run.steps += 1
         run.samples += s.global_batch
-        if want_gns:  # taken at the weights before this step: stamped with the samples trained before it
+        if want_gns:
             gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps, at=run.samples - s.global_batch)
 
     def _evaluate(self, readable: bool = True) -> float:
-        """One validation evaluation at the current clock (the harness's, excluded from the clock); when it is
-        the first at least ``decision_eval_every_s`` after the last one cona read, cona also evaluates its own
-        ``decision_val_samples`` windows, read by its decisions and charged to its clock."""
+        """One validation evaluation, excluded from the clock; every ``decision_eval_every_s`` cona also evaluates
+        its own ``decision_val_samples`` windows, which its decisions read, charged to its clock."""
         run = self.run
         t, te = run.clock, time.perf_counter()
         v = self.ex.evaluate(self.tr.val)
@@ -189,22 +184,18 @@ class Variant:
         return v
 
     def _running_models(self, fit: tuple[float, float] | None) -> tuple[str, ...] | None:
-        """The efficiency models a running decision must hold under, given this decision's growth fit (None: none).
-
-        Until the noise scale's growth has first been fitted a switch must pay under every initial model as well
-        as the estimator's own, as step 0's choice does: nothing yet shows which regime training is in. A latch: a
-        later fit that fails, e.g. on a group's noisy |G|^2, does not reopen it. None: the estimator's model."""
+        """Until the noise scale's growth is first fitted (a latch), a switch must pay under every initial model as
+        well as the estimator's own, as step 0's choice does; then the estimator's alone (None)."""
         self.grown = self.grown or fit is not None
         if not self.grown:
             return tuple(dict.fromkeys((self.gns.lr_scaling, *self.tr.cfg.initial_models)))
         return None
 
     def _decision_inputs(self, online: float | None) -> tuple[float, float, float, float, dict]:
-        """(time left, noise range low and high, point noise scale, what was read) for a running decision: the
-        range the last ``range_window`` pairs support and the point estimate, carried from where their pairs were
-        taken to the middle of the next decision interval along the fitted growth; rank 0's values."""
+        """(time left, noise range low and high, point noise scale, what was read) for a running decision, rank 0's:
+        the range of the last ``range_window`` pairs and the point estimate, carried along the fitted growth to the
+        middle of the next decision interval; the time left from cona's charged evaluations."""
         run, s, cfg, gns = self.run, self.s, self.tr.cfg, self.gns
-        # validation loss (the training loss runs below it), from cona's charged evaluations only
         left = max(cfg.budget_s - run.clock, 0.0)
         rem = remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, left)
         lo, hi = gns.interval(z=cfg.range_z, window=cfg.range_window)
@@ -232,15 +223,8 @@ class Variant:
         online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
         rem, lo, hi, phi, extra = self._decision_inputs(online)
         models = self._running_models(extra.pop("fit"))
-        d = self.chainer.decide(
-            s,
-            step=run.steps,
-            elapsed_s=run.clock,
-            noise_range=(lo, hi),
-            remaining_s=rem,
-            noise_scale=phi,
-            models=models,
-        )
+        kw = {"noise_range": (lo, hi), "remaining_s": rem, "noise_scale": phi, "models": models}
+        d = self.chainer.decide(s, run.steps, run.clock, **kw)
         pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in self.gns.raw[-cfg.range_window :]]
         extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
@@ -261,14 +245,5 @@ class Variant:
         self.s, self.plain_times, self.k = new, [], 0
         run.clock += sw
         run.switch_s += sw
-        switch = "same layout" if same else "resharded"
-        run.chain.append(
-            {
-                "clock": run.clock,
-                "samples": run.samples,
-                "strategy": new.name,
-                "why": why,
-                "switch": switch,
-                "switch_s": sw,
-            }
-        )
+        link = {"clock": run.clock, "samples": run.samples, "strategy": new.name, "why": why}
+        run.chain.append(link | {"switch": "same layout" if same else "resharded", "switch_s": sw})

@@ -1,11 +1,9 @@
-"""The quick oracle sequence the bench measures cona against, and the rules that pick its branches.
+"""The quick oracle sequence the bench measures cona against, and the rule that picks its branches.
 
-Every phase, each shortlisted strategy (the fastest of every global batch) is branched from one
-layout-independent checkpoint and trained ``oracle_phase_s`` of clock; the branch with the lowest held-out loss
-when the first branch reaches the target (else at the phase end) is kept and the next phase starts from its
-state. The held-out windows are text that is neither trained on nor measured (``BenchConfig.held_out_bytes``):
-picking on the measuring windows, or on windows near them in the same files, would select among close branches
-the one whose measurement happened to be lucky and report that luck as the oracle's time.
+Every phase, the fastest strategy of every global batch is branched from one checkpoint and trained
+``oracle_phase_s`` of clock; the branch lowest on held-out text (never trained or measured on) when the first
+branch reaches the target, else at the phase end, is kept. Picking on the measuring windows would select the
+branch whose measurement happened to be lucky and report that luck as the oracle's time.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ Trace = list[tuple[float, float]]
 def oracle_shortlist(
     candidates: list[Strategy], throughput: Callable[[Strategy], tuple[float, str]], branches: int | None = None
 ) -> list[Strategy]:
-    """The oracle's branches: the fastest strategy (by ``throughput(s) -> (samples/s, source)``) of every
-    distinct global batch (``branches`` None), or of ``branches`` global batches spread evenly over them."""
+    """The fastest strategy of every global batch, or of ``branches`` global batches spread evenly over them."""
     fastest = fastest_per_batch(candidates, throughput)
     if branches is None or branches >= len(fastest):
         return fastest
@@ -40,8 +37,7 @@ def oracle_shortlist(
 
 
 def _mean_at(trace: Trace, at: float, window: int, after: float = -math.inf) -> float | None:
-    """Mean of the last ``window`` losses of ``trace`` after clock ``after`` and at or before ``at`` (None
-    without any)."""
+    """Mean of the last ``window`` losses of ``trace`` in (``after``, ``at``] (None without any)."""
     seen = [p for p in trace if after < p[0] <= at]
     return smoothed(seen, min(window, len(seen)))[-1][1] if seen else None
 
@@ -49,8 +45,7 @@ def _mean_at(trace: Trace, at: float, window: int, after: float = -math.inf) -> 
 def branch_outcome(
     trace: Trace, target_loss: float, window: int = 1, after: float = -math.inf
 ) -> tuple[float | None, float]:
-    """(time to target by ``time_to_target`` with ``window`` and ``after``, mean of the last ``window`` losses)
-    of one oracle branch's trace."""
+    """(time to target, mean of the last ``window`` losses) of one branch's trace."""
     last = _mean_at(trace, math.inf, window)
     return time_to_target(trace, target_loss, window, after), math.inf if last is None else last
 
@@ -58,14 +53,10 @@ def branch_outcome(
 def pick_held_out(
     traces: list[Trace], held: list[Trace], target_loss: float, window: int = 1, after: float = -math.inf
 ) -> tuple[int, float]:
-    """(index of the oracle branch to keep, the clock it was compared at): the branch whose mean of its last
-    ``window`` held-out losses after ``after`` (the phase start: never the shared context) is lowest at the
-    clock the first branch reached the target on the measuring windows (``traces``), moved on to the first
-    held-out evaluation of the slowest-evaluating branch so that every branch has one of its own, or at its
-    last evaluation when none reached it (ties: the earlier branch).
-
-    The measuring windows only say *when* to compare, never *which* branch wins. The held-out windows are other
-    text with a lower loss level, so they are compared with each other at one clock, never against the target."""
+    """(index of the branch to keep, the clock compared at): the lowest mean of the last ``window`` held-out
+    losses after ``after`` (the phase start) at the clock the first branch reached the target on the measuring
+    windows (``traces``), or later where a branch has no held-out evaluation of its own yet; at the last
+    evaluation when none reached it (ties: the earlier branch). The measuring windows say when, never which."""
     hits = [branch_outcome(t, target_loss, window, after)[0] for t in traces]
     at = min((h for h in hits if h is not None), default=math.inf)
     if math.isfinite(at):
@@ -80,10 +71,8 @@ def pick_held_out(
 
 
 class Oracle:
-    """The quick oracle sequence as a sliced variant. Each branch's traces start with the kept traces' last
-    ``target_window`` evaluations (the window's context), and only evaluations after the phase start count.
-    ``advance`` moves every branch of the current phase to the same clock, so the branches interleave with the
-    other variants' slices instead of running after them under other load."""
+    """The quick oracle sequence as a sliced variant: ``advance`` moves every branch of the phase to the same
+    clock. Each branch's traces start with the kept ones' last ``target_window`` evaluations as context."""
 
     def __init__(self, tr, shortlist: list[Strategy], ckpt_dir: str) -> None:
         self.tr, self.shortlist = tr, shortlist
@@ -99,7 +88,7 @@ class Oracle:
         self.done = False
 
     def advance(self, until_s: float) -> None:
-        """Train the current phase's branches to ``until_s`` (phases end and start on the way)."""
+        """Train the phase's branches to ``until_s`` (phases end and start on the way)."""
         while not self.done:
             if not self.branches:
                 self._start_phase()
@@ -118,10 +107,9 @@ class Oracle:
         self.phase_start, self.phase_end = run.clock, run.clock + tr.cfg.oracle_phase_s
         self.ctx = len(run.trace[-tr.cfg.target_window :])
         self.branches = []
-        for s in self.shortlist:  # each with the window's context
-            branch = Run(
-                s.name, clock=run.clock, trace=run.trace[-self.ctx :], held_out_trace=run.held_out_trace[-self.ctx :]
-            )
+        for s in self.shortlist:
+            ctx = {"trace": run.trace[-self.ctx :], "held_out_trace": run.held_out_trace[-self.ctx :]}
+            branch = Run(s.name, clock=run.clock, **ctx)
             t0 = time.perf_counter()  # a branch that changes strategy pays the checkpoint read and the executor
             v = tr.variant(branch, s, load_state(self.path), consumed=self.consumed, held_out=True)
             build_s = rank0(time.perf_counter() - t0) if self.prev is not None and s != self.prev else 0.0
@@ -149,27 +137,18 @@ class Oracle:
         outcomes = []
         for (_, b, _, _), t, h in zip(self.branches, traces, held):
             hit, last = branch_outcome(t, cfg.target_loss, w, start)
+            held_mean = _mean_at(h, compared_at, w, start)
+            outcome = {"strategy": b.name, "time_to_target_s": hit, "last_mean_val_loss": last}
             outcomes.append(
-                {
-                    "strategy": b.name,
-                    "time_to_target_s": hit,
-                    "last_mean_val_loss": last,
-                    "held_out_mean_at_compare": _mean_at(h, compared_at, w, start),
-                    "samples": b.samples,  # with train_s, its realised rate: timing luck is readable
-                    "train_s": b.train_s,
-                }
+                outcome | {"held_out_mean_at_compare": held_mean, "samples": b.samples, "train_s": b.train_s}
             )
-        run.chain.append(
-            {
-                "clock": start,
-                "samples": start_samples,
-                "strategy": s.name,
-                "branches": outcomes,
-                "compared_at": compared_at if math.isfinite(compared_at) else None,
-                "why": f"lowest held-out validation loss (mean of the last {w} evaluations) when the first branch "
-                f"reached the target, else at the phase end, of {len(self.shortlist)} branches",
-            }
+        why = (
+            f"lowest held-out validation loss (mean of the last {w} evaluations) when the first branch reached the "
+            f"target, else at the phase end, of {len(self.shortlist)} branches"
         )
+        at = compared_at if math.isfinite(compared_at) else None
+        link = {"clock": start, "samples": start_samples, "strategy": s.name, "branches": outcomes}
+        run.chain.append(link | {"compared_at": at, "why": why})
         self.prev = s
         self.branches = []
         if outcomes[i]["time_to_target_s"] is not None or run.clock >= cfg.budget_s:

@@ -11,46 +11,19 @@ from . import __version__
 
 __all__ = ["HEADLINE_KEYS", "headline", "aggregate", "bench_json", "table", "chain_text"]
 
-HEADLINE_KEYS = (
-    "ttp_ratio_vs_best_static",
-    "gap_to_oracle",
-    "switches",
-    "switch_overhead_frac",
-    "gns_overhead_frac",
-    "decision_eval_frac",
+HEADLINE_KEYS = tuple(
+    "ttp_ratio_vs_best_static gap_to_oracle switches switch_overhead_frac gns_overhead_frac decision_eval_frac".split()
 )
 # what every seed's summary keeps of a run, of its chain links and of its decisions
-_PER_SEED = (
-    "time_to_target_s",
-    "first_eval_at_target_s",
-    "final_val_ppl",
-    "steps",
-    "samples",
-    "clock_s",
-    "switch_s",
-    "gns_s",
-    "decision_eval_s",
-    "decision_eval_frac",
-    "decision_s",
-)
-_LINK = ("clock", "samples", "strategy", "switch", "switch_s", "branches", "compared_at")
-_DECISION = (
-    "elapsed_s",
-    "current",
-    "chosen",
-    "switched",
-    "noise_scale",
-    "noise_range",
-    "pairs",
-    "remaining_s",
-    "reason",
-)
+_PER_SEED = """time_to_target_s first_eval_at_target_s final_val_ppl steps samples clock_s switch_s gns_s decision_eval_s
+    decision_eval_frac decision_s""".split()
+_LINK = "clock samples strategy switch switch_s branches compared_at".split()
+_DECISION = "elapsed_s current chosen switched noise_scale noise_range pairs remaining_s reason".split()
 
 
 def headline(runs: dict, cfg, seed: int | None = None) -> tuple[dict, list[str]]:
-    """Headline numbers of one seed and the notes that qualify them. A variant that did not reach the
-    target is censored at the budget (cona, the oracle and best static alike) and named in
-    ``head["censored"]``: the seed stays in the headline, flagged, never silently dropped."""
+    """Headline numbers of one seed and the notes that qualify them. A variant that missed the target is censored
+    at the budget and named in ``head["censored"]``: the seed stays in the headline, flagged."""
     notes = []
     ttt = {k: r["time_to_target_s"] for k, r in runs.items()}
     for k, t in ttt.items():
@@ -77,9 +50,8 @@ def headline(runs: dict, cfg, seed: int | None = None) -> tuple[dict, list[str]]
 
 
 def aggregate(per_seed: dict) -> tuple[dict, dict]:
-    """Median over seeds of each headline number, and its spread (min, max, per seed); ``censored_seeds``:
-    ``"seed: variant"`` for every variant of a seed censored at the budget (that seed's values are in the
-    median, as censored times, and flagged here)."""
+    """Median over seeds of each headline number and its spread; ``censored_seeds``: ``"seed: variant"`` for every
+    variant censored at the budget (in the median, as censored times)."""
     head, spread = {}, {}
     for k in HEADLINE_KEYS:
         vals = [h.get(k) for h in per_seed.values()]
@@ -117,9 +89,8 @@ def _seed_summary(run: dict) -> dict:
 
 
 def _results(seeds: dict, budget_s: float) -> dict:
-    """Per variant: the first seed's run in full (trace, chain, its first 40 decisions), then every seed's
-    summary. The median time to target counts a seed that missed the target at the budget (listed in
-    ``censored_seeds``)."""
+    """Per variant: the first seed's run in full (its first 40 decisions), then every seed's summary; the median
+    time to target counts a seed that missed the target at the budget (``censored_seeds``)."""
     first = next(iter(seeds.values()))["runs"]
     out = {}
     for k, r in first.items():
@@ -135,8 +106,7 @@ def _results(seeds: dict, budget_s: float) -> dict:
 
 
 def bench_json(out: dict, cfg, quick: bool, wall_s: float) -> dict:
-    """The bench's JSON from ``bench_worker``'s result: config, machine, per-variant results, the probe table,
-    step 0 of every seed, the headline (medians over seeds) with its spread, and the notes that qualify it."""
+    """The bench's JSON from ``bench_worker``'s result."""
     per_seed, notes = {}, []
     for seed, r in out["seeds"].items():
         per_seed[seed], n = headline(r["runs"], cfg, seed)
