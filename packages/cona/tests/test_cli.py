@@ -113,11 +113,11 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
         (["bench", "--target-ppl", "1"], "--target-ppl must be > 1"),
         (["bench", "--seeds", "0"], "--seeds must be an integer >= 1"),
         (
-            ["bench", "--initial-models", "sqrt,adam"],
-            "--initial-models must name one or more of sqrt, tuned, got sqrt,adam",
+            ["bench", "--set", "initial_models=sqrt,adam"],
+            "--set initial_models must name one or more of sqrt, tuned, got sqrt,adam",
         ),
-        (["bench", "--quick", "--range-z", "-1"], "--range-z must be a number >= 0"),
-        (["bench", "--quick", "--slice-s", "0"], "--slice-s must be a number > 0"),
+        (["bench", "--quick", "--set", "range_z=-1"], "--set range_z must be a number of standard errors >= 0"),
+        (["bench", "--quick", "--set", "slice_s=0"], "--set slice_s must be > 0"),
         (["bench", "--quick", "--set", "gns_every"], "--set takes FIELD=VALUE, got 'gns_every'"),
         (["bench", "--quick", "--set", "gns_evry=4"], "--set gns_evry: not a bench setting; valid: adam_betas"),
         (["bench", "--quick", "--set", "gns_every=1.5"], "--set gns_every: '1.5' is not an integer"),
@@ -271,8 +271,10 @@ def test_set_replaces_any_bench_setting_and_wins_over_flags():
     argv = [
         "bench",
         "--quick",
-        "--range-z",
-        "2",
+        "--budget-s",
+        "30",
+        "--set",
+        "budget_s=45",
         "--set",
         "gns_every=16",
         "--set",
@@ -289,4 +291,5 @@ def test_set_replaces_any_bench_setting_and_wins_over_flags():
     cfg = _run_config(_parser().parse_args(argv), quick=True)
     assert (cfg.gns_every, cfg.decision_eval_every_s, cfg.range_z) == (16, 1.0, 1.0)
     assert (cfg.global_batches, cfg.oracle, cfg.adam_betas) == ((32, 64), False, (0.9, 0.99))
+    assert cfg.budget_s == 45.0  # --set wins over the flag
     assert cfg.world == 2 and cfg.trend_window_s == 5.0  # the rest as --quick has it
