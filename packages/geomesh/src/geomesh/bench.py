@@ -544,7 +544,8 @@ def _merge_repeats(head: dict, seed: int, repeats: list[dict]) -> None:
         vals = [head.get(key)] + [r["headline"].get(key) for r in repeats]
         head[f"{key}_per_seed"] = {str(seed + i): v for i, v in enumerate(vals)}
         head[f"{key}_first_seed"] = head.get(key)
-        head[key] = None if None in vals else sum(vals) / len(vals)  # a seed without a value: no mean
+        known = [v for v in vals if v is not None]
+        head[key] = sum(known) / len(known) if len(known) == len(vals) else None  # a seed without a value: no mean
 
 
 def _run_methods(cfg, world, train, val, evaluator, results, emulated, net, progress) -> None:
@@ -605,7 +606,12 @@ def headline(results: dict) -> dict:
     target = max(reached) if reached else None
     out["target_ppl"] = target
     ttt = {
-        k: (_ttt([(c["time_s"], c["tokens"], c["ppl"]) for c in r["curve"]], target) if r else None)
+        # target is None only when there are no results: nothing to iterate
+        k: (
+            _ttt([(c["time_s"], c["tokens"], c["ppl"]) for c in r["curve"]], target)
+            if r and target is not None
+            else None
+        )
         for k, r in results.items()
     }
     for k, r in results.items():

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import hwtopo
 from hwtopo import console
@@ -29,7 +30,7 @@ MAX_BYTES = 1 << 50  # 1 PiB of memory per worker
 def _config(args, quick: bool):
     from .bench import BenchConfig
 
-    kw = dict(QUICK if quick else FULL)
+    kw: dict[str, Any] = dict(QUICK if quick else FULL)
     if args.outer_steps is not None:
         kw["outer_steps"] = args.outer_steps
     if args.seeds is not None:
@@ -82,7 +83,7 @@ def _progress(cfg, quiet: bool) -> Iterator[Callable[[str], None]]:
     pair = ("geomesh", "diloco-fp32")
     repeats = cfg.repeat_seeds * len(pair) if all(m in cfg.methods for m in pair) else 0
     bar = console.progress(total=len(cfg.methods) + repeats, desc="geomesh bench", quiet=quiet)
-    started = []
+    started: list[str] = []
 
     def starting(method: str) -> None:
         if started:

@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
@@ -63,7 +64,7 @@ class SyncStats:
         return asdict(self)
 
 
-def _shape_digest(params: list[torch.Tensor]) -> torch.Tensor:
+def _shape_digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
     h = hashlib.sha256(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()).digest()[:8]
     return torch.tensor([int.from_bytes(h, "little", signed=True)], dtype=torch.int64)
 
@@ -218,7 +219,7 @@ class DiLoCo:
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
-        if self.compression == "sign":
+        if self.compressor is not None:  # compression == "sign"
             buf = self.compressor.compress(deltas, self.tokens)
             t0 = time.perf_counter()
             if self.world > 1:

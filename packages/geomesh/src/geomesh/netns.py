@@ -31,6 +31,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import hwtopo
 
@@ -54,10 +55,13 @@ def _setns(fd: int, what: str) -> None:
         raise NetnsError(f"setns into {what} failed: {os.strerror(ctypes.get_errno())}")
 
 
-def _in_thread(fn: Callable[[], object]) -> object:
+_T = TypeVar("_T")
+
+
+def _in_thread(fn: Callable[[], _T]) -> _T:
     """``fn()`` on a short-lived thread of its own: a namespace change there leaves this thread's alone,
     and processes it starts are born in the namespace it is in."""
-    box: dict = {}
+    box: dict[str, Any] = {}
 
     def run() -> None:
         try:
@@ -70,7 +74,7 @@ def _in_thread(fn: Callable[[], object]) -> object:
     t.join()
     if "error" in box:
         raise box["error"]
-    return box.get("value")
+    return box["value"]  # run() stored either this or the error
 
 
 def _new_netns() -> int:
@@ -82,7 +86,7 @@ def _new_netns() -> int:
             raise NetnsError(f"unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}")
         return os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
 
-    return _in_thread(make)  # type: ignore[return-value]
+    return _in_thread(make)
 
 
 def _run(args: Sequence[str], ns: int | None = None) -> str:

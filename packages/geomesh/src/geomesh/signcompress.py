@@ -144,7 +144,7 @@ class SignCodec:
             gen = torch.Generator().manual_seed(self.seed)
             self._diag = torch.randint(0, 2, (self.numel,), generator=gen).float() * 2 - 1
             for off, n, c in zip(self._offsets, numels, chunks):
-                size = n if c == 1 else chunk_size
+                size = n if c == 1 or chunk_size is None else chunk_size
                 full = n // size if n and _pow2(size) else 0
                 if full:
                     self._blocks.setdefault(size, []).append((off, full))
@@ -187,6 +187,7 @@ class SignCodec:
                 return flat.new_zeros(1)
             return (flat.abs().mean() if self.scale == "mean" else flat.square().mean().sqrt()).reshape(1)
         size = self.chunk_size
+        assert size is not None  # a tensor has several chunks only with a chunk size
         pad = n_chunks * size - flat.numel()
         mag = flat.abs() if self.scale == "mean" else flat.square()
         padded = torch.cat([mag, flat.new_zeros(pad)]).view(n_chunks, size)
@@ -198,6 +199,7 @@ class SignCodec:
     def _expand(self, scales: torch.Tensor, numel: int, n_chunks: int) -> torch.Tensor:
         if n_chunks == 1:
             return scales.expand(numel)
+        assert self.chunk_size is not None  # a tensor has several chunks only with a chunk size
         return scales.repeat_interleave(self.chunk_size)[:numel]
 
     def check(self, tensors: Sequence[torch.Tensor]) -> None:
