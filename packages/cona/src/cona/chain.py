@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from .gns import GradientNoiseScale, batch_efficiency, efficiency_models
 from .space import Strategy
@@ -295,32 +295,14 @@ class Chainer:
         cur = next((e for e in ranking if e.strategy == current), None)
         if cur is None:
             raise ValueError(f"current strategy {current.name} is not among the candidates")
-        if self.gns.ready:
-            d = self._running(cur, ranking, step, elapsed_s, phi, remaining_s, noise_range, models)
-        else:
+
+        def decision(chosen: Strategy, reason: str, cost: float) -> Decision:
+            switched, m = chosen != current, "+".join(models)
+            return self._record(Decision(step, elapsed_s, current, chosen, switched, reason, phi, cost, ranking, m))
+
+        if not self.gns.ready:
             cost = self.expected_switch_cost_s(current, ranking[0].strategy)
-            reason = f"stay: no gradient statistics yet for {current.name}"
-            d = Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
-        return self._record(replace(d, efficiency_model="+".join(models)))
-
-    def _record(self, d: Decision) -> Decision:
-        self.decisions.append(d)
-        log.info("step %d: %s", d.step, d.reason)
-        return d
-
-    def _running(
-        self,
-        cur: Estimate,
-        ranking: tuple[Estimate, ...],
-        step: int,
-        elapsed_s: float,
-        phi: float,
-        remaining_s: float | None,
-        noise_range: tuple[float, float] | None,
-        models: tuple[str, ...],
-    ) -> Decision:
-        """``decide`` once the estimator has statistics: the rival with the best worst-case gain against ``margin``."""
-        current = cur.strategy
+            return decision(current, f"stay: no gradient statistics yet for {current.name}", cost)
         lo, hi = noise_range if noise_range is not None else (phi, phi)
         grid = noise_grid(min(lo, phi), max(hi, phi), points=9)
         h = self.horizon_s if remaining_s is None else max(remaining_s, 0.0)
@@ -346,7 +328,7 @@ class Chainer:
                 f"of {current.name}'s progress over the remaining time at every noise scale in the range "
                 f"(margin {self.margin:g}; {where})"
             )
-            return Decision(step, elapsed_s, current, e.strategy, True, reason, phi, cost, ranking)
+            return decision(e.strategy, reason, cost)
         best = ranking[0]
         if best.strategy == current:
             reason = f"stay: {current.name} is still best (goodput {cur.goodput:.1f}; {where})"
@@ -357,4 +339,9 @@ class Chainer:
                 f"but the most robust rival {e.strategy.name} gains only {g:+.4f} of the remaining progress "
                 f"at the worst noise scale in the range (margin {self.margin:g}; {where})"
             )
-        return Decision(step, elapsed_s, current, current, False, reason, phi, cost, ranking)
+        return decision(current, reason, cost)
+
+    def _record(self, d: Decision) -> Decision:
+        self.decisions.append(d)
+        log.info("step %d: %s", d.step, d.reason)
+        return d

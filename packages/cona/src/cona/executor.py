@@ -87,6 +87,12 @@ def load_state(path: str | os.PathLike) -> FullState:
     return FullState(tensors, step)
 
 
+def _all_reduced(x: torch.Tensor, group) -> torch.Tensor:
+    y = x.contiguous().clone()
+    dist.all_reduce(y, group=group)
+    return y
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -95,17 +101,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        return _all_reduced(g, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        y = x.contiguous().clone()
-        dist.all_reduce(y, group=group)
-        return y
+        return _all_reduced(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -337,8 +339,13 @@ class Executor:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() * (scale * scale)
 
-    def _hidden_shape(self, mb: torch.Tensor) -> tuple[int, ...]:
-        return (mb.shape[0], mb.shape[1], self.config.hidden_size)
+    def _input(self, ids: torch.Tensor) -> torch.Tensor:
+        """This stage's input: the token ids on the first stage, else the activations the previous one sends."""
+        if self.first:
+            return ids
+        x = torch.empty((*ids.shape, self.config.hidden_size), device=self.device)
+        dist.recv(x, src=self.prev_rank)
+        return x
 
     def _forward_backward(
         self, mbs: list[torch.Tensor], want_small: bool, weights=None
@@ -347,23 +354,25 @@ class Executor:
         accum = len(mbs)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         loss_sum, sq_small, gns_s = zero, zero, 0.0  # device tensors: read once, after the step's reduction
+
+        def small() -> None:  # the first micro-batch's squared gradient norm, timed as statistics
+            nonlocal sq_small, gns_s
+            t0 = time.perf_counter()
+            sq_small = self._sq_norm(accum, weights)
+            gns_s += time.perf_counter() - t0
+
         if self.s.pp == 1:
             for k, ids in enumerate(mbs):
                 loss = self._ce(self._stage(ids), ids) / accum
                 loss.backward()
                 loss_sum = loss_sum + loss.detach()
                 if k == 0 and want_small:
-                    t0 = time.perf_counter()
-                    sq_small = self._sq_norm(accum, weights)
-                    gns_s += time.perf_counter() - t0
+                    small()
             return loss_sum, sq_small, gns_s
         saved = []
         for ids in mbs:  # GPipe: all forwards, then all backwards
-            if self.first:
-                inp = ids
-            else:
-                inp = torch.empty(self._hidden_shape(ids), device=self.device)
-                dist.recv(inp, src=self.prev_rank)
+            inp = self._input(ids)
+            if not self.first:
                 inp.requires_grad_(True)
             out = self._stage(inp)
             if self.last:
@@ -384,9 +393,7 @@ class Executor:
                 dist.send(inp.grad.contiguous(), dst=self.prev_rank)
             saved[k] = None
             if k == accum - 1 and want_small:
-                t0 = time.perf_counter()
-                sq_small = self._sq_norm(accum, weights)
-                gns_s += time.perf_counter() - t0
+                small()
         return loss_sum, sq_small, gns_s
 
     def _grads_zero(self) -> None:
@@ -400,10 +407,7 @@ class Executor:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.s.dp
-        off = 0
-        for g in grads:
-            g.copy_(flat[off : off + g.numel()].view_as(g))
-            off += g.numel()
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def compute_grads(self, batch: torch.Tensor, gns: bool = True) -> StepResult:
         """Forward + backward of one global batch, gradients averaged; no optimizer step."""
@@ -526,12 +530,7 @@ class Executor:
         mine = ids[self.d * per : (self.d + 1) * per].to(self.device)
         total = 0.0
         for mb in mine.split(micro_batch):
-            if self.first:
-                inp = mb
-            else:
-                inp = torch.empty(self._hidden_shape(mb), device=self.device)
-                dist.recv(inp, src=self.prev_rank)
-            out = self._stage(inp)
+            out = self._stage(self._input(mb))
             if self.last:
                 total += float(self._ce(out, mb)) * mb.shape[0]
             else:
