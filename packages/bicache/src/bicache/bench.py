@@ -81,7 +81,7 @@ def _calibrate(dlm, calibration, bound, quick: bool, cfg: DecodeConfig) -> tuple
     """(calibration, drift bound, bound search report): each measured only where the caller gave none."""
     if calibration is None:
         calibration = depthmod.calibrate(dlm, requests_per_fraction=8 if quick else 16, groups=2)
-    bound_report = {}
+    bound_report: dict = {}
     if bound is None:
         bound, bound_report = depthmod.choose_bound(
             dlm, calibration, max_disagreement=0.02, requests_per_fraction=16 if quick else 32, cfg=cfg

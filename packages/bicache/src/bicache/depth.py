@@ -117,8 +117,9 @@ def calibrate(
                 hidden: list[torch.Tensor] = []
                 kvcache.forward(dlm, ids, cache=cache, hidden_out=hidden, logits_from=ids.shape[1])
             for layer in range(n):
-                dk = kv_drift(entry.keys[layer], cache.layers[layer].keys[:, :, :p])
-                dv = kv_drift(entry.values[layer], cache.layers[layer].values[:, :, :p])
+                k, v = kvcache.recorded_kv(cache.layers[layer])
+                dk = kv_drift(entry.keys[layer], k[:, :, :p])
+                dv = kv_drift(entry.values[layer], v[:, :, :p])
                 kv_rows[layer].append(torch.maximum(dk, dv))
             for layer in range(n + 1):
                 hid_rows[layer].append(kv_drift(entry.hidden[layer], hidden[layer][:, :p]))

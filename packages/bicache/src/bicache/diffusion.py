@@ -69,7 +69,7 @@ def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry, cache: C
     (``kvcache.prefix_cache(dlm, entry, N)``) to reuse its buffers.
     """
     b, p = x.shape[0], entry.length
-    if "sliding_attention" in dlm.config.layer_types:
+    if "sliding_attention" in dlm.layer_types:
         # the stock sliding-window cache keeps only the last window of keys; reuse every layer through
         # the same splice cache instead (identical arithmetic to a DynamicCache holding the prefix)
         cache = cache if cache is not None else kvcache.prefix_cache(dlm, entry, dlm.num_layers)
@@ -173,11 +173,13 @@ def generate(
                     stats.tokens_computed += b * n * total
                     recorded = cache
                 elif mode == "naive":
-                    if reuse is None and "sliding_attention" in dlm.config.layer_types:
+                    assert entry is not None  # a prefix mode has its entry, given or filled above
+                    if reuse is None and "sliding_attention" in dlm.layer_types:
                         reuse = kvcache.prefix_cache(dlm, entry, n)
                     logits = naive_logits(dlm, x, entry, reuse)[:, b0 - p :]
                     stats.tokens_computed += b * n * (total - p)
                 elif mode == "bicache" or (mode == "bicache+block" and step == 0):
+                    assert entry is not None  # a prefix mode has its entry, given or filled above
                     if reuse is None:
                         reuse = kvcache.prefix_cache(dlm, entry, depth, record=block_mode)
                     cache = reuse
@@ -187,6 +189,7 @@ def generate(
                     stats.tokens_computed += b * (depth * (total - start) + (n - depth) * total)
                     recorded = cache
                 else:  # a block-cache step inside the block
+                    assert recorded is not None  # step 0 of the block recorded its cache
                     cache = kvcache.block_cache(recorded, b0)
                     logits = kvcache.forward(dlm, x, cache, start=b0, end=b1, logits_from=b0)
                     stats.tokens_computed += b * n * (b1 - b0)

@@ -252,6 +252,7 @@ class Engine:
         if self.mode == "fixed":
             return self.fixed_depth, None
         if self.mode in ("bicache", "bicache+block"):
+            assert self.policy is not None  # __init__ requires one for these modes
             return self.policy.depth(fraction), self.policy.explain(fraction)
         if self.mode == "naive":
             return self.dlm.num_layers, None

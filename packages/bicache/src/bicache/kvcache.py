@@ -17,6 +17,7 @@ full sequence in the deeper layers from a cached hidden state. Layers are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,8 @@ class SpliceLayer(CacheLayerMixin):
     """
 
     is_sliding = False
+    keys: torch.Tensor  # stored at construction, never None here
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int, inplace: bool = False) -> None:
         super().__init__()
@@ -174,9 +177,25 @@ def prefix_cache(dlm: DiffusionLM, entry: PrefixEntry | None, depth: int, record
         raise ValueError(f"prefix entry has {len(entry.keys)} layers but the model has {n}; mismatched cache and model")
     layers: list[CacheLayerMixin] = []
     for i in range(n):
-        layer = SpliceLayer(entry.keys[i], entry.values[i], entry.length) if i < depth else PassLayer()
+        # i < depth implies an entry (checked above)
+        if entry is not None and i < depth:
+            layer: CacheLayerMixin = SpliceLayer(entry.keys[i], entry.values[i], entry.length)
+        else:
+            layer = PassLayer()
         layers.append(RecordingLayer(layer) if record else layer)
-    return Cache(layers=layers)
+    return _cache(layers)
+
+
+def _cache(layers: Sequence[CacheLayerMixin]) -> Cache:
+    # transformers types ``layers`` as a list of its layer union; a list of one kind is as good
+    return Cache(layers=layers)  # type: ignore[arg-type]
+
+
+def recorded_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a cache layer holds after a forward (a RecordingLayer's, a SpliceLayer's)."""
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise ValueError(f"cache layer {type(layer).__name__} holds no keys and values: no forward recorded them")
+    return layer.keys, layer.values
 
 
 def block_cache(recorded: Cache, start: int, keep_suffix: bool = True) -> Cache:
@@ -187,11 +206,11 @@ def block_cache(recorded: Cache, start: int, keep_suffix: bool = True) -> Cache:
     """
     layers = []
     for layer in recorded.layers:
-        k, v = layer.keys, layer.values
+        k, v = recorded_kv(layer)
         if not keep_suffix:
             k, v = k[:, :, :start], v[:, :, :start]
         layers.append(SpliceLayer(k, v, start, inplace=keep_suffix))
-    return Cache(layers=layers)
+    return _cache(layers)
 
 
 def forward(
@@ -226,9 +245,10 @@ def forward(
     h = inner.embed_tokens(ids[:, start:end])
     pos = torch.arange(start, end, device=ids.device).unsqueeze(0)
     rope = inner.rotary_emb(h, pos, "full_attention")
-    types = dlm.config.layer_types
+    types = dlm.layer_types
     for i, layer in enumerate(inner.layers):
         if reinject and i == depth:
+            assert prefix_hidden is not None  # checked above
             h = torch.cat([prefix_hidden.expand(b, -1, -1), h], dim=1)
             pos = torch.arange(0, end, device=ids.device).unsqueeze(0)
             rope = inner.rotary_emb(h, pos, "full_attention")
@@ -236,7 +256,9 @@ def forward(
             hidden_out.append(h)
         mask = None
         if types[i] == "sliding_attention":
-            mask = window_mask(pos[0], cache.layers[i] if cache is not None else None, dlm.config.sliding_window)
+            own = cache.layers[i] if cache is not None else None
+            assert own is None or isinstance(own, CacheLayerMixin)  # bicache's caches hold only such layers
+            mask = window_mask(pos[0], own, dlm.sliding_window)
         h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos, cache=cache)
     if hidden_out is not None:
         hidden_out.append(h)
@@ -273,10 +295,11 @@ def fill_entry(dlm: DiffusionLM, ids: torch.Tensor, prefix_len: int) -> tuple[Pr
 
 def entry_from(dlm: DiffusionLM, ids: torch.Tensor, recorded: Cache, hidden: list[torch.Tensor], p: int) -> PrefixEntry:
     """Row 0's first ``p`` positions of a recorded full forward, as a prefix entry."""
+    kv = [recorded_kv(layer) for layer in recorded.layers]
     return PrefixEntry(
         tokens=tuple(ids[0, :p].tolist()),
-        keys=[layer.keys[:1, :, :p].clone() for layer in recorded.layers],
-        values=[layer.values[:1, :, :p].clone() for layer in recorded.layers],
+        keys=[k[:1, :, :p].clone() for k, _ in kv],
+        values=[v[:1, :, :p].clone() for _, v in kv],
         hidden=[x[:1, :p].clone() for x in hidden],
         model_id=id(dlm.model),
     )
@@ -286,4 +309,5 @@ def layer_kv(dlm: DiffusionLM, ids: torch.Tensor) -> tuple[list[torch.Tensor], l
     """Fresh per-layer K/V of the whole sequence (no cache)."""
     cache = prefix_cache(dlm, None, 0, record=True)
     forward(dlm, ids, cache=cache, logits_from=ids.shape[1])
-    return [la.keys for la in cache.layers], [la.values for la in cache.layers]
+    kv = [recorded_kv(la) for la in cache.layers]
+    return [k for k, _ in kv], [v for _, v in kv]

@@ -68,7 +68,8 @@ def tiny_config(
         bos_token_id=2,
         eos_token_id=3,
         tie_word_embeddings=True,
-        attn_implementation="sdpa",
+        # a config takes extra keyword arguments; its dataclass typing does not show them
+        attn_implementation="sdpa",  # type: ignore[call-arg]
     )
 
 
@@ -79,7 +80,7 @@ class DiffusionLM:
         cfg = model.config
         if not getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("model config has use_bidirectional_attention=False; a diffusion LM needs True")
-        if any(t not in ("full_attention", "sliding_attention") for t in cfg.layer_types):
+        if cfg.layer_types is None or any(t not in ("full_attention", "sliding_attention") for t in cfg.layer_types):
             raise ValueError("layer_types must be full_attention or sliding_attention")
         if cfg.vocab_size < len(vocab):
             raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the task vocabulary {len(vocab)}")
@@ -91,6 +92,21 @@ class DiffusionLM:
     @property
     def config(self) -> Gemma3TextConfig:
         return self.model.config
+
+    @property
+    def layer_types(self) -> list[str]:
+        """Each layer's attention: ``full_attention`` or ``sliding_attention``."""
+        types = self.model.config.layer_types
+        assert types is not None  # checked in __init__
+        return types
+
+    @property
+    def sliding_window(self) -> int:
+        """Window of the sliding_attention layers (positions)."""
+        window = self.model.config.sliding_window
+        if window is None:
+            raise ValueError("sliding_window: the model config has sliding_attention layers but no window")
+        return window
 
     @property
     def num_layers(self) -> int:
@@ -152,7 +168,6 @@ def load_local_dlm(path: str | Path, trust_remote_code: bool = False):
             f"{path} defines its model in Python files of its own (config.json auto_map); loading it "
             "runs that code: pass trust_remote_code=True only for a directory you trust"
         )
-    kwargs = {"trust_remote_code": trust_remote_code, "local_files_only": True}
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModel.from_pretrained(path, **kwargs)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    model = AutoModel.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     return model.eval(), tok
