@@ -13,6 +13,7 @@ import logging
 import os
 import statistics
 import time
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -99,7 +100,7 @@ def _worker(
 
 def _build_trainers(cfg: TrainConfig, shape, parts: dict, speeds, variants, rank: int, solo, corpus) -> dict:
     """This rank's trainer for every variant, all on the same corpus (the reference on rank 0 alone)."""
-    trainers = {}
+    trainers: dict[str, TPTrainer | PPTrainer] = {}
     for name in variants:
         if name == "reference":
             if rank == 0:
@@ -113,7 +114,10 @@ def _build_trainers(cfg: TrainConfig, shape, parts: dict, speeds, variants, rank
     return trainers
 
 
-def _micro_batches(name: str, default: int | None) -> int | None:
+_Default = TypeVar("_Default", bound=int | None)
+
+
+def _micro_batches(name: str, default: _Default) -> int | _Default:
     """The micro-batch count a pipeline variant's name carries ("pp-m8": 8), else ``default``."""
     return int(name.split("-m")[1]) if "-m" in name else default
 
@@ -127,8 +131,8 @@ def _run_steps(
     returns the collectives of ``timeline_step`` for the partitioned variants, and keeps
     ``parts["xronos_final"]`` at the rebalancer's latest partition.
     """
-    records = {name: [] for name in variants}
-    timelines = {}
+    records: dict[str, list[dict]] = {name: [] for name in variants}
+    timelines: dict[str, dict] = {}
     for step in range(steps):
         for name in variants:
             if name == "reference":
@@ -145,6 +149,7 @@ def _run_steps(
                 _rebalance(rebalancer, trainers[name], records[name][-1], step, calibrate_after)
                 parts["xronos_final"] = trainers[name].part
             if record:
+                assert COMM.events is not None  # recording since before the step
                 timelines[name] = {
                     "t0": records[name][-1]["t0"],
                     "step_s": records[name][-1]["step_s"],
@@ -291,7 +296,9 @@ def _step_ratios(per_rank: list[list[dict]], skip: int) -> tuple[list[float], li
     """
     world, n = len(per_rank), len(per_rank[0])
     sys_t = []
-    idle, inside, transfer = ([[] for _ in range(world)] for _ in range(3))
+    idle: list[list[float]] = [[] for _ in range(world)]
+    inside: list[list[float]] = [[] for _ in range(world)]
+    transfer: list[list[float]] = [[] for _ in range(world)]
     for i in range(min(skip, n - 1) if n > 1 else 0, n):
         waits = step_waits([per_rank[r][i] for r in range(world)])
         t_sys = waits[0]["step_s"]
@@ -335,9 +342,10 @@ def _summarize_distributed(results: list[dict], name: str, skip: int) -> dict:
     if name in ("xronos", "tp"):  # after the last reshard: the same shards in every step compared
         start = max([skip, *reshard_steps]) if name == "xronos" else skip
         out["segment_jitter_cv_per_rank"] = [segment_jitter(rec[start:]) for rec in per_rank]
-    if segs and all(x is not None for rank_segs in segs for x in rank_segs):
+    known = [[x for x in rank_segs if x is not None] for rank_segs in segs]
+    if segs and all(len(kept) == len(seg) for kept, seg in zip(known, segs)):
         out["segment_compute_s_per_rank"] = [
-            {k: statistics.median(x[k] for x in rank_segs) for k in ("attn", "mlp", "other")} for rank_segs in segs
+            {k: statistics.median(x[k] for x in rank_segs) for k in ("attn", "mlp", "other")} for rank_segs in known
         ]
     if name in results[0]["partitions"]:
         out["partition"] = results[0]["partitions"][name]

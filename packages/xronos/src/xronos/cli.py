@@ -457,9 +457,10 @@ def cmd_partition(args) -> int:
             raise UsageError(f"--memory lists {len(mem)} sizes but --speeds lists {len(speeds)} ranks")
         costs = costs_from_speeds(speeds, shape, memory_bytes=mem)
     p = partition(shape, costs)
-    e = even_partition(shape, len(costs))
-    speedup = segment_objective(costs, e.attn_units, e.mlp_units) / p.predicted_layer_s
-    print(json.dumps({"xronos": p.describe(), "even": e.describe(), "predicted_speedup_vs_even": speedup}, indent=2))
+    even = even_partition(shape, len(costs))
+    assert p.predicted_layer_s is not None  # partition() predicts it
+    speedup = segment_objective(costs, even.attn_units, even.mlp_units) / p.predicted_layer_s
+    print(json.dumps({"xronos": p.describe(), "even": even.describe(), "predicted_speedup_vs_even": speedup}, indent=2))
     return 0
 
 

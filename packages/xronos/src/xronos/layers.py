@@ -140,7 +140,28 @@ def _check_sizes(name: str, sizes: Sequence[int], rank: int, group=None) -> tupl
     return sizes
 
 
+_SHARDED = "xronos_sharded"  # split across ranks: clip_grad_norm sums its squares over them
+_PARTIAL_GRAD = "xronos_partial_grad"  # replicated, but each rank's gradient is a partial sum
+
+
+def _tag(attr: str, *params: nn.Parameter | None) -> None:
+    """Mark parameters with one of the flags above (read back with ``getattr(p, attr, False)``)."""
+    for p in params:
+        if p is not None:
+            setattr(p, attr, True)
+
+
 class _ParallelLinear(nn.Module):
+    # set by the subclasses' constructors
+    sizes: tuple[int, ...]
+    rank: int
+    full_in: int
+    full_out: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    xronos_name = ""  # the name of the nn.Linear it replaced
+    xronos_no_lora = False  # True: enable_lora leaves it out (the vocabulary-parallel head)
+
     def __init__(self) -> None:
         super().__init__()
         self.lora_A: nn.Parameter | None = None
@@ -151,6 +172,10 @@ class _ParallelLinear(nn.Module):
     @property
     def shard_offset(self) -> int:
         return sum(self.sizes[: self.rank])
+
+    def _shard_lora(self, full_a: torch.Tensor, full_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a full adapter (A: ``r x in``, B: ``out x r``); each layout cuts its own side."""
+        raise NotImplementedError
 
     def enable_lora(self, r: int, alpha: float, generator: torch.Generator | None = None) -> None:
         """Add a LoRA adapter initialised from the *full* adapter (same seed on every rank), then sharded."""
@@ -189,9 +214,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype)) if bias else None
         self.shard_dim = 0
-        self.weight.xronos_sharded = True
-        if self.bias is not None:
-            self.bias.xronos_sharded = True
+        _tag(_SHARDED, self.weight, self.bias)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, out_sizes, rank, group=None, sync_input_grad=True) -> ColumnParallelLinear:
@@ -208,7 +231,7 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.bias is not None and bias is not None:
                 self.bias.copy_(bias[o : o + n])
 
-    def _shard_lora(self, full_a, full_b):
+    def _shard_lora(self, full_a: torch.Tensor, full_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         o, n = self.shard_offset, self.out_features
         return full_a, full_b[o : o + n].clone()
 
@@ -216,14 +239,14 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.sync_input_grad:
             x = copy_to_tp(x, self.group, self.tag)
         y = F.linear(x, self.weight, self.bias)
-        if self.lora_A is not None:
+        if self.lora_A is not None and self.lora_B is not None:
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
         return y
 
     def enable_lora(self, r: int, alpha: float, generator=None) -> None:
         super().enable_lora(r, alpha, generator)
-        self.lora_A.xronos_partial_grad = True  # replicated input side: per-rank partial gradient
-        self.lora_B.xronos_sharded = True
+        _tag(_PARTIAL_GRAD, self.lora_A)  # replicated input side: per-rank partial gradient
+        _tag(_SHARDED, self.lora_B)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out_shard={self.out_features} of {self.full_out}, rank={self.rank}"
@@ -250,7 +273,7 @@ class RowParallelLinear(_ParallelLinear):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.shard_dim = 1
-        self.weight.xronos_sharded = True
+        _tag(_SHARDED, self.weight)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, in_sizes, rank, group=None) -> RowParallelLinear:
@@ -267,18 +290,18 @@ class RowParallelLinear(_ParallelLinear):
             if self.bias is not None and bias is not None:
                 self.bias.copy_(bias)
 
-    def _shard_lora(self, full_a, full_b):
+    def _shard_lora(self, full_a: torch.Tensor, full_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         o, n = self.shard_offset, self.in_features
         return full_a[:, o : o + n].clone(), full_b
 
     def enable_lora(self, r: int, alpha: float, generator=None) -> None:
         super().enable_lora(r, alpha, generator)
-        self.lora_B.xronos_partial_grad = True
-        self.lora_A.xronos_sharded = True
+        _tag(_PARTIAL_GRAD, self.lora_B)
+        _tag(_SHARDED, self.lora_A)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        if self.lora_A is not None:
+        if self.lora_A is not None and self.lora_B is not None:
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
         if self.reduce_output:
             y = reduce_from_tp(y, self.group, self.tag)
@@ -292,7 +315,7 @@ class RowParallelLinear(_ParallelLinear):
 
 def sync_partial_grads(module: nn.Module, group=None) -> None:
     """Sum the per-rank partial gradients of replicated LoRA halves (one all-reduce for all of them)."""
-    grads = [p.grad for p in module.parameters() if getattr(p, "xronos_partial_grad", False) and p.grad is not None]
+    grads = [p.grad for p in module.parameters() if getattr(p, _PARTIAL_GRAD, False) and p.grad is not None]
     if not grads or not _active(group):
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -310,10 +333,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> f
     """
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
-    grads = [p for p in params if p.grad is not None]
-    for p in grads:
-        sq = p.grad.detach().double().pow(2).sum()
-        if getattr(p, "xronos_sharded", False):
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    for p, g in grads:
+        sq = g.detach().double().pow(2).sum()
+        if getattr(p, _SHARDED, False):
             sharded += sq
         else:
             replicated += sq
@@ -321,8 +344,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> f
     total = float((sharded + replicated).sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for p in grads:
-            p.grad.detach().mul_(coef)
+        for _, g in grads:
+            g.detach().mul_(coef)
     return total
 
 
@@ -378,7 +401,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = sum(self.sizes)
         self.shard_dim = 0
         self.weight = nn.Parameter(torch.empty(self.sizes[rank], dim, dtype=dtype))
-        self.weight.xronos_sharded = True
+        _tag(_SHARDED, self.weight)
         self.lora_A = self.lora_B = self.bias = None
 
     @property

@@ -20,6 +20,7 @@ Equal costs give the even split.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -232,7 +233,7 @@ def segment_objective(
 
 
 def costs_from_speeds(
-    speeds: list[float], shape: ModelShape, unit_s: float = 1e-3, memory_bytes: list[float | None] | None = None
+    speeds: list[float], shape: ModelShape, unit_s: float = 1e-3, memory_bytes: Sequence[float | None] | None = None
 ) -> list[RankCost]:
     """A cost model from relative speeds alone: time per unit proportional to parameters / speed."""
     if not speeds:
@@ -422,7 +423,9 @@ class _MemorySearch:
                 continue
             t_m = self.least_mlp_time(a_hi, t_m_cands)
             if t_m is not None and t_a + t_m < best_val - 1e-15:
-                best_val, best_alloc = t_a + t_m, (self.feasible(a_hi, t_m), t_m)
+                alloc = self.feasible(a_hi, t_m)
+                assert alloc is not None  # least_mlp_time returns only a feasible time
+                best_val, best_alloc = t_a + t_m, (alloc, t_m)
         if best_alloc is None:
             raise PartitionError(
                 "no partition fits every rank's memory; give the ranks more memory, add ranks or shrink the model"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from .partition import ModelShape, PartitionError, RankCost, costs_from_speeds
 __all__ = ["fit_affine", "time_call", "profile_rank", "profile_group", "costs_from_cluster"]
 
 
-def fit_affine(xs: list[float], ys: list[float]) -> tuple[float, float]:
+def fit_affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares ``y = a + b x`` with ``a >= 0`` and ``b > 0`` (refit through the origin if a < 0)."""
     if len(xs) != len(ys) or len(xs) < 2:
         raise ValueError("fit_affine needs at least two (x, y) points")

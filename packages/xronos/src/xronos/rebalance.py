@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,10 @@ __all__ = ["repartition", "reshard_decision", "Rebalancer"]
 log = logging.getLogger(__name__)
 
 
-def _sharded(model) -> dict:
+_Sharded = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
+
+
+def _sharded(model) -> dict[str, _Sharded]:
     kinds = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
     return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
 
@@ -78,30 +82,29 @@ def repartition(trainer, new_part: Partition, force: bool = False) -> None:
     old_mods, new_mods = _sharded(trainer.model), _sharded(model)
     old_params = dict(trainer.model.named_parameters())
     # every tensor to carry over: (parameter name, state key or None for the weight itself, tensor)
-    items = []
+    items: list[tuple[str, str | None, Any]] = []
     for name, p in old_params.items():
         items.append((name, None, p.data))
         items += [(name, k, v) for k, v in trainer.opt.state.get(p, {}).items()]
-    moved, plan = [], []
+    moved: list[tuple[torch.Tensor, int, tuple[int, ...]]] = []  # (local shard, dim, old sizes) to gather
+    recut: list[tuple[tuple[str, str | None], int, _Sharded]] = []  # per moved tensor: its key, dim, new module
+    values: dict[tuple[str, str | None], Any] = {}  # in the order of items; moved ones are filled in below
     for name, key, t in items:
         mod_name, _, pname = name.rpartition(".")
         old, new = old_mods.get(mod_name), new_mods.get(mod_name)
-        dim = _shard_dim(old, pname)
-        sharded = dim is not None and torch.is_tensor(t) and t.shape == old_params[name].shape
-        if sharded and (force or tuple(old.sizes) != tuple(new.sizes)):
-            plan.append((name, key, ("moved", len(moved), dim, new)))
-            moved.append((t, dim, tuple(old.sizes)))
-        else:  # replicated, a scalar (AdamW's step), or a shard whose rows stay on this rank
-            plan.append((name, key, ("kept", t)))
+        dim = _shard_dim(old, pname)  # None unless old is a sharded module
+        if old is not None and dim is not None and torch.is_tensor(t) and t.shape == old_params[name].shape:
+            assert new is not None  # the new model has the same modules, cut differently
+            if force or tuple(old.sizes) != tuple(new.sizes):
+                values[(name, key)] = None
+                recut.append(((name, key), dim, new))
+                moved.append((t, dim, tuple(old.sizes)))
+                continue
+        # replicated, a scalar (AdamW's step), or a shard whose rows stay on this rank
+        values[(name, key)] = t.detach().clone() if torch.is_tensor(t) else t
     full = gather_uneven_many(moved, group)
-    values = {}
-    for name, key, how in plan:
-        if how[0] == "moved":
-            _, i, dim, new = how
-            v = full[i].narrow(dim, sum(new.sizes[:rank]), new.sizes[rank]).clone()
-        else:
-            v = how[1].detach().clone() if torch.is_tensor(how[1]) else how[1]
-        values[(name, key)] = v
+    for (name_key, dim, new), whole in zip(recut, full):
+        values[name_key] = whole.narrow(dim, sum(new.sizes[:rank]), new.sizes[rank]).clone()
     new_named = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in new_named.items():

@@ -237,9 +237,9 @@ def finetune_rank(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir, m
     if trainer.step_idx != committed:
         committed = commit_checkpoint(trainer, ckpt_dir, world, committed)
     eval_loss = trainer.evaluate()
-    saved = None
+    saved_to = None
     if save_dir:
-        saved = save_full(trainer.model, save_dir, rank=rank)
+        saved_to = save_full(trainer.model, save_dir, rank=rank)
     return {
         "rank": rank,
         "partition": part.describe(),
@@ -251,7 +251,7 @@ def finetune_rank(rank, world, cfg_dict, mode, ckpt_dir, ckpt_every, save_dir, m
         "train_s": time.perf_counter() - t0,
         "eval_loss": eval_loss,
         "perplexity": math.exp(min(eval_loss, 50)),
-        "saved": None if saved is None else str(saved),
+        "saved": None if saved_to is None else str(saved_to),
     }
 
 

@@ -14,6 +14,7 @@ import fnmatch
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,7 +61,7 @@ def tiny_config(family: str = "llama", **overrides):
     """A small config of a real architecture (byte-level vocabulary of 256), built locally."""
     from transformers import LlamaConfig, Qwen2Config
 
-    base = dict(
+    base: dict[str, Any] = dict(
         vocab_size=256,
         hidden_size=256,
         intermediate_size=768,
@@ -89,12 +90,12 @@ def build_model(config, seed: int = 0, init: bool = True):
 
     from transformers import AutoModelForCausalLM
 
-    skip = contextlib.nullcontext()
+    skip: contextlib.AbstractContextManager = contextlib.nullcontext()
     if not init:
         try:
             from transformers.initialization import no_init_weights
-        except ImportError:  # older transformers
-            from transformers.modeling_utils import no_init_weights
+        except ImportError:  # older transformers, where mypy's installed one has no such name
+            from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
         skip = no_init_weights()
     torch.manual_seed(seed)
     with skip:
@@ -181,6 +182,7 @@ def shard_model(model, part: Partition, rank: int, group=None, vocab_parallel: s
         sizes = _sizes_for(name, part)
         parent_name, leaf = name.rsplit(".", 1)
         parent = model.get_submodule(parent_name)
+        new: ColumnParallelLinear | RowParallelLinear
         if style == "colwise":
             new = ColumnParallelLinear.from_linear(mod, sizes, rank, group, sync_input_grad=False)
             parents[parent_name] = parent
@@ -240,6 +242,7 @@ def enable_lora(model, r: int = 8, alpha: float = 16.0, seed: int = 0) -> list[n
     for _, mod in model.named_modules():
         if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) and not getattr(mod, "xronos_no_lora", False):
             mod.enable_lora(r, alpha, gen)
+            assert mod.lora_A is not None and mod.lora_B is not None  # just enabled
             params += [mod.lora_A, mod.lora_B]
     return params
 
@@ -258,7 +261,7 @@ def gather_state_dict(model, group=None, merge_lora: bool = True) -> dict[str, t
     for name, mod in sharded.items():
         dim = mod.shard_dim
         w = gather_uneven(mod.weight, mod.sizes, dim, group)
-        if mod.lora_A is not None and merge_lora:
+        if mod.lora_A is not None and mod.lora_B is not None and merge_lora:
             if dim == 0:
                 a, b = mod.lora_A.detach(), gather_uneven(mod.lora_B, mod.sizes, 0, group)
             else:

@@ -351,14 +351,14 @@ class PPTrainer:
         shape = (mb[0].shape[0], self.cfg.seq_len, self.cfg.hidden)
         saved, losses = [], []
         for m in mb:
-            if self.first:
+            if self.embed is not None:  # the first stage
                 inp = self.embed(m)
             else:
                 inp = torch.empty(shape)
                 self._p2p(dist.recv, inp, self.rank - 1)
                 inp.requires_grad_(keep_graph)
             out = self._stage_forward(inp)
-            if self.last:
+            if self.head is not None and self.norm is not None:  # the last stage
                 losses.append(_lm_loss(self.head(self.norm(out)), m) / len(mb))
             else:
                 self._p2p(dist.send, out.detach().contiguous(), self.rank + 1)
