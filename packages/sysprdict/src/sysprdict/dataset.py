@@ -19,7 +19,7 @@ __all__ = ["FORMAT", "REQUIRED", "VERSION", "DatasetError", "load_rows", "save_r
 
 FORMAT = "sysprdict-profile"
 VERSION = 1
-REQUIRED = {
+REQUIRED: dict[str, type | tuple[type, ...]] = {
     "model": str,
     "family": str,
     "modality": str,

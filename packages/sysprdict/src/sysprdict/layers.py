@@ -25,6 +25,7 @@ import logging
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -174,7 +175,7 @@ def _numel(shape: Iterable[int]) -> int:
     return int(math.prod(int(s) for s in shape))
 
 
-def op_flops(name: str, args: tuple, out: object) -> int:
+def op_flops(name: str, args: tuple, out: Any) -> int:
     """Forward FLOPs of one aten op from its argument shapes (see module docstring)."""
     if name in _VIEW_OPS:
         return 0
@@ -428,6 +429,7 @@ def _grouped_mm_out(func, args: tuple, kwargs: dict):
         return func(*args, **kwargs)
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
     dtype = kwargs.get("out_dtype") or a.dtype
+    shape: tuple[int, ...]
     if a.dim() == 2 and b.dim() == 3:
         shape = (a.shape[0], b.shape[-1])
     elif a.dim() == 3 and b.dim() == 3:
@@ -617,7 +619,12 @@ def _install_routing(module: nn.Module, routing: str) -> list:
 
 def _trace_stages(fake_model: ZooModel, batch: dict, tr: _Trace, autocast_dtype: torch.dtype | None) -> int:
     """Trace every stage's forward into ``tr``; returns the bytes the last outputs keep alive for the loss."""
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (tr.on_saved(t), t)[1], lambda t: t):
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tr.on_saved(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with _Tracer(tr):
             ctx = (
                 torch.autocast("cpu", dtype=autocast_dtype)

@@ -133,8 +133,9 @@ def profile_grid(points: Iterable[GridPoint], steps: int = 3, progress: bool = T
     bar.close()
     for i, (s, mem) in sessions.items():
         res = s.result(*mem)
-        rows[i] = _row(points[i], res.step_time_s, res.step_times_s, res.step_cpu_s, *mem)
-        rows[i]["rounds"] = rounds
+        row = _row(points[i], res.step_time_s, res.step_times_s, res.step_cpu_s, *mem)
+        row["rounds"] = rounds
+        rows[i] = row
     return [r for r in rows if r is not None]
 
 

@@ -28,6 +28,7 @@ import logging
 import math
 import warnings
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
     work (parameters x state tensors it reads and writes)."""
     kinds = d.by_kind()
     f: dict[str, float] = {}
-    other = defaultdict(float)
+    other: defaultdict[str, float] = defaultdict(float)
     for k, v in kinds.items():
         tgt = f if k in GROUPS else None
         if tgt is None:
@@ -288,9 +289,10 @@ class TimePredictor:
         if self.kind not in KINDS:
             raise ValueError(f"kind: {self.kind!r} is not known; use one of {list(KINDS)}")
         self._cols: list[str] = []
-        self._ridge = None
-        self._trees = None
-        self._add = None
+        # fitted sklearn/xgboost estimators (untyped libraries), None until fit
+        self._ridge: Any = None
+        self._trees: Any = None
+        self._add: Any = None
         self._ranges: dict[str, tuple[float, float]] = {}
         self._experts_cost: dict[str, float] = {}  # the grouped-matmul cost the fit used, kept for predict
 

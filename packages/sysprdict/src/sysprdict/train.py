@@ -35,7 +35,9 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def set_checkpointing(zm: ZooModel, on: bool) -> None:
     """Gradient checkpointing of every transformer block (transformers' own, non-reentrant)."""
-    mods = [m for m in zm.module.modules() if hasattr(m, "gradient_checkpointing_enable")]
+    from transformers import PreTrainedModel
+
+    mods = [m for m in zm.module.modules() if isinstance(m, PreTrainedModel)]
     if not mods and on:
         raise ValueError(f"checkpointing: model {zm.name} does not support gradient checkpointing")
     for m in mods[:1]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,7 +115,7 @@ def _vision_config(kind: str, size: str, image_size: int):
     import transformers as T
 
     h, i, n, a = SIZES[size]
-    kw = dict(
+    kw: dict[str, Any] = dict(
         hidden_size=h,
         intermediate_size=i,
         num_hidden_layers=n,
@@ -127,7 +128,8 @@ def _vision_config(kind: str, size: str, image_size: int):
     if kind == "siglip":
         return T.SiglipVisionConfig(**kw)
     if kind == "vit":
-        return T.ViTConfig(**kw, num_labels=NUM_CLASSES)
+        # a config takes keyword arguments its dataclass typing does not show (num_labels)
+        return T.ViTConfig(**kw, num_labels=NUM_CLASSES)  # type: ignore[call-arg]
     raise ValueError(kind)
 
 
@@ -165,7 +167,8 @@ def _qwen2_vl_config(size: str, image_size: int):
         video_token_id=QVL_VIDEO,
         vision_start_token_id=QVL_START,
         vision_end_token_id=QVL_END,
-        bos_token_id=0,
+        # keyword arguments the config takes but its dataclass typing does not show
+        bos_token_id=0,  # type: ignore[call-arg]
         eos_token_id=0,
     )
 

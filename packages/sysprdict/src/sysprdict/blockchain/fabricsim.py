@@ -188,7 +188,7 @@ def _validate(cfg: FabricConfig, p: SimParams, rng, blocks, keys, endorse_done, 
     """Phase 3, consensus, validation and commit in block order with MVCC on keys; fills completion."""
     e = cfg.endorsers()
     consensus = p.consensus_ms / 1000.0 * math.log2(cfg.orderers + 1) / 2.0 / min(cfg.orderer_cpus, 1.0)
-    last_commit = {}
+    last_commit: dict[int, float] = {}  # key -> when its last write committed
     val_free = 0.0
     val_par = max(1.0, min(cfg.peer_cpus, 4.0))
     for cut, txs in blocks:
@@ -257,7 +257,7 @@ def simulate(cfg: FabricConfig, seed: int = 0, params: SimParams | None = None) 
 def sample_configs(n: int, seed: int = 0) -> list[FabricConfig]:
     """`n` random scaling configurations over the ranges a BaaS offering exposes."""
     rng = np.random.default_rng(seed)
-    out = []
+    out: list[FabricConfig] = []
     while len(out) < n:
         orgs = int(rng.choice([1, 2, 3, 4]))
         peers = int(orgs * rng.choice([1, 2, 3]))

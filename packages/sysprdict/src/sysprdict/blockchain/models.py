@@ -210,7 +210,8 @@ class PerfModel:
         }
         arrays["meta"] = np.array(json.dumps(meta, default=_json_scalar))
         with hwtopo.atomic_file(path, "wb") as f:
-            np.savez(f, **arrays)
+            # numpy's stub: a **dict might name savez's own allow_pickle; these keys are array names
+            np.savez(f, **arrays)  # type: ignore[arg-type]
         return path
 
     @classmethod
