@@ -89,13 +89,17 @@ def safety_rows(bench: dict, sweep: dict | None = None) -> dict[str, dict]:
     return rows
 
 
-def safety_table(rows: dict[str, dict]) -> list[str]:
+def safety_table(rows: dict[str, dict], sweep: dict | None = None) -> list[str]:
     """The "Safety" section: per package, what the sweep tried and every count that must be zero."""
     if not rows:
         return []
+    when = (
+        f"Measured {sweep['measured_at']} on {sweep.get('machine', '?')}. " if sweep and "measured_at" in sweep else ""
+    )
     lines = [
         "## Safety",
         "",
+        *([when.strip(), ""] if when else []),
         "`tests-integration/safety.py` (run by `nox -s bench`; `tests-integration/test_safety.py` asserts the",
         "zeros): malformed command lines, a crafted pickle per loader of a user's file, kill -9 of each launcher",
         "and emulator, and kvpool's same-key PUT/GET races and kill -9 loops (sizes in bench-output/safety.json).",
@@ -155,7 +159,7 @@ def render(bench: dict, when: str, previous: str = "", sweep: dict | None = None
     missing = [p for p in CLAIMS if p not in bench and p not in kept]
     if missing:
         lines += ["## Not measured in this run", "", ", ".join(missing), ""]
-    lines += safety_table(safety_rows(bench, sweep))
+    lines += safety_table(safety_rows(bench, sweep), sweep)
     return "\n".join(lines)
 
 
