@@ -21,7 +21,7 @@ from .monitor import SystemSampler
 from .profiles import ProfileStore
 from .runtime import TASK_TYPES, AgentRequest, AgentResult, Harness
 from .sandbox import zombie_children
-from .scheduler import CpuAwarePolicy, NativePolicy, StaticLimitPolicy
+from .scheduler import CpuAwarePolicy, NativePolicy, Policy, StaticLimitPolicy
 
 __all__ = ["WorkloadConfig", "make_workload", "calibrate", "run_workload", "bench", "summarize"]
 
@@ -230,6 +230,7 @@ async def bench(
             for v in _schedule(tuple(variants), repeats):
                 if progress:
                     progress(f"running {v}: {len(workload)} requests")
+                pol: Policy
                 if v == "native":
                     pol = NativePolicy()
                 elif v == "static":

@@ -100,6 +100,7 @@ async def characterize(cfg: CharacterizeConfig, progress=None) -> dict:
     try:
         async with Harness(emulator=EmulatorConfig(ttft_s=cfg.llm_ttft_s[0], tokens_per_s=80.0), sampler=sampler) as h:
             store = await calibrate(h, wl, sampler)
+            assert h.emulator is not None  # built from the EmulatorConfig above
             for ncores in cfg.cores:
                 if ncores > len(cpus):
                     continue

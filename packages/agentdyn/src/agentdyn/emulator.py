@@ -150,7 +150,8 @@ class LLMEmulator(LocalServer):
             body = await read_json(request, max_bytes=MAX_BODY_BYTES, max_depth=MAX_JSON_DEPTH)
         except BadRequest as e:
             return _error(e.status, f"body: {e}", "body")
-        msgs = body.get("messages") if isinstance(body, dict) else None
+        body = body if isinstance(body, dict) else {}  # not a JSON object: no messages
+        msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             return _error(400, "messages: required, a non-empty list", "messages")
         if not all(isinstance(m, dict) for m in msgs):

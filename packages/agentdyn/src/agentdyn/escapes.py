@@ -327,7 +327,9 @@ async def run_attempt(sb: Sandbox, host: EscapeHost, attempt: Attempt, root: str
     problems = [f"{r.tool}: {r.error}" for r in (init, patch, run) if not r.ok]
     if not problems:
         out = run.output
-        if out["passed"] != 1 or out["failed"] != 0:
+        if out is None:
+            problems.append("run_tests: returned no output")
+        elif out["passed"] != 1 or out["failed"] != 0:
             problems.append(
                 f"the escape test did not pass (passed {out['passed']}, failed {out['failed']}): {out['tail']}"
             )

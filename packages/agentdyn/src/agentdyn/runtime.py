@@ -363,15 +363,23 @@ class Harness:
         self.sampler = sampler
         self.tool_threads = tool_threads
         self.isolation = isolation  # the tool sandbox: strict, auto or off (see agentdyn.sandbox)
-        self.runtime: Runtime | None = None
+        self._runtime: Runtime | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime serving requests, once :meth:`start` has built it."""
+        if self._runtime is None:
+            raise RuntimeError("start() the harness first")
+        return self._runtime
 
     async def start(self) -> Harness:
         if self.emulator is not None:
             url = await self.emulator.start()
             self.llm_config = LLMConfig(base_url=url, timeout_s=60, retries=2)
+        assert self.llm_config is not None  # given, or the emulator's just set
         await self.site.start()
         try:
-            self.runtime = Runtime(
+            self._runtime = Runtime(
                 self.llm_config,
                 self.policy,
                 self.site.url,
@@ -386,17 +394,15 @@ class Harness:
         return self
 
     def set_policy(self, policy: Policy) -> None:
-        assert self.runtime is not None
         self.runtime.policy.close()
         self.runtime.policy = policy
 
     async def run(self, task_type: str, input: dict | None = None, **kw) -> AgentResult:
-        assert self.runtime is not None, "start() the harness first"
         return await self.runtime.run(AgentRequest(task_type, input or {}, **kw))
 
     async def stop(self) -> None:
-        if self.runtime is not None:
-            await self.runtime.close()
+        if self._runtime is not None:
+            await self._runtime.close()
         await self.site.stop()
         if self.emulator is not None:
             await self.emulator.stop()

@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import hwtopo
@@ -222,7 +223,7 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
-def tool_env(base: dict, tool_threads: int | str | None = None) -> dict:
+def tool_env(base: Mapping[str, str], tool_threads: int | str | None = None) -> dict:
     """The environment tools run with: only the ``ENV_ALLOW`` variables (and ``LC_*``) of ``base``,
     never its tokens or keys. ``tool_threads``: ``None`` inherits ``base``'s thread caps (one
     OpenMP thread when it sets none: the polite default on a shared machine); ``"default"`` removes
@@ -500,9 +501,12 @@ class Sandbox:
 
     async def _jail_spec(self, tool: str, workdir: str) -> dict:
         forward = [[h, p, await self._relay(h, p)] for h, p in self.net.get(tool, [])]
+        uid = self.claim(workdir)
+        assert uid is not None  # a jail spec is made only when tools are jailed
         hide = [*self.hide, os.path.dirname(workdir)] + ([self._state] if self._state else [])
-        keep = self.keep + ([os.path.join(self._state, "net")] if forward else [])
-        return _jail(self.claim(workdir), workdir, hide, keep, forward) | {"legacy_mounts": self.legacy_mounts}
+        # a forwarded port has its relay socket under the state directory
+        keep = self.keep + ([os.path.join(self._state, "net")] if forward and self._state else [])
+        return _jail(uid, workdir, hide, keep, forward) | {"legacy_mounts": self.legacy_mounts}
 
     # ------------------------------------------------------------ running a tool
 
@@ -676,10 +680,12 @@ async def _relay_conn(host: str, port: int, reader: asyncio.StreamReader, writer
 
 async def _exchange(proc: asyncio.subprocess.Process, spec: dict, timeout_s: float) -> bool:
     """Hand the wrapper its spec and wait for it to exit; False when it ran past ``timeout_s``."""
+    stdin = proc.stdin
+    assert stdin is not None  # started with stdin=PIPE
     try:
-        proc.stdin.write(json.dumps(spec).encode() + b"\n")
-        await proc.stdin.drain()
-        proc.stdin.close()
+        stdin.write(json.dumps(spec).encode() + b"\n")
+        await stdin.drain()
+        stdin.close()
     except (BrokenPipeError, ConnectionResetError):
         pass  # it died already; its exit status and stderr say why
     try:
@@ -707,6 +713,7 @@ async def _collect(proc: asyncio.subprocess.Process) -> tuple[bytes | None, byte
             buf = (buf + chunk)[-cap:]
         return bytes(buf)
 
+    assert proc.stdout is not None and proc.stderr is not None  # started with both piped
     out, err = await asyncio.gather(head(proc.stdout, MAX_RESULT_BYTES), tail(proc.stderr, STDERR_TAIL_BYTES))
     return out, err
 

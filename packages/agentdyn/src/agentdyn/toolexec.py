@@ -84,7 +84,7 @@ def main() -> int:
         if not isinstance(spec, dict):
             raise ValueError("the spec must be a JSON object")
     except ValueError as e:
-        msg = {"ok": False, "result": None, "error": f"bad tool spec: {e}"}
+        msg: dict[str, object] = {"ok": False, "result": None, "error": f"bad tool spec: {e}"}
     else:
         msg = _run(spec)
     from .monitor import self_usage

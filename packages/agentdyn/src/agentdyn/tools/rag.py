@@ -33,7 +33,7 @@ def corpus_files(root: str | None = None) -> list[str]:
     """Sorted .py files of the standard library (tests, idlelib, lib2to3, site-packages left out)."""
     root = root or corpus_root()
     skip = {"test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__", "dist-packages"}
-    out = []
+    out: list[str] = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in skip)
         out.extend(os.path.join(d, f) for f in files if f.endswith(".py"))

@@ -79,7 +79,7 @@ def web_search(args: dict, workdir: str) -> dict:
     nbytes = 0
     with ThreadPoolExecutor(threads) as pool:
         while frontier and len(pages) < budget:
-            batch = []
+            batch: list[str] = []
             for u in frontier:
                 if u not in seen and len(batch) + len(pages) < budget:
                     seen.add(u)
