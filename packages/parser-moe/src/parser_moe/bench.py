@@ -306,6 +306,7 @@ def run_bench(
     if not runs:
         raise FileNotFoundError("no model to compare: no shipped checkpoints found; run `parser-moe train`")
     head, spread = _headline(runs, about, ratios)
+    assert plan is not None and model is not None  # set by the loop, which ran at least once
     layers = plan.layers
     config = {
         "quick": quick,

@@ -148,7 +148,7 @@ def calibrate(
             if ly.layout == "fused":
                 handles.append(ly.module.register_forward_pre_hook(fused_hook(ly), with_kwargs=True))
             else:
-                for e, child in enumerate(ly.module):
+                for e, child in enumerate(ly.expert_modules()):
                     handles.append(child.register_forward_pre_hook(expert_hook(ly, e), with_kwargs=True))
         if isinstance(batches, torch.Tensor):
             batches = [batches] if batches.dim() == 2 else list(batches)

@@ -35,6 +35,17 @@ _MATS = ("gate", "up", "down")
 class CompressedExperts(nn.Module):
     """Drop-in replacement of a fused experts module: forward(hidden_states, top_k_index, top_k_weights)."""
 
+    # buffers registered in __init__: the base (both modes); kept units' residuals (mode "units");
+    # the entries mode's <mat>_values/_index/_offsets are reached through getattr
+    base_gate: torch.Tensor
+    base_up: torch.Tensor
+    base_down: torch.Tensor
+    kept_index: torch.Tensor
+    kept_offsets: torch.Tensor
+    res_gate: torch.Tensor
+    res_up: torch.Tensor
+    res_down: torch.Tensor
+
     def __init__(
         self,
         num_experts: int,
@@ -100,11 +111,13 @@ class CompressedExperts(nn.Module):
         cls,
         base: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        masks: tuple[torch.Tensor, ...],
         act_fn: Callable,
         dtype: torch.dtype = torch.float32,
     ) -> CompressedExperts:
         """Keep the residual entries in ``masks`` (one boolean mask per matrix, shaped like the experts)."""
+        if len(masks) != len(_MATS):
+            raise ValueError(f"masks: one per matrix ({', '.join(_MATS)}), not {len(masks)}")
         E, inter, H = experts[0].shape
         sizes = tuple(int(m.sum()) for m in masks)
         mod = cls(E, H, inter, act_fn, "entries", sizes, dtype)
@@ -153,7 +166,8 @@ class CompressedExperts(nn.Module):
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The dense weights each expert computes with, [E, I, H], [E, I, H], [E, H, I] (for checks)."""
         ws = [self._dense_expert(e) for e in range(self.num_experts)]
-        return tuple(torch.stack([w[i] for w in ws]) for i in range(3))  # type: ignore[return-value]
+        gate, up, down = (torch.stack([w[i] for w in ws]) for i in range(3))
+        return gate, up, down
 
     def _base_terms(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ag = x @ self.base_gate.T
@@ -221,6 +235,8 @@ class CompressedExperts(nn.Module):
 
 class _ExpertView(nn.Module):
     """Expert e of a CompressedExperts, callable like one per-expert MLP module."""
+
+    _storage: CompressedExperts
 
     def __init__(self, storage: CompressedExperts, e: int):
         super().__init__()

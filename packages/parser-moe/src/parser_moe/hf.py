@@ -61,7 +61,10 @@ class ParserMoeForCausalLM(PreTrainedModel):
         layers = compressed_layers(model)
         if not layers:
             raise ValueError("model has no compressed experts; call compress_model first")
-        config = ParserMoeConfig(base_config=model.config.to_dict(), compressed=layers)
+        base_config = getattr(model, "config", None)
+        if not isinstance(base_config, PretrainedConfig):
+            raise ValueError(f"model {type(model).__name__} has no transformers config to save beside its experts")
+        config = ParserMoeConfig(base_config=base_config.to_dict(), compressed=layers)
         with torch.device("meta"):  # the fresh inner model is replaced at once: allocate nothing
             out = cls(config)
         out.inner = model

@@ -77,12 +77,18 @@ class MoELayer:
     transposed: bool = False
     concatenated: bool = True
 
+    def expert_modules(self) -> list[nn.Module]:
+        """One module per expert (layout ``per_expert``: the experts collection is an ``nn.ModuleList``)."""
+        if not isinstance(self.module, nn.ModuleList):
+            raise TypeError(f"experts at {self.name!r} are one fused module, not a list of expert modules")
+        return list(self.module)
+
     def weights(self) -> ExpertWeights:
         """A float32 CPU copy of all experts of this layer in canonical orientation."""
         with torch.no_grad():
             if self.layout == "fused":
-                gu = self.module.gate_up_proj.detach().float().cpu()
-                dn = self.module.down_proj.detach().float().cpu()
+                gu = _weight(self.module, "gate_up_proj", self.name).detach().float().cpu()
+                dn = _weight(self.module, "down_proj", self.name).detach().float().cpu()
                 if self.transposed:  # [E, H, 2I] and [E, I, H]
                     gu = gu.transpose(1, 2)
                     dn = dn.transpose(1, 2)
@@ -92,7 +98,7 @@ class MoELayer:
                     gate, up = gu[:, 0::2], gu[:, 1::2]
                 return ExpertWeights(gate.contiguous().clone(), up.contiguous().clone(), dn.contiguous().clone())
             gates, ups, downs = [], [], []
-            for child in self.module:
+            for child in self.expert_modules():
                 g, u, d = _linear_triple(child)
                 gates.append(g.weight.detach().float().cpu())
                 ups.append(u.weight.detach().float().cpu())
@@ -119,9 +125,9 @@ def module_bytes(module: nn.Module) -> int:
 
 def _linear_triple(child: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
     for names in _TRIPLES:
-        mods = [getattr(child, n, None) for n in names]
-        if all(isinstance(m, nn.Linear) for m in mods):
-            return mods[0], mods[1], mods[2]
+        g, u, d = (getattr(child, n, None) for n in names)
+        if isinstance(g, nn.Linear) and isinstance(u, nn.Linear) and isinstance(d, nn.Linear):
+            return g, u, d
     raise NoMoEError(f"expert module {type(child).__name__} has no gate/up/down linear triple")
 
 
@@ -133,8 +139,19 @@ def _per_expert_act(child: nn.Module) -> Callable | None:
     return None
 
 
+def _weight(mod: nn.Module, attr: str, name: str) -> torch.Tensor:
+    """A fused experts collection's weight ``attr`` (gate_up_proj, down_proj)."""
+    t = getattr(mod, attr, None)
+    if not isinstance(t, torch.Tensor):
+        raise NoMoEError(f"experts at {name!r}: {attr} is not a weight tensor")
+    return t
+
+
 def _fused_layer(name: str, mod: nn.Module) -> MoELayer:
-    gu, dn = mod.gate_up_proj, mod.down_proj
+    gu, dn = _weight(mod, "gate_up_proj", name), _weight(mod, "down_proj", name)
+    act_fn = getattr(mod, "act_fn", None)
+    if not callable(act_fn):
+        raise NoMoEError(f"experts at {name!r} have no act_fn; cannot tell the activation")
     if getattr(mod, "has_bias", False) or getattr(mod, "gate_up_proj_bias", None) is not None:
         raise NoMoEError(f"experts at {name!r} use biases; only bias-free gated experts are supported")
     if getattr(mod, "has_gate", True) is False:
@@ -164,7 +181,7 @@ def _fused_layer(name: str, mod: nn.Module) -> MoELayer:
         num_experts=E,
         hidden=H,
         intermediate=I2 // 2,
-        act_fn=mod.act_fn,
+        act_fn=act_fn,
         transposed=bool(transposed),
         concatenated=bool(getattr(mod, "is_concatenated", True)),
     )
@@ -179,7 +196,8 @@ def _per_expert_layer(name: str, mod: nn.ModuleList) -> MoELayer | None:
     except NoMoEError:
         return None
     acts = [_per_expert_act(c) for c in children]
-    if any(a is None for a in acts):
+    act = acts[0]
+    if act is None or any(a is None for a in acts):
         return None
     g, _, d = triples[0]
     H, inter = g.in_features, g.out_features
@@ -194,7 +212,7 @@ def _per_expert_layer(name: str, mod: nn.ModuleList) -> MoELayer | None:
             H,
         ):
             return None
-    return MoELayer(name, mod, "per_expert", len(children), H, inter, acts[0])
+    return MoELayer(name, mod, "per_expert", len(children), H, inter, act)
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -209,8 +227,6 @@ def find_moe_layers(model: nn.Module) -> list[MoELayer]:
         gu = getattr(mod, "gate_up_proj", None)
         dn = getattr(mod, "down_proj", None)
         if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
-            if not callable(getattr(mod, "act_fn", None)):
-                raise NoMoEError(f"experts at {name!r} have no act_fn; cannot tell the activation")
             layers.append(_fused_layer(name, mod))
         elif isinstance(mod, nn.ModuleList):
             layer = _per_expert_layer(name, mod)

@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ import hwtopo
 from hwtopo import console
 
 from .data import VOCAB_SIZE, encode, split_text
+
+if TYPE_CHECKING:  # transformers is imported where a model is built, not with the package
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ def hf_config(cfg: TinyMoEConfig):
     )
 
 
-def build_model(cfg: TinyMoEConfig):
+def build_model(cfg: TinyMoEConfig) -> PreTrainedModel:
     """A freshly initialised tiny Qwen2-MoE with upcycled experts."""
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +90,7 @@ def build_model(cfg: TinyMoEConfig):
     return model
 
 
-def train(cfg: TinyMoEConfig, progress: bool = True) -> tuple[torch.nn.Module, dict]:
+def train(cfg: TinyMoEConfig, progress: bool = True) -> tuple[PreTrainedModel, dict]:
     """Train the tiny MoE for ``cfg.steps`` steps on random windows of the training split."""
     model = build_model(cfg)
     ids = encode(split_text("train"))
@@ -128,7 +132,7 @@ def train(cfg: TinyMoEConfig, progress: bool = True) -> tuple[torch.nn.Module, d
 
 def load_or_train(
     cfg: TinyMoEConfig | None = None, cache_dir: str | Path | None = None, progress: bool = True
-) -> tuple[torch.nn.Module, dict]:
+) -> tuple[PreTrainedModel, dict]:
     """The trained tiny MoE from the cache, training (and caching, atomically) it when absent.
 
     Returns (model, info); ``info["cached"]`` says whether it came from the cache.
@@ -138,7 +142,7 @@ def load_or_train(
     cfg = cfg or TinyMoEConfig()
     path = Path(cache_dir or console.cache_dir("parser-moe")) / cfg.key()
     if (path / "model.safetensors").is_file() and (path / "train.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path))
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(str(path))
         model.eval()
         info = json.loads((path / "train.json").read_text())
         info.update(cached=True, path=str(path))

@@ -64,7 +64,8 @@ def train_seed(seed: int, root: str | Path | None = None, steps: int | None = No
     info["stored_dtype"] = "float16"
 
     def fill(d: Path) -> None:
-        model.to(torch.float16).save_pretrained(str(d))
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose typing binds the dtype to self
+        model.to(torch.float16).save_pretrained(str(d))  # type: ignore[arg-type]
         (d / "train.json").write_text(json.dumps(info, indent=2) + "\n")
 
     return hwtopo.atomic_dir(checkpoint_dir(seed, root), fill)
