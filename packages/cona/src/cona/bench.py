@@ -85,8 +85,15 @@ class Trainer:
 
     def executor(self, s: Strategy, state: FullState) -> Executor:
         c = self.cfg
-        kw = {"clip_norm": c.clip_norm, "betas": c.adam_betas, "precondition": c.gns_precondition}
-        return Executor(s, self.model_cfg, state, lr=c.lr_for(s.global_batch), **kw)
+        return Executor(
+            s,
+            self.model_cfg,
+            state,
+            lr=c.lr_for(s.global_batch),
+            clip_norm=c.clip_norm,
+            betas=c.adam_betas,
+            precondition=c.gns_precondition,
+        )
 
     def probe(self) -> dict:
         """Measure the throughput table into ``cost`` (``probe.Prober``); its report."""
@@ -175,8 +182,14 @@ def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, 
     # cona's running statistics start fresh: the step-0 pairs (a stand-in preconditioner, the initial weights)
     # only bound the noise scale; from the first optimizer step Adam's own v preconditions them
     gns_run = cfg.noise_scale_estimator()
-    kw = {"margin": cfg.margin, "switch_cost_s": reshard_s, "initial_models": cfg.initial_models}
-    chainer = Chainer(tr.candidates, tr.cost.throughput, gns_run, **kw)
+    chainer = Chainer(
+        tr.candidates,
+        tr.cost.throughput,
+        gns_run,
+        margin=cfg.margin,
+        switch_cost_s=reshard_s,
+        initial_models=cfg.initial_models,
+    )
     t_decide = time.perf_counter()
     first = chainer.initial((lo, hi), 0, gns0_s)
     decision0_s = rank0(time.perf_counter() - t_decide)  # charged to both runs that start on its choice
@@ -211,7 +224,7 @@ def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, 
     return step0, chainer, start
 
 
-def _interleave(tr: Trainer, variants: list) -> None:
+def _interleave(tr: Trainer, variants: list[Variant | Oracle]) -> None:
     """Advance every variant in turns of ``slice_s`` of training clock until all are done, rotating who goes
     first, and report progress."""
     cfg = tr.cfg
@@ -251,7 +264,7 @@ def run_seed(tr: Trainer, best_static: Strategy, reshard_s: float) -> dict:
     choice, state, consumed = first.chosen, start["state"], start["consumed"]
     runs = {"best_static": Run("best_static"), "surrogate_static": started("surrogate_static"), "cona": started("cona")}
     runs["cona"].decisions.append(first.to_dict())
-    variants = [
+    variants: list[Variant | Oracle] = [
         tr.variant(runs["best_static"], best_static, tr.state0),
         tr.variant(runs["surrogate_static"], choice, state, consumed=consumed),
         tr.variant(runs["cona"], choice, state, chainer=chainer, gns=chainer.gns, consumed=consumed),

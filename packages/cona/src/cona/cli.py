@@ -8,8 +8,10 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import hwtopo
 from hwtopo import console
@@ -38,7 +40,7 @@ def _finite(text: str) -> float:
 
 
 # what a --set value of each type must be, and how it is read
-_KINDS = {
+_KINDS: dict[str, tuple[str, Callable[[str], object]]] = {
     "bool": ("true or false", lambda x: {"true": True, "false": False}[x.lower()]),
     "int": ("an integer", int),
     "float": ("a number", _finite),
@@ -67,12 +69,12 @@ def _config_value(name: str, text: str, annotation: str):
     return tuple(vals) if tup else vals[0]
 
 
-def _config_sets(items: list[str]) -> dict:
+def _config_sets(items: list[str]) -> dict[str, Any]:
     """``--set FIELD=VALUE`` (repeatable): any BenchConfig field by its Python name."""
     from .config import BenchConfig
 
     fields = BenchConfig.__dataclass_fields__
-    out = {}
+    out: dict[str, Any] = {}
     for item in items:
         name, eq, text = item.partition("=")
         name = name.strip()
@@ -82,7 +84,9 @@ def _config_sets(items: list[str]) -> dict:
             raise UsageError(f"--set {name}: not a bench setting; valid: {', '.join(sorted(fields))}")
         if name in out:
             raise UsageError(f"--set {name}: given twice")
-        out[name] = _config_value(name, text, fields[name].type)
+        annotation = fields[name].type
+        assert isinstance(annotation, str)  # config.py postpones its annotations: field types are strings
+        out[name] = _config_value(name, text, annotation)
     return out
 
 
@@ -102,7 +106,9 @@ def _run_config(args, quick: bool):
     from .model import tiny_llama_config
     from .space import ModelDims, enumerate_strategies
 
-    kw = dict(QUICK if quick else FULL) | {k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None}
+    kw: dict[str, Any] = dict(QUICK if quick else FULL) | {
+        k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None
+    }
     kw |= {"oracle": False} if args.no_oracle else {}
     kw |= {"probe_cache": False} if args.no_probe_cache else {}
     sets = _config_sets(args.set)

@@ -15,8 +15,17 @@ QUICK = {"world": 2, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1, "global_ba
 FULL = {"world": 4, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1}
 
 _POSITIVE = ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl", "lr", "slice_s")
-_AT_LEAST_1 = ("world", "probe_rounds", "probe_steps", "gns_every", "reference_batch", "seq_len", "seeds")
-_AT_LEAST_1 += ("target_window", "step0_batches")
+_AT_LEAST_1 = (
+    "world",
+    "probe_rounds",
+    "probe_steps",
+    "gns_every",
+    "reference_batch",
+    "seq_len",
+    "seeds",
+    "target_window",
+    "step0_batches",
+)
 
 
 def _number(v, low: float = -math.inf) -> bool:
@@ -143,7 +152,7 @@ class BenchConfig:
             ),
         ):
             _require(ok, msg)
-        self.adam_betas = tuple(float(b) for b in betas)
+        self.adam_betas = (float(betas[0]), float(betas[1]))
 
     @property
     def seed_list(self) -> list[int]:

@@ -248,18 +248,19 @@ class Executor:
             return _ReduceFromTP.apply(out, g)
 
         for layer in self.layers:
-            layer.self_attn.register_forward_pre_hook(copy_kw, with_kwargs=True)
-            layer.mlp.register_forward_pre_hook(copy_kw, with_kwargs=True)
-            layer.self_attn.o_proj.register_forward_hook(reduce_out)
-            layer.mlp.down_proj.register_forward_hook(reduce_out)
+            layer.get_submodule("self_attn").register_forward_pre_hook(copy_kw, with_kwargs=True)
+            layer.get_submodule("mlp").register_forward_pre_hook(copy_kw, with_kwargs=True)
+            layer.get_submodule("self_attn.o_proj").register_forward_hook(reduce_out)
+            layer.get_submodule("mlp.down_proj").register_forward_hook(reduce_out)
 
     def _stage(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.first else x
+        h = self.embed(x) if self.embed is not None else x  # the embedding is built for the first stage only
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         pe = self.rotary(h, pos)
         for layer in self.layers:
             h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
         if self.last:
+            assert self.lm_head is not None and self.norm is not None  # built for the last stage
             return self.lm_head(self.norm(h))
         return h
 
@@ -329,7 +330,7 @@ class Executor:
         """Squared norm of the owned gradients (times ``scale``) in the metric ``weights``, a float64 scalar left on
         the device: a host sync mid-backward would stall the pipeline on a GPU."""
         have = [k for k, p in enumerate(self.owned) if p.grad is not None]
-        grads = [self.owned[k].grad for k in have]
+        grads = [g for g in (p.grad for p in self.owned) if g is not None]
         if weights is not None and grads:
             scratch = [self._gns_scratch[k] for k in have]
             torch._foreach_copy_(scratch, grads)
@@ -369,7 +370,7 @@ class Executor:
                 if k == 0 and want_small:
                     small()
             return loss_sum, sq_small, gns_s
-        saved = []
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         for ids in mbs:  # GPipe: all forwards, then all backwards
             inp = self._input(ids)
             if not self.first:
@@ -382,7 +383,7 @@ class Executor:
                 dist.send(out.detach().contiguous(), dst=self.next_rank)
             saved.append((inp, out))
         for k in reversed(range(accum)):
-            inp, out = saved[k]
+            inp, out = saved.pop()  # saved[k]; popped so its activations free as the backward goes
             if self.last:
                 out.backward()
             else:
@@ -390,8 +391,8 @@ class Executor:
                 dist.recv(g, src=self.next_rank)
                 out.backward(g)
             if not self.first:
+                assert inp.grad is not None  # a later stage's input requires grad and fed this backward
                 dist.send(inp.grad.contiguous(), dst=self.prev_rank)
-            saved[k] = None
             if k == accum - 1 and want_small:
                 small()
         return loss_sum, sq_small, gns_s
@@ -400,10 +401,17 @@ class Executor:
         for p in self.params.values():
             p.grad = None
 
+    def _all_grads(self) -> list[torch.Tensor]:
+        """This rank's gradients in ``params`` order; a backward gives every parameter one."""
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        if len(grads) != len(self.params):
+            raise RuntimeError("a parameter of this rank has no gradient: run compute_grads (a backward) first")
+        return grads
+
     def _dp_allreduce(self) -> None:
         if self.dp_group is None:
             return
-        grads = [p.grad for p in self.params.values()]
+        grads = self._all_grads()
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.s.dp
@@ -455,13 +463,13 @@ class Executor:
             for ids in self._local_micro_batches(batch):
                 self._grads_zero()
                 self._forward_backward([ids], False)
-                kept.append([p.grad for p in self.params.values()])
+                kept.append(self._all_grads())
         for p, gs in zip(self.params.values(), zip(*kept)):
             p.grad = torch.stack(gs).mean(0)
         self._dp_allreduce()  # S on every replica
         pos = {id(p): i for i, p in enumerate(self.params.values())}
         where = [(pos[id(p)], 1.0 if weights is None else weights[j] ** 2) for j, p in enumerate(self.owned)]
-        mean = [p.grad for p in self.params.values()]
+        mean = self._all_grads()
 
         def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
             zero = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -499,7 +507,7 @@ class Executor:
 
     def grads(self) -> list[torch.Tensor]:
         """Copies of this rank's gradients as ``compute_grads`` left them, to step with later (``step_with``)."""
-        return [p.grad.detach().clone() for p in self.params.values()]
+        return [g.detach().clone() for g in self._all_grads()]
 
     def step_with(self, grads: Sequence[torch.Tensor], lr: float | None = None) -> None:
         """The optimizer step ``train_step`` would have taken with ``grads`` (this executor's ``grads()``)."""

@@ -240,9 +240,9 @@ class GradientNoiseScale:
         resolve both means above zero, or distinct positions."""
         if pairs < 1 or groups < 2:
             raise ValueError(f"growth needs pairs >= 1 and groups >= 2, got pairs={pairs}, groups={groups}")
-        at = self.at[-pairs:]
-        raw = self.raw[-pairs:]
-        if len(raw) < 3 * groups or any(a is None for a in at):
+        raw, last = self.raw[-pairs:], self.at[-pairs:]
+        at = [a for a in last if a is not None]
+        if len(raw) < 3 * groups or len(at) < len(last):
             return None
         pts = []  # (log position, log phi, weight)
         for i in range(groups):
@@ -267,7 +267,8 @@ class GradientNoiseScale:
         if window < 1:
             raise ValueError(f"window must be >= 1 pair (or None for the smoothed estimate), got {window}")
         at = self.at[-window:]
-        return sum(at) / len(at) if at and all(a is not None for a in at) else None
+        known = [a for a in at if a is not None]
+        return sum(known) / len(known) if known and len(known) == len(at) else None
 
     def ahead(
         self,

@@ -106,6 +106,8 @@ class Variant:
         consumed: int,
         held_out: bool = False,
     ) -> None:
+        if chainer is not None and gns is None:
+            raise ValueError("gns: a variant with a chainer (cona) needs its noise-scale estimator, got None")
         self.tr, self.run, self.s, self.chainer, self.gns, self.consumed = tr, run, s, chainer, gns, consumed
         self.held_out, cfg = held_out, tr.cfg
         self.ex = tr.executor(s, state)
@@ -161,6 +163,7 @@ class Variant:
         run.steps += 1
         run.samples += s.global_batch
         if want_gns:
+            assert gns is not None  # want_gns only with an estimator
             gns.update(r.sq_small, r.b_small, r.sq_big, r.b_big, step=run.steps, at=run.samples - s.global_batch)
 
     def _evaluate(self, readable: bool = True) -> float:
@@ -188,6 +191,7 @@ class Variant:
         well as the estimator's own, as step 0's choice does; then the estimator's alone (None)."""
         self.grown = self.grown or fit is not None
         if not self.grown:
+            assert self.gns is not None  # only cona decides, and it has an estimator (__init__)
             return tuple(dict.fromkeys((self.gns.lr_scaling, *self.tr.cfg.initial_models)))
         return None
 
@@ -196,6 +200,7 @@ class Variant:
         the range of the last ``range_window`` pairs and the point estimate, carried along the fitted growth to the
         middle of the next decision interval; the time left from cona's charged evaluations."""
         run, s, cfg, gns = self.run, self.s, self.tr.cfg, self.gns
+        assert gns is not None  # only cona decides, and it has an estimator (__init__)
         left = max(cfg.budget_s - run.clock, 0.0)
         rem = remaining_time(run.decision_trace, cfg.target_loss, cfg.trend_window_s, left)
         lo, hi = gns.interval(z=cfg.range_z, window=cfg.range_window)
@@ -217,15 +222,17 @@ class Variant:
         return rem, lo * f_lo, min(hi * f_hi, 1e9), min(phi * f_point, 1e9), read
 
     def _decide(self) -> None:
-        run, s, cfg = self.run, self.s, self.tr.cfg
+        run, s, cfg, chainer, gns = self.run, self.s, self.tr.cfg, self.chainer, self.gns
+        assert chainer is not None and gns is not None  # advance decides only with a chainer, which has gns
         t_decide = time.perf_counter()
         self.next_decide = run.clock + cfg.decide_every_s
         online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
         rem, lo, hi, phi, extra = self._decision_inputs(online)
         models = self._running_models(extra.pop("fit"))
-        kw = {"noise_range": (lo, hi), "remaining_s": rem, "noise_scale": phi, "models": models}
-        d = self.chainer.decide(s, run.steps, run.clock, **kw)
-        pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in self.gns.raw[-cfg.range_window :]]
+        d = chainer.decide(
+            s, run.steps, run.clock, noise_range=(lo, hi), remaining_s=rem, noise_scale=phi, models=models
+        )
+        pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in gns.raw[-cfg.range_window :]]
         extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
         dt = rank0(time.perf_counter() - t_decide)
@@ -241,6 +248,7 @@ class Variant:
         same = self.ex.same_layout(new)
         self.ex = self.ex.retarget(new) if same else tr.executor(new, self.ex.full_state())
         sw = rank0(time.perf_counter() - t0)
+        assert self.chainer is not None  # only cona's decisions switch
         self.chainer.observe_switch(sw, same_layout=same)
         self.s, self.plain_times, self.k = new, [], 0
         run.clock += sw

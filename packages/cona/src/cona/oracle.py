@@ -77,7 +77,8 @@ class Oracle:
     def __init__(self, tr, shortlist: list[Strategy], ckpt_dir: str) -> None:
         self.tr, self.shortlist = tr, shortlist
         self.run = Run("oracle")
-        self.state, self.consumed, self.prev = tr.state0, 0, None
+        self.state, self.consumed = tr.state0, 0
+        self.prev: Strategy | None = None  # the strategy the last phase kept
         ex = tr.executor(shortlist[0], self.state)
         self.run.trace.append((0.0, ex.evaluate(tr.val)))
         self.run.held_out_trace.append((0.0, ex.evaluate(tr.held_out)))
@@ -108,8 +109,8 @@ class Oracle:
         self.ctx = len(run.trace[-tr.cfg.target_window :])
         self.branches = []
         for s in self.shortlist:
-            ctx = {"trace": run.trace[-self.ctx :], "held_out_trace": run.held_out_trace[-self.ctx :]}
-            branch = Run(s.name, clock=run.clock, **ctx)
+            ctx, held_ctx = run.trace[-self.ctx :], run.held_out_trace[-self.ctx :]
+            branch = Run(s.name, clock=run.clock, trace=ctx, held_out_trace=held_ctx)
             t0 = time.perf_counter()  # a branch that changes strategy pays the checkpoint read and the executor
             v = tr.variant(branch, s, load_state(self.path), consumed=self.consumed, held_out=True)
             build_s = rank0(time.perf_counter() - t0) if self.prev is not None and s != self.prev else 0.0

@@ -125,7 +125,7 @@ def probe_plan(candidates: Iterable[Strategy], per_layout: int = 3) -> list[Stra
     by_layout: dict[tuple[int, int, int], list[Strategy]] = {}
     for s in candidates:
         by_layout.setdefault((s.dp, s.tp, s.pp), []).append(s)
-    plan = []
+    plan: list[Strategy] = []
     for group in by_layout.values():
         picks = [
             min(group, key=lambda s: (s.global_batch, s.micro_batch)),
@@ -144,7 +144,7 @@ def time_steps(step_fn, steps: int = 3, warmup: int = 1, steps_after_first=None)
     ``steps_after_first(seconds)`` resets ``steps`` from the first timed call (the same on every rank)."""
     for _ in range(warmup):
         step_fn()
-    times = []
+    times: list[float] = []
     while len(times) < steps:
         t0 = time.perf_counter()
         step_fn()
@@ -451,6 +451,7 @@ class Prober:
             done |= set(p["contenders"])
             self._verify()
         leaders = fastest_per_batch(self.tr.candidates, self.cost.throughput)
+        assert paired is not None  # set before the loop, or by its first pass (it runs when measured_now)
         paired["unpaired_leaders"] = left = [s.name for s in leaders if s.name not in done]
         if left:
             msg = "after 3 paired passes these global-batch leaders have no paired timing (their figures are their rounds'): %s"

@@ -56,11 +56,12 @@ def aggregate(per_seed: dict) -> tuple[dict, dict]:
     for k in HEADLINE_KEYS:
         vals = [h.get(k) for h in per_seed.values()]
         ok = [v for v in vals if v is not None]
-        head[k] = statistics.median(ok) if ok else None
-        if k == "switches" and head[k] is not None:
-            head[k] = float(head[k]) if head[k] != int(head[k]) else int(head[k])
+        med = statistics.median(ok) if ok else None
+        if k == "switches" and med is not None:
+            med = float(med) if med != int(med) else int(med)
+        head[k] = med
         spread[k] = {
-            "median": head[k],
+            "median": med,
             "min": min(ok) if ok else None,
             "max": max(ok) if ok else None,
             "per_seed": vals,
