@@ -107,8 +107,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 # Stub packages for typed dependencies without py.typed; tomli: mypy checks as Python 3.10 (mypy.ini).
 MYPY_DEPS = ("mypy>=1.10", "types-psutil", "types-tabulate", "types-tqdm", "scipy-stubs", "tomli")
-# cona is left out of mypy until its sources pass it
-MYPY_PACKAGES = [p for p in PACKAGES if p != "cona"]
+MYPY_PACKAGES = list(PACKAGES)
 
 
 @nox.session
