@@ -212,3 +212,12 @@ def test_huge_integers_and_sizes_are_usage_errors_with_whole_bounds():
     for bad in ("0", "1e400GiB", "nan", "-1GiB", "lots", "2PiB"):
         with pytest.raises(Exception, match="--memory must be a size from 1 B to"):
             mem(bad)
+
+
+def test_output_dir_tolerates_a_peer_creating_it_at_the_same_moment(tmp_path, monkeypatch):
+    """Every rank of a torchrun launch checks the same --out: the one that loses the race still passes."""
+    target = tmp_path / "ckpt"
+    real_exists = type(target).exists
+    monkeypatch.setattr(type(target), "exists", lambda self: False if self == target else real_exists(self))
+    target.mkdir()  # the peer won
+    assert console.output_dir(target, "--ckpt-dir") == target

@@ -198,12 +198,12 @@ def output_dir(path: str | os.PathLike, field: str) -> Path:
         raise UsageError(f"{field} {str(p)!r} exists and is not a directory")
     if not p.exists():
         parent = p.parent if str(p.parent) else Path(".")
-        if parent == DEMO_ROOT and not parent.exists():
-            parent.mkdir()
+        if parent == DEMO_ROOT:
+            parent.mkdir(exist_ok=True)
         if not parent.is_dir():
             raise UsageError(f"{field} {str(p)!r}: its parent {str(parent)!r} does not exist; create it first")
         try:
-            p.mkdir()
+            p.mkdir(exist_ok=True)  # another process (a torchrun peer) may create it at the same moment
         except OSError as e:
             raise UsageError(f"{field} {str(p)!r} cannot be created: {e.strerror}") from None
     if not os.access(p, os.W_OK | os.X_OK):
