@@ -269,6 +269,19 @@ def saved_partition(directory, rank: int, shape, world: int) -> Partition | None
     return Partition(shape, tuple(meta["kv_heads"]), tuple(c // shape.mlp_block for c in meta["mlp_columns"]))
 
 
+def _check_run(cfg: TrainConfig, mode: str, world: int) -> None:
+    """Refuse a run before any rank trains: a bad config, mode, or more ranks than attention units."""
+    cfg.validate()
+    if mode not in ("xronos", "tp"):
+        raise ValueError(f"mode must be 'xronos' or 'tp', not {mode!r}")
+    shape = cfg.shape()
+    if shape.attn_units < world:
+        raise PartitionError(
+            f"the model's {shape.num_heads} heads in {shape.num_kv_heads} KV groups cannot be split across "
+            f"{world} ranks"
+        )
+
+
 def finetune(
     cfg: TrainConfig,
     speeds: list[float],
@@ -282,15 +295,7 @@ def finetune(
 ) -> list[dict]:
     """Fine-tune on ``len(speeds)`` local ranks (emulated speeds, ``emulate``: "dilate" or "cgroup");
     returns each rank's report."""
-    cfg.validate()
-    if mode not in ("xronos", "tp"):
-        raise ValueError(f"mode must be 'xronos' or 'tp', not {mode!r}")
-    shape = cfg.shape()
-    if shape.attn_units < len(speeds):
-        raise PartitionError(
-            f"the model's {shape.num_heads} heads in {shape.num_kv_heads} KV groups cannot be split across "
-            f"{len(speeds)} ranks"
-        )
+    _check_run(cfg, mode, len(speeds))
     ckpt = Path(ckpt_dir) if ckpt_dir else _default_ckpt_dir(cfg, mode, len(speeds))
     ckpt.mkdir(parents=True, exist_ok=True)
     return spawn(
@@ -325,6 +330,7 @@ def finetune_torchrun(
     rank, world = init_from_env(timeout_s=300)
     if len(speeds) not in (1, world):
         raise ValueError(f"speeds lists {len(speeds)} ranks but WORLD_SIZE is {world}")
+    _check_run(cfg, mode, world)  # the same checks as finetune(), on every rank alike
     speed = speeds[rank] if len(speeds) == world else speeds[0]
     throttle = emulate_speed(speed, emulate) if emulate else None
     try:
