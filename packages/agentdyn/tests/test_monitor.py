@@ -4,6 +4,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 from agentdyn.monitor import SystemSampler, Usage, proc_usage, psi_available, read_loadavg, read_psi
 from agentdyn.profiles import ProfileStore
@@ -102,20 +103,30 @@ def test_group_pids_and_usage_match_procfs(tmp_path):
             pids = group_pids(p.pid)
             if len(pids) == 2:
                 break
-            import time
-
             time.sleep(0.01)
         assert p.pid in pids and len(pids) == 2
-        u = proc_usage(pids)
         tick = os.sysconf("SC_CLK_TCK")
-        cpu, rss = 0.0, 0
-        for pid in pids:
-            rest = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # rest[0] is field 3
-            cpu += sum(int(x) for x in rest[11:15]) / tick  # fields 14-17: utime stime cutime cstime
-            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
-            rss += int(status["VmRSS"].split()[0]) * 1024  # exact; stat's field 24 lags per-CPU batches
-        assert abs(u.cpu_s - cpu) < 1e-9
-        assert u.peak_rss_bytes == max(rss, max(_read_hwm(pid) for pid in pids))
+
+        def procfs():  # (cpu seconds, peak rss) read straight from procfs
+            cpu, rss = 0.0, 0
+            for pid in pids:
+                rest = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # rest[0] is field 3
+                cpu += sum(int(x) for x in rest[11:15]) / tick  # fields 14-17: utime stime cutime cstime
+                status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+                rss += int(status["VmRSS"].split()[0]) * 1024  # exact; stat's field 24 lags per-CPU batches
+            return cpu, max(rss, max(_read_hwm(pid) for pid in pids))
+
+        # the child may still be between fork and exec: compare only a reading that held still around the call
+        for _ in range(200):
+            before = procfs()
+            u = proc_usage(pids)
+            if procfs() == before:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the group's procfs numbers never held still")
+        assert abs(u.cpu_s - before[0]) < 1e-9
+        assert u.peak_rss_bytes == before[1]
     finally:
         os.killpg(p.pid, 9)
         p.wait()
