@@ -9,9 +9,10 @@ Cache API; :mod:`bicache.engine` and :mod:`bicache.server` serve requests with i
 
 from .depth import Calibration, DepthPolicy, calibrate, choose_bound, kv_drift
 from .diffusion import DECODE_MODES, DecodeConfig, DecodeStats, generate
-from .engine import MODES, Completion, Engine, PrefixStore, common_prefix_len, keep_heap
+from .engine import MODES, Completion, Engine, keep_heap
 from .kvcache import PassLayer, PrefixEntry, RecordingLayer, SpliceLayer, block_cache, fill_entry, prefix_cache
 from .model import DiffusionLM, load_local_dlm, tiny_config
+from .prefix_store import PrefixStore, Reservoir, common_prefix_len
 from .task import Request, TableTask, TaskSpec, Vocab
 from .train import Recipe, cache_dir, load_or_train, train
 
@@ -32,6 +33,7 @@ __all__ = [
     "PrefixStore",
     "Recipe",
     "RecordingLayer",
+    "Reservoir",
     "Request",
     "SpliceLayer",
     "TableTask",

@@ -5,10 +5,11 @@ request with the least estimated work (denoising steps x sequence length; the ol
 and batches it with queued requests of the same prompt length and decode settings, preferring the
 ones sharing its longest common token prefix. Shortest-work-first keeps a light request from
 waiting behind a queue of heavy ones; a request overtaken by ``max_skips`` later arrivals goes
-next, so heavy ones are not starved either. A radix-style
-:class:`PrefixStore` keeps one :class:`~bicache.kvcache.PrefixEntry` per shared prefix (filled by
-the first batch that brings it, from that batch's own first denoising step) and the
-:class:`~bicache.depth.DepthPolicy` picks the reuse depth from the shared fraction of the prompt.
+next, so heavy ones are not starved either. A radix-tree
+:class:`~bicache.prefix_store.PrefixStore` keeps one :class:`~bicache.kvcache.PrefixEntry` per
+shared prefix (filled by the first batch that brings it, from that batch's own first denoising
+step) and the :class:`~bicache.depth.DepthPolicy` picks the reuse depth from the shared fraction of
+the prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -26,8 +26,8 @@ import torch
 
 from . import diffusion
 from .depth import DepthPolicy
-from .kvcache import PrefixEntry
 from .model import DiffusionLM
+from .prefix_store import PrefixStore, Reservoir, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -58,48 +58,6 @@ def keep_heap(top_pad: int = 64 << 20) -> bool:
     ok = mallopt(m_trim_threshold, 1 << 30) == 1 and ok
     ok = mallopt(m_top_pad, top_pad) == 1 and ok
     return ok
-
-
-def common_prefix_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class PrefixStore:
-    """Token-prefix -> entry map with longest-match lookup and LRU eviction by bytes."""
-
-    def __init__(self, capacity_bytes: int = 256 << 20) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def lookup(self, prompts: list[list[int]]) -> PrefixEntry | None:
-        """The longest stored prefix shared by every prompt (and shorter than each)."""
-        best = None
-        for tokens, entry in self.entries.items():
-            if best is not None and entry.length <= best.length:
-                continue
-            if all(len(p) > len(tokens) and tuple(p[: len(tokens)]) == tokens for p in prompts):
-                best = entry
-        if best is not None:
-            self.entries.move_to_end(best.tokens)
-            best.hits += 1
-            self.hits += 1
-        else:
-            self.misses += 1
-        return best
-
-    def add(self, entry: PrefixEntry) -> None:
-        self.entries[entry.tokens] = entry
-        while sum(e.nbytes() for e in self.entries.values()) > self.capacity_bytes and len(self.entries) > 1:
-            self.entries.popitem(last=False)
-
-    def nbytes(self) -> int:
-        return sum(e.nbytes() for e in self.entries.values())
 
 
 class QueueFull(RuntimeError):
@@ -145,17 +103,12 @@ class EngineStats:
     generated_tokens: int = 0
     busy_s: float = 0.0  # wall-clock seconds spent decoding
     cpu_s: float = 0.0  # CPU seconds of the decoding thread (robust on a loaded machine)
-    latencies: list[float] = field(default_factory=list)
+    latencies: Reservoir = field(default_factory=Reservoir)  # bounded: a server runs for long
     batches: int = 0
     forwards: int = 0
     tokens_computed: int = 0
 
     def summary(self) -> dict:
-        lat = sorted(self.latencies)
-
-        def pct(q: float) -> float:
-            return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
-
         return {
             "requests": self.requests,
             "generated_tokens": self.generated_tokens,
@@ -163,8 +116,9 @@ class EngineStats:
             "cpu_s": round(self.cpu_s, 4),
             "tokens_per_s": round(self.generated_tokens / self.busy_s, 2) if self.busy_s else 0.0,
             "tokens_per_cpu_s": round(self.generated_tokens / self.cpu_s, 2) if self.cpu_s else 0.0,
-            "latency_p50_s": round(pct(0.5), 4),
-            "latency_p95_s": round(pct(0.95), 4),
+            "latency_p50_s": round(self.latencies.quantile(0.5), 4),
+            "latency_p95_s": round(self.latencies.quantile(0.95), 4),
+            "latency_max_s": round(self.latencies.max, 4),
             "batches": self.batches,
             "forwards": self.forwards,
             "token_layers_computed": self.tokens_computed,
@@ -344,7 +298,7 @@ class Engine:
         now = time.perf_counter()
         for r, c in zip(batch, done):
             c.latency_s = now - r.t0
-            self.stats.latencies.append(c.latency_s)
+            self.stats.latencies.add(c.latency_s)
             r.fut.set_result(c)
         return True
 
