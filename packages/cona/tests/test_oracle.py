@@ -324,6 +324,7 @@ def _stamp_worker(rank, world):
     from cona import harness
     from cona.executor import StepResult
     from cona.gns import GradientNoiseScale
+    from cona.probe import CostModel
     from cona.space import Strategy
 
     starts = []  # the first sample of every batch a statistics step trained on
@@ -340,9 +341,11 @@ def _stamp_worker(rank, world):
 
     cfg = BenchConfig(world=1, gns_every=2, eval_every_s=1.0, budget_s=5.0)
     data = SimpleNamespace(samples=lambda start, count: torch.full((count, 1), start))
-    tr = SimpleNamespace(cfg=cfg, data=data, val=None, executor=lambda s, state: Ex())
+    s = Strategy(1, 1, 1, 8, 32)
+    cost = CostModel({s: 0.002})  # the probed step time each step's limit follows
+    tr = SimpleNamespace(cfg=cfg, data=data, val=None, executor=lambda s, state: Ex(), cost=cost)
     run, gns = harness.Run("cona"), GradientNoiseScale(reference_batch=8)
-    v = harness.Variant(tr, run, Strategy(1, 1, 1, 8, 32), None, None, gns, consumed=96)
+    v = harness.Variant(tr, run, s, None, None, gns, consumed=96)
     run.samples = 96  # the samples step 0 trained on
     v.advance(0.08)
     return {"at": list(gns.at), "starts": starts}

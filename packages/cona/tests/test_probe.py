@@ -37,6 +37,39 @@ def test_probe_cache_round_trip(tmp_path):
         c.put(s, 0.0)
 
 
+def test_a_table_probed_under_another_load_is_stale(tmp_path):
+    """A table measured at load 14.4 is not read at load 0.5 (it would rank the strategies of a loaded machine)."""
+    path = tmp_path / "p.json"
+    a, b, c = Strategy(2, 1, 1, 4, 8), Strategy(2, 1, 1, 8, 16), Strategy(1, 2, 1, 8, 16)
+    busy = ProbeCache(path, "k", load_1m=14.4)
+    busy.put(a, 0.25)
+    busy.data["k"][b.name] = {"step_s": 0.5}  # an entry without its load (an older format)
+    busy.save()
+    quiet = ProbeCache.open("k", path)
+    quiet.load_1m = 0.5
+    fresh, stale = quiet.fresh([a, b, c], load_tolerance=1.0)
+    assert fresh == {} and set(stale) == {a.name, b.name}
+    assert "probed at load 14.40, now 0.50 (tolerance 1)" in stale[a.name] and stale[b.name] == "no load recorded"
+    quiet.load_1m = 13.9  # as loaded as when it was probed: reused
+    fresh, stale = quiet.fresh([a, b, c], load_tolerance=1.0)
+    assert list(fresh) == [a.name] and fresh[a.name]["loadavg_1m"] == 14.4 and list(stale) == [b.name]
+
+
+def test_the_probe_key_names_machine_software_and_code_and_says_why_other_tables_are_not_read(tmp_path):
+    import transformers
+
+    from cona.config import BenchConfig
+    from cona.probe import bench_probe_key, machine_digest
+
+    key = json.loads(bench_probe_key(BenchConfig()))
+    assert key["machine"] == machine_digest() and len(key["machine"]) == 12
+    assert key["transformers"] == transformers.__version__ and key["code"] == code_digest() and key["torch"]
+    older = json.dumps(key | {"code": "0123456789ab", "torch": "2.0"}, sort_keys=True)
+    c = ProbeCache(tmp_path / "p.json", bench_probe_key(BenchConfig()), {older: {}, "junk": {}})
+    assert c.other_tables() == [["code", "torch"], sorted([*key, "key"])]
+    assert bench_probe_key(BenchConfig(world=4)) != bench_probe_key(BenchConfig())
+
+
 def test_code_digest_follows_the_source_and_survives_a_bytecode_install(tmp_path, monkeypatch):
     from importlib import resources
 
@@ -85,6 +118,7 @@ def test_bench_probes_are_cached_and_the_fastest_is_measured(tmp_path, monkeypat
         "probe_rounds": 2,
         "probe_paired_cycles": 3,
         "seeds": 1,
+        "probe_load_tolerance": 1e9,  # the machine's load moves between the two runs; staleness by load is unit-tested
     }
     first, second, table = launch(_probe_twice, 2, cfg, timeout_s=300)[0]
     assert first["measured_now"] and not first["from_cache"]
@@ -247,3 +281,20 @@ def test_a_later_paired_pass_adds_to_the_report_and_its_figures_win():
     assert both["block_steps"] == {"a": 2, "b": 5, "c": 4}
     assert both["rate_vs_rounds"] == {"a": 1.1, "b": 0.95, "c": 1.0}
     assert first["contenders"] == ["a", "b"]  # the earlier report is not changed
+
+
+def test_a_step_past_its_probed_limit_names_the_run_strategy_and_slow_rank():
+    """The limit follows the probed step time (25 x, at least 5 s), not a constant for the whole run."""
+    from cona.config import BenchConfig
+    from cona.harness import StepLimitError, check_step, step_limit_s
+
+    cfg = BenchConfig()
+    s = Strategy(1, 1, 2, 32, 256)
+    assert step_limit_s(0.4, cfg.step_limit_factor, cfg.step_limit_floor_s) == pytest.approx(10.0)
+    assert step_limit_s(0.01, cfg.step_limit_factor, cfg.step_limit_floor_s) == 5.0
+    check_step("cona", s, 7, [9.0, 9.9], 0.4, cfg)  # inside 10 s: nothing
+    with pytest.raises(StepLimitError, match=r"cona: step 7 of dp1-tp1-pp2-mb32-gb256 took 12.00 s on rank 1") as e:
+        check_step("cona", s, 7, [3.0, 12.0], 0.4, cfg)
+    assert "limit of 10.00 s" in str(e.value) and "0.4000 s" in str(e.value)
+    with pytest.raises(ValueError, match="step_limit_factor must be > 0"):
+        BenchConfig(step_limit_factor=0)

@@ -14,7 +14,17 @@ __all__ = ["BenchConfig", "QUICK", "FULL"]
 QUICK = {"world": 2, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1, "global_batches": (16, 32, 64, 128, 256)}
 FULL = {"world": 4, "target_ppl": 5.9, "budget_s": 60.0, "seeds": 1}
 
-_POSITIVE = ("budget_s", "eval_every_s", "decide_every_s", "oracle_phase_s", "target_ppl", "lr", "slice_s")
+_POSITIVE = (
+    "step_limit_factor",
+    "step_limit_floor_s",
+    "budget_s",
+    "eval_every_s",
+    "decide_every_s",
+    "oracle_phase_s",
+    "target_ppl",
+    "lr",
+    "slice_s",
+)
 _AT_LEAST_1 = (
     "world",
     "probe_rounds",
@@ -99,6 +109,11 @@ class BenchConfig:
     probe_paired_band: float = 0.1
     probe_verify_top: int = 3
     probe_cache: bool = True  # reuse step times an earlier run measured with the same key (ProbeCache)
+    # a training step running past max(step_limit_floor_s, step_limit_factor x its probed step time) stops the bench,
+    # naming the run, strategy and slowest rank (statistics steps and load spikes stay well inside)
+    step_limit_factor: float = 25.0
+    step_limit_floor_s: float = 5.0
+    probe_load_tolerance: float = 1.0  # a cached step time probed at a 1-minute load this far from now is re-probed
 
     def __post_init__(self) -> None:
         self.global_batches, self.micro_batches = tuple(self.global_batches), tuple(self.micro_batches)
@@ -143,6 +158,10 @@ class BenchConfig:
             (
                 self.probe_round_s is None or self.probe_round_s > 0,
                 f"probe_round_s must be > 0 seconds or None, got {self.probe_round_s}",
+            ),
+            (
+                _number(self.probe_load_tolerance, 0),
+                f"probe_load_tolerance must be a load-average difference >= 0, got {self.probe_load_tolerance}",
             ),
             (self.probe_paired_cycles >= 0, f"probe_paired_cycles must be >= 0, got {self.probe_paired_cycles}"),
             (0 <= self.probe_paired_band < 1, f"probe_paired_band must be in [0, 1), got {self.probe_paired_band}"),

@@ -16,10 +16,34 @@ from dataclasses import dataclass, field
 from .chain import Chainer, remaining_time
 from .executor import FullState
 from .gns import GradientNoiseScale
-from .probe import rank0, rank0_all
+from .probe import every_rank, rank0, rank0_all
 from .space import Strategy
 
-__all__ = ["Run", "Variant", "smoothed", "time_to_target", "summary"]
+__all__ = ["Run", "Variant", "StepLimitError", "step_limit_s", "check_step", "smoothed", "time_to_target", "summary"]
+
+
+class StepLimitError(RuntimeError):
+    """A training step ran past its limit (``step_limit_s``); the message names the run, strategy and rank."""
+
+
+def step_limit_s(probed_step_s: float, factor: float, floor_s: float) -> float:
+    """A step's time limit: ``factor`` x its probed (or modelled) step time, never under ``floor_s``."""
+    return max(floor_s, factor * probed_step_s)
+
+
+def check_step(run: str, s: Strategy, step: int, per_rank_s: list[float], probed_s: float, cfg) -> None:
+    """Raise ``StepLimitError`` on every rank alike (``per_rank_s`` is gathered) when the slowest rank's step
+    ran past ``step_limit_s`` of the probed step time under ``cfg.step_limit_factor`` / ``step_limit_floor_s``."""
+    limit = step_limit_s(probed_s, cfg.step_limit_factor, cfg.step_limit_floor_s)
+    slow = max(range(len(per_rank_s)), key=per_rank_s.__getitem__)
+    if per_rank_s[slow] > limit:
+        times = ", ".join(f"rank {r}: {t:.2f} s" for r, t in enumerate(per_rank_s))
+        raise StepLimitError(
+            f"{run}: step {step} of {s.name} took {per_rank_s[slow]:.2f} s on rank {slow} (slowest; {times}), over "
+            f"its limit of {limit:.2f} s (max of {cfg.step_limit_floor_s:g} s and {cfg.step_limit_factor:g} x the "
+            f"probed step time {probed_s:.4f} s): the machine is far slower than when it was probed, or a rank is "
+            f"stuck; raise --set step_limit_factor=... to allow it"
+        )
 
 
 def smoothed(trace: list[tuple[float, float]], window: int = 1) -> list[tuple[float, float]]:
@@ -151,7 +175,9 @@ class Variant:
         want_gns = gns is not None and self.k % (cfg.gns_every * (4 if split else 1)) == 0
         t0 = time.perf_counter()
         r = self.ex.train_step(batch, lr=cfg.lr_for(s.global_batch), gns=want_gns)
-        dt, gns_dt = rank0_all(time.perf_counter() - t0, r.gns_s)
+        per_rank = every_rank(time.perf_counter() - t0, r.gns_s)
+        dt, gns_dt = per_rank[0]  # rank 0's times drive every rank's clock and decisions alike
+        check_step(run.name, s, run.steps + 1, [p[0] for p in per_rank], tr.cost.step_time(s)[0], cfg)
         if want_gns and split and self.plain_times:
             gns_dt += dt - statistics.median(self.plain_times)  # the split's extra time (unbiased, may be < 0)
         elif not (want_gns and split):

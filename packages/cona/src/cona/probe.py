@@ -33,6 +33,7 @@ from .space import Strategy
 
 __all__ = [
     "code_digest",
+    "machine_digest",
     "CostModel",
     "ProbeCache",
     "Prober",
@@ -45,6 +46,7 @@ __all__ = [
     "fastest_per_batch",
     "rank0",
     "rank0_all",
+    "every_rank",
 ]
 
 log = logging.getLogger(__name__)
@@ -205,14 +207,26 @@ def code_digest() -> str:
     return h.hexdigest()[:12]
 
 
+def machine_digest() -> str:
+    """Short hash of this machine as hwtopo probes it (cores, threads, memory, NUMA nodes, disks): a step time
+    measured on another machine, or on this one resized, is stale."""
+    import hashlib
+
+    text = json.dumps(hwtopo.to_dict(hwtopo.probe()), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 @dataclass
 class ProbeCache:
-    """Measured step times by key (``bench_probe_key``) and strategy in a JSON file written atomically, each with
-    what measuring it cost, when and under which load (a run that reuses it reports the cost it did not pay)."""
+    """Measured step times by key (``bench_probe_key``: machine, software, code, settings) and strategy in a JSON
+    file written atomically, each with what measuring it cost, when, and the 1-minute load average when the run
+    that measured it opened the cache (``load_1m``: every run reads it at the same point, as its probing begins). An
+    entry probed under a load more than a tolerance away from the load now is stale (``fresh``)."""
 
     path: Path
     key: str
     data: dict = field(default_factory=dict)
+    load_1m: float = field(default_factory=lambda: os.getloadavg()[0])
 
     @classmethod
     def open(cls, key: str, path: Path | None = None) -> ProbeCache:
@@ -230,13 +244,46 @@ class ProbeCache:
         ok = isinstance(e, dict) and isinstance(e.get("step_s"), (int, float)) and e["step_s"] > 0
         return e if ok else None
 
+    def fresh(self, strategies: Iterable[Strategy], load_tolerance: float) -> tuple[dict, dict]:
+        """(name -> entry probed under a load within ``load_tolerance`` of ``load_1m``, name -> why each other
+        entry of ``strategies`` is stale); an entry without its load is stale too."""
+        load_now = self.load_1m
+        fresh, stale = {}, {}
+        for s in strategies:
+            e = self.entry(s)
+            if e is None:
+                continue
+            load = e.get("loadavg_1m")
+            if not isinstance(load, (int, float)):
+                stale[s.name] = "no load recorded"
+            elif abs(load - load_now) > load_tolerance:
+                stale[s.name] = f"probed at load {load:.2f}, now {load_now:.2f} (tolerance {load_tolerance:g})"
+            else:
+                fresh[s.name] = e
+        return fresh, stale
+
+    def other_tables(self) -> list[list[str]]:
+        """For each table cached under another key, the key fields that differ from this one's (why it is not
+        read: another machine, software, code or setting)."""
+
+        def fields(key: str) -> dict:
+            try:
+                d = json.loads(key)
+            except ValueError:
+                return {"key": key}
+            return d if isinstance(d, dict) else {"key": key}
+
+        mine = fields(self.key)
+        others = [fields(k) for k in self.data if k != self.key]
+        return [sorted(f for f in set(mine) | set(o) if mine.get(f) != o.get(f)) for o in others]
+
     def put(
         self, s: Strategy, step_s: float, cost_s: float | None = None, rounds: list[float] | None = None, **extra
     ) -> None:
         if not step_s > 0:
             raise ValueError(f"step time of {s.name} must be > 0, got {step_s}")
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        entry = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp, "loadavg_1m": os.getloadavg()[0]}
+        entry = {"step_s": float(step_s), "cost_s": cost_s, "measured_at": stamp, "loadavg_1m": self.load_1m}
         self.data.setdefault(self.key, {})[s.name] = entry | {"rounds": rounds} | extra
 
     def save(self) -> None:
@@ -249,6 +296,14 @@ def rank0_all(*xs: float) -> list[float]:
     t = torch.tensor(xs, dtype=torch.float64, device=cdist.current_device())
     dist.broadcast(t, 0)
     return t.tolist()
+
+
+def every_rank(*xs: float) -> list[list[float]]:
+    """Every rank's values, by rank, on every rank (one all_gather): which rank was slow, known everywhere."""
+    t = torch.tensor(xs, dtype=torch.float64, device=cdist.current_device())
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
 
 
 def rank0(x: float) -> float:
@@ -311,12 +366,13 @@ def merge_paired(before: dict | None, later: dict) -> dict:
 
 
 def bench_probe_key(cfg) -> str:
-    """The cache key of a bench's probes (``BenchConfig``): this machine, the software, the model, the world and
-    the settings that decide what a probe measures."""
-    import platform
+    """The cache key of a bench's probes (``BenchConfig``): this machine (``machine_digest``), the software
+    (torch, transformers), the code (``code_digest``), the model, the world and the settings that decide what a
+    probe measures."""
+    import transformers
 
-    c, m = cfg, hwtopo.probe()
-    key = {"host": platform.node(), "cores": m.cores, "threads": m.threads, "torch": torch.__version__}
+    c = cfg
+    key = {"machine": machine_digest(), "torch": torch.__version__, "transformers": transformers.__version__}
     key |= {"world": c.world, "model": [c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate], "seq_len": c.seq_len}
     key |= {"backend": cdist.backend(), "clip": c.clip_norm is not None, "code": code_digest()}
     key |= {"probe_steps": c.probe_steps, "probe_rounds": c.probe_rounds, "round_s": c.probe_round_s}
@@ -341,11 +397,19 @@ class Prober:
         """Measure (or reuse) the table; the report the bench's JSON carries."""
         cfg, tr = self.cfg, self.tr
         t0 = time.perf_counter()
+        cached: dict = {}
+        table: dict = {"key": None, "load_1m": os.getloadavg()[0], "load_tolerance": cfg.probe_load_tolerance}
+        stale: dict = {}
         if cfg.probe_cache and dist.get_rank() == 0:
             self.cache = ProbeCache.open(bench_probe_key(cfg))
-        box = [{s.name: self.cache.entry(s) for s in tr.candidates if self.cache.entry(s)} if self.cache else {}]
+            table |= {"key": json.loads(self.cache.key), "load_1m": self.cache.load_1m}
+            table["other_tables_differ_in"] = self.cache.other_tables()
+            cached, stale = self.cache.fresh(tr.candidates, cfg.probe_load_tolerance)
+        box = [cached if self.cache else {}]
         dist.broadcast_object_list(box, 0)  # every rank takes the same path: measure or reuse
-        cached: dict = box[0]
+        cached = box[0]
+        if stale:
+            progress.info("re-probing %d cached strategies: %s", len(stale), next(iter(stale.values())))
         reused = self._reuse(cached)
         plan = probe_plan(tr.candidates)
         fresh = [s for s in plan if s.name not in cached]
@@ -360,8 +424,11 @@ class Prober:
         if self.cache is not None and (self.measured_now or (paired and paired["measured"])):
             self.cache.save()
         old_cost = sum((cached[n].get("cost_s") or 0.0) for n in reused)
-        loads = [cached[n].get("loadavg_1m") for n in reused if cached[n].get("loadavg_1m") is not None]
+        loads = [cached[n]["loadavg_1m"] for n in reused]
+        # fresh by construction: every figure is this run's or was probed with the same key under a load close to now
+        table |= {"fresh": True, "reused": bool(reused), "stale_entries_reprobed": stale}
         return {
+            "table": table,
             "measured_now": self.measured_now,
             "from_cache": reused,
             "probe_s": rank0(time.perf_counter() - t0),
