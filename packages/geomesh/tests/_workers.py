@@ -18,12 +18,16 @@ def batch(rank: int, step: int, size: int = 4):
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def train(rank, world, compression, outer_steps, inner_steps_by_rank, ckpt=None, save_at=None, resume=False):
+def train(
+    rank, world, compression, outer_steps, inner_steps_by_rank, ckpt=None, save_at=None, resume=False, all_reduce="ring"
+):
     model = tiny_model(seed=rank)  # different inits: DiLoCo must start everyone from rank 0's weights
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rotate = compression == "sign-rot"  # the sign payload in the randomized-Hadamard basis
     comp = "sign" if rotate else compression
-    dl = DiLoCo(model, opt, inner_steps_by_rank[rank], compression=comp, chunk_size=16, rotate=rotate)
+    dl = DiLoCo(
+        model, opt, inner_steps_by_rank[rank], compression=comp, chunk_size=16, rotate=rotate, all_reduce=all_reduce
+    )
     step = 0
     if resume:
         step = dl.load(os.path.join(ckpt, f"rank{rank}.pt"))["step"]
@@ -48,6 +52,11 @@ def all_variants(rank, world):
     for comp in ("sign", "sign-rot", "fp32", "fp16"):
         out[comp] = train(rank, world, comp, outer_steps=3, inner_steps_by_rank=[2, 3, 5][:world])
     return out
+
+
+def ring_and_gather(rank, world):
+    """The dense fp32 outer step with gloo's ring all-reduce and with the gather (all_gather + local sum)."""
+    return {algo: train(rank, world, "fp32", 2, [2, 3, 5][:world], all_reduce=algo) for algo in ("ring", "gather")}
 
 
 def mismatched(rank, world):

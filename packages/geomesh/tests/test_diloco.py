@@ -1,6 +1,6 @@
 import pytest
 import torch
-from _workers import all_variants, dies, mismatched, rebalanced, stalls, tiny_model, train
+from _workers import all_variants, dies, mismatched, rebalanced, ring_and_gather, stalls, tiny_model, train
 
 import geomesh
 from geomesh import DiLoCo, GeoMeshError, spawn
@@ -33,6 +33,26 @@ def test_outer_step_identical_across_workers_with_heterogeneous_inner_steps():
     assert res[0]["sign-rot"]["history"][0]["payload_bytes"] == sign_b
     assert not all(torch.equal(a, b) for a, b in zip(res[0]["sign"]["params"], res[0]["sign-rot"]["params"]))
     assert 0.0 < res[0]["sign-rot"]["history"][0]["codec"]["cosine"] <= 1.0
+
+
+def test_gather_all_reduce_matches_the_ring():
+    res = spawn(ring_and_gather, 3, timeout_s=240, start_method="fork")
+    for r in (1, 2):  # the gather sums in rank order on every worker: identical weights everywhere
+        assert all(torch.equal(a, b) for a, b in zip(res[0]["gather"]["params"], res[r]["gather"]["params"]))
+    # the same outer step as the ring, up to the order of the floating-point sum
+    for a, b in zip(res[0]["ring"]["params"], res[0]["gather"]["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ring, gather = res[0]["ring"]["history"][0], res[0]["gather"]["history"][0]
+    assert (ring["collective"], gather["collective"]) == ("all_reduce", "all_reduce_gather")
+    # the gather sends every worker's whole payload to the 2 others: 2x the payload vs the ring's 4/3x
+    assert gather["wire_bytes"] == 2 * gather["payload_bytes"]
+    assert ring["wire_bytes"] == pytest.approx(4 / 3 * ring["payload_bytes"])
+
+
+def test_all_reduce_name_is_checked():
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match="all_reduce must be one of"):
+        DiLoCo(model, torch.optim.AdamW(model.parameters()), 2, compression="fp32", all_reduce="tree")
 
 
 @pytest.mark.parametrize("comp", ["sign", "sign-rot"])

@@ -41,10 +41,21 @@ def test_latency_only_emulator_adds_latency_per_ring_step():
 
 
 def _gather(rank, world, nbytes):
+    from geomesh.bench import tx_bytes
+
     x = torch.full((nbytes,), rank, dtype=torch.uint8)
     got = [torch.empty_like(x) for _ in range(world)]
+    before = tx_bytes()
     dist.all_gather(got, x)
-    return [int(g[0]) for g in got]
+    dist.barrier()  # every rank done with the gather: all of its bytes are on the wire (not in buffers)
+    return [int(g[0]) for g in got], tx_bytes() - before
+
+
+def test_tx_bytes_outside_a_namespace_is_none():
+    from geomesh.bench import tx_bytes
+
+    # this test process is in no rank's namespace: its interfaces have no geomesh link
+    assert tx_bytes("no-such-if0") is None
 
 
 def _net_namespaces() -> set[str]:
@@ -81,7 +92,10 @@ def test_netns_tbf_path_carries_the_collective():
         assert ours <= _net_namespaces()
         nbytes = 300_000
         got = spawn(_gather, 2, (nbytes,), timeout_s=120, start_method="fork", setup=net.enter)
-        assert got == [[0, 1], [0, 1]]
+        assert [g[0] for g in got] == [[0, 1], [0, 1]]
+        # each rank's own interface counter saw its payload leave, plus TCP/IP headers (< 10% here)
+        for _, sent in got:
+            assert nbytes <= sent < 1.1 * nbytes
         # the bytes really went through each rank's tbf qdisc towards its peer
         assert net.tbf_bytes(0).get(1, 0) >= nbytes
         assert net.tbf_bytes(1).get(0, 0) >= nbytes

@@ -17,6 +17,32 @@ def test_ring_wire_bytes():
         ring_wire_bytes("scatter", 1, 2)
 
 
+def test_every_collective_pays_the_same_latency_per_hop():
+    from geomesh import collective_hops
+
+    assert [collective_hops(k, 3) for k in ("all_gather", "all_reduce", "all_reduce_gather")] == [2, 4, 2]
+    assert ring_wire_bytes("all_reduce_gather", 100, 3) == 200
+    c = hwtopo.load("geo-3region")
+    lat = WanEmulator(c, c.names, latency_only=True)
+    slow = c.link("use-a100", "aps-t4").latency_s
+    assert lat.collective_time_s("all_reduce", 10**6) == pytest.approx(4 * slow)
+    assert lat.collective_time_s("all_reduce_gather", 10**6) == pytest.approx(2 * slow)
+    assert lat.collective_time_s("all_gather", 10**6) == pytest.approx(2 * slow)
+
+
+def test_best_all_reduce_trades_hops_against_bytes():
+    c = hwtopo.load("geo-3region")
+    wan = WanEmulator(c, c.names, latency_only=True)  # the choice still counts bandwidth (shaped by tbf)
+    slow = c.link("use-a100", "aps-t4")
+    # ring: 4 (lat + n/3/bw); gather: 2 (lat + n/bw); equal where n = 3 lat bw
+    cross = 3 * slow.latency_s * slow.bandwidth_bytes_per_s
+    assert wan.best_all_reduce(int(cross / 2)) == "all_reduce_gather"
+    assert wan.best_all_reduce(int(cross * 2)) == "all_reduce"
+    assert wan.model_time_s("all_reduce", 1000) == pytest.approx(4 * (slow.latency_s + 1000 / 3 / 3e6))
+    # the model reserves nothing: asking twice gives the same answer
+    assert wan.model_time_s("all_gather", 10**6) == wan.model_time_s("all_gather", 10**6)
+
+
 def test_wan_emulator_times_follow_the_slowest_ring_link():
     c = hwtopo.load("geo-3region")
     wan = WanEmulator(c, c.names)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .balance import token_weights
-from .diloco import SyncStats, exchange_meta
+from .diloco import SyncStats, dense_all_reduce, exchange_meta, reduce_kind
 from .wan import WanEmulator, ring_wire_bytes
 
 __all__ = ["GradientAllReduce", "AsyncServer"]
@@ -21,8 +21,10 @@ __all__ = ["GradientAllReduce", "AsyncServer"]
 class GradientAllReduce:
     """DDP-style: after ``backward()``, ``sync(tokens)`` replaces every grad by the token-weighted mean."""
 
-    def __init__(self, model: torch.nn.Module, group=None, wan: WanEmulator | None = None):
+    def __init__(self, model: torch.nn.Module, group=None, wan: WanEmulator | None = None, all_reduce: str = "ring"):
+        """``all_reduce``: one of ``ALL_REDUCE_ALGOS`` ("auto": the faster of ring and gather on ``wan``)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.reduce_kind = reduce_kind(all_reduce, 4 * sum(p.numel() for p in self.params), wan)
         self.group = group
         self.wan = wan
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -42,11 +44,8 @@ class GradientAllReduce:
         w = token_weights(all_tokens)[self.rank]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
         flat.mul_(w)
-        if self.world > 1:
-            dist.all_reduce(flat, group=self.group)
         nbytes = flat.numel() * 4
-        if self.wan is not None:
-            self.wan.wait("all_reduce", nbytes, t0)
+        flat = dense_all_reduce(flat, self.reduce_kind, self.world, self.group, self.wan)
         off = 0
         for p in self.params:
             n = p.numel()
@@ -63,7 +62,8 @@ class GradientAllReduce:
             wait_s=wait_s,
             comm_s=time.perf_counter() - t0,
             payload_bytes=nbytes,
-            wire_bytes=ring_wire_bytes("all_reduce", nbytes, self.world),
+            wire_bytes=ring_wire_bytes(self.reduce_kind, nbytes, self.world),
+            collective=self.reduce_kind,
             rates=rates,
         )
         self.history.append(stats)

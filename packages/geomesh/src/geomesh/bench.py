@@ -24,9 +24,9 @@ import hwtopo
 
 from .balance import MemoryModel, PhaseClock, Rebalancer, fit_profile, plan
 from .baselines import AsyncServer, GradientAllReduce
-from .diloco import DiLoCo
+from .diloco import ALL_REDUCE_ALGOS, DiLoCo
 from .launch import spawn
-from .netns import WAN_MODES, NetnsError, NetnsWan, netns_prerequisites, wan_mode
+from .netns import IFNAME, WAN_MODES, NetnsError, NetnsWan, netns_prerequisites, wan_mode
 from .wan import WanEmulator
 
 __all__ = ["BenchConfig", "METHODS", "run_bench", "load_corpus", "build_model", "headline"]
@@ -66,10 +66,27 @@ class BenchConfig:
     # "deadline": H_i realised online (PhaseClock): steps of b_i until a common deadline after each sync,
     # the last one with the batch that fits; "steps": the plan's fixed H_i, re-planned on drift/imbalance
     phase_mode: str = "deadline"
-    seed: int = 0
+    # the seeds the settings above (codec scale, rotation, error-feedback decay, outer lr and momentum)
+    # were chosen on; the bench reports other, held-out seeds (``seed`` and its repeats), never these
+    dev_seeds: tuple[int, ...] = (0, 1, 2, 3)
+    seed: int = 100
     # GeoMesh vs DiLoCo-fp32 repeated at seeds seed+1.. (other init, data order and timing): the
     # perplexity gap of one short run swings by several percent, so the headline gap is their mean
     repeat_seeds: int = 1
+    # the perplexity target is fixed before the compared runs, by a separate DiLoCo-fp32 run at a
+    # development seed: its perplexity after ``target_frac`` of its tokens (a level it reaches mid-run,
+    # so time to target measures speed, not where one seed's last outer step happens to land)
+    reference_seed: int = 0
+    target_frac: float = 0.85
+    # the dense baselines' all-reduce: "auto" runs whichever of gloo's ring (2(n-1) hops) and a gather
+    # (n-1 hops, more bytes) the link model says is faster for the payload; every collective of every
+    # method pays the same latency per hop
+    all_reduce: str = "auto"
+    # the bandwidth-bound configuration: every link's bandwidth times this (0: not run), so that a dense
+    # sync costs more in bytes than in latency; run for ``bw_bound_methods`` at ``seed``
+    bw_bound_scale: float = 0.1
+    bw_bound_methods: tuple[str, ...] = ("geomesh", "diloco-fp32", "diloco-fp16")
+    link_bandwidth_scale: float = 1.0  # this configuration's links: the cluster spec's bandwidth times this
     text_bytes: int = 1_500_000
     val_seqs: int = 48
     profile_s: float = 0.6  # geomesh's first outer phase: time-boxed real training that profiles every worker
@@ -98,12 +115,56 @@ class BenchConfig:
             raise ValueError(f"wan: {self.wan!r} is not valid; choose from {list(WAN_MODES)}")
         if not isinstance(self.repeat_seeds, int) or self.repeat_seeds < 0:
             raise ValueError(f"repeat_seeds: {self.repeat_seeds!r} must be an integer >= 0")
+        held_out = set(range(self.seed, self.seed + self.repeat_seeds + 1))
+        if held_out & set(self.dev_seeds):
+            raise ValueError(
+                f"seed: seeds {sorted(held_out & set(self.dev_seeds))} are development seeds (dev_seeds="
+                f"{list(self.dev_seeds)}); the bench reports held-out seeds only, e.g. seed={max(self.dev_seeds) + 1}"
+            )
+        if not 0 < self.target_frac <= 1:
+            raise ValueError(f"target_frac: {self.target_frac!r} must be in (0, 1]")
+        if not self.bw_bound_scale >= 0 or not self.link_bandwidth_scale > 0:
+            raise ValueError("bw_bound_scale must be >= 0 and link_bandwidth_scale > 0 (bandwidth multipliers)")
+        if self.all_reduce not in ALL_REDUCE_ALGOS:
+            raise ValueError(f"all_reduce: {self.all_reduce!r} is not valid; choose from {list(ALL_REDUCE_ALGOS)}")
         if not 0 < self.profile_s <= 60:
             raise ValueError(f"profile_s: {self.profile_s!r} must be in (0, 60] seconds")
-        bad = [m for m in self.methods if m not in METHODS + ABLATIONS]
-        if bad or not self.methods:
-            raise ValueError(f"methods: {bad or '[]'} not valid; choose from {list(METHODS + ABLATIONS)}")
+        for name in ("methods", "bw_bound_methods"):
+            ms = getattr(self, name)
+            bad = [m for m in ms if m not in METHODS + ABLATIONS]
+            if bad or (not ms and name == "methods"):
+                raise ValueError(f"{name}: {bad or '[]'} not valid; choose from {list(METHODS + ABLATIONS)}")
         hwtopo.load(self.cluster)  # SpecError names the bad field
+
+
+def bench_cluster(cfg: BenchConfig) -> hwtopo.Cluster:
+    """The cluster spec of ``cfg`` with every link's bandwidth times ``cfg.link_bandwidth_scale``."""
+    cluster = hwtopo.load(cfg.cluster)
+    if cfg.link_bandwidth_scale == 1.0:
+        return cluster
+    links = tuple(
+        replace(lk, bandwidth_bytes_per_s=lk.bandwidth_bytes_per_s * cfg.link_bandwidth_scale) for lk in cluster.links
+    )
+    return replace(cluster, links=links)
+
+
+def _settled_tx() -> int | None:
+    """``tx_bytes()`` once every rank is past the last collective: a rank returns from a collective as
+    soon as its own bytes sit in socket buffers, but once all ranks are done all bytes have been sent."""
+    if tx_bytes() is None:
+        return None
+    dist.barrier()
+    return tx_bytes()
+
+
+def tx_bytes(ifname: str = IFNAME) -> int | None:
+    """Bytes this process's network namespace has sent on ``ifname`` (kernel counters), None if absent."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == ifname and rest:
+                return int(rest.split()[8])
+    return None
 
 
 def load_corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
@@ -230,6 +291,7 @@ def _make_diloco(cfg, method: str, model, opt, wan, worker: str) -> DiLoCo:
         batch_size=cfg.batch,
         wan=wan,
         worker_name=worker,
+        all_reduce=cfg.all_reduce,
     )
 
 
@@ -295,6 +357,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
     target = world * cfg.batch * cfg.inner_steps * cfg.seq_len  # tokens per outer step of uniform DiLoCo
     balanced = method.startswith("geomesh")
     dl = _make_diloco(cfg, method, model, opt, wan, machines[rank])
+    tx0 = _settled_tx()  # after the initial broadcast: the counters then see the training's traffic only
     tokens_done = 0
     out["phases"] = []  # per outer step of this worker: (b_i, H_i) used and where the time went
 
@@ -332,11 +395,14 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
             after_sync(st, *used)
     out["history"] = [s.to_dict() for s in dl.history]
     out["replans"] = rb.replans if rb else 0
+    tx1 = _settled_tx()
+    out["tx_bytes"] = None if tx0 is None or tx1 is None else tx1 - tx0
 
 
 def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
-    ar = GradientAllReduce(model, wan=wan)
+    ar = GradientAllReduce(model, wan=wan, all_reduce=cfg.all_reduce)
+    tx0 = _settled_tx()
     tokens_done = 0
     out["capped"] = False
     for step in range(cfg.outer_steps * cfg.inner_steps):
@@ -355,6 +421,8 @@ def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s):
         if rank == 0 and (step + 1) % max(1, cfg.inner_steps // 2) == 0:
             out["snapshots"].append((time.perf_counter() - t0, tokens_done, _snapshot(model)))
     out["history"] = [s.to_dict() for s in ar.history]
+    tx1 = _settled_tx()
+    out["tx_bytes"] = None if tx0 is None or tx1 is None else tx1 - tx0
 
 
 def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncServer, t0, out):
@@ -415,7 +483,7 @@ def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncSer
 
 def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server, cap_s=None, netns=False) -> dict:
     torch.set_num_threads(1)
-    cluster = hwtopo.load(cfg.cluster)
+    cluster = bench_cluster(cfg)
     machines = cluster.names[:world]
     speed = cluster.relative_speeds()[machines[rank]]
     # a short period keeps the share and smooths a slow worker's sub-second inner phases
@@ -473,6 +541,12 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
         "wire_bytes_per_worker_per_sync": wire,
         "curve": [{"time_s": t, "tokens": k, "ppl": p} for t, k, p in curve],
     }
+    tx = [o.get("tx_bytes") for o in outs]
+    if syncs and tx and None not in tx:
+        # the kernel's counters of each rank's shaped interface, from after the initial broadcast to
+        # the end of training: every byte the method's syncs really put on the wire (TCP/IP included)
+        res["measured_tx_bytes_per_worker"] = tx
+        res["measured_wire_bytes_per_worker_per_sync"] = sum(tx) / len(tx) / syncs
     if method == "ddp":
         res["stopped_at_time_cap"] = bool(outs[0].get("capped"))
     if "phases" in outs[0]:
@@ -485,18 +559,42 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
 
 
 def run_bench(cfg: BenchConfig, progress=None) -> dict:
-    """Every method of ``cfg.methods`` in turn, same data and seed; returns the JSON-ready result."""
+    """The reference run (the target), then every method of ``cfg.methods`` in turn, same data and
+    seed, on the latency-bound links and on the bandwidth-bound ones; the JSON-ready result."""
     cfg.validate()
-    cluster = hwtopo.load(cfg.cluster)
-    world = len(cluster.machines)
+    world = len(hwtopo.load(cfg.cluster).machines)
     train, val, files = load_corpus(cfg.text_bytes)
-    evaluator = build_model(cfg)
-    results: dict = {}
+    data = (world, train, val)
     emulated: dict = {}
+    lat = _configuration(cfg, data, None, progress, emulated)
+    head = lat["headline"]
+    bw: dict = {}
+    if cfg.bw_bound_scale > 0:
+        bcfg = replace(cfg, link_bandwidth_scale=cfg.bw_bound_scale, methods=cfg.bw_bound_methods, repeat_seeds=0)
+        bemu: dict = {}
+        bw = _configuration(bcfg, data, lat["reference"]["target_ppl"], progress, bemu)
+        bw["emulated"] = bemu
+        _bw_headline(head, bw["headline"], bw["results"])
+    held_out = [cfg.seed + k for k in range(cfg.repeat_seeds + 1)]
+    return {
+        "config": {**asdict(cfg), "corpus_files": len(files), "train_tokens": len(train), "val_tokens": len(val)},
+        "seeds": {"development": list(cfg.dev_seeds), "reference": cfg.reference_seed, "held_out": held_out},
+        "reference": lat["reference"],
+        "results": lat["results"],
+        "headline": head,
+        "repeats": lat["repeats"],
+        "bw_bound": {k: v for k, v in bw.items() if k != "reference"},
+        "emulated": emulated,
+    }
+
+
+def _open_wan(cfg: BenchConfig, world: int, emulated: dict) -> NetnsWan | None:
+    """The namespaces with tbf links of this configuration, or None (in-process WAN), labelled in ``emulated``."""
     # the real namespaces are built next and a failure falls back (or raises for "netns"), so only
     # the cheap prerequisites are checked here instead of building a test pair first
     decision = wan_mode(cfg.wan, support=netns_prerequisites)
     net = None
+    cluster = bench_cluster(cfg)
     if decision.mode == "netns":
         try:
             net = NetnsWan(cluster, cluster.names[:world]).setup()
@@ -506,52 +604,83 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
             log.warning("network namespaces unavailable, WAN emulated in-process: %s", e)
             decision = type(decision)("inprocess", f"fallback: {e}")
     emulated["wan_mode"] = {"mode": decision.mode, "reason": decision.reason}
+    emulated["link_bandwidth_scale"] = cfg.link_bandwidth_scale
     if net is not None:
         emulated["wan_netns"] = net.describe()
+    return net
+
+
+def _configuration(cfg: BenchConfig, data: tuple, target: float | None, progress, emulated: dict) -> dict:
+    """One link configuration: the reference run when ``target`` is None, then the methods at
+    ``cfg.seed`` and the GeoMesh/DiLoCo-fp32 pair at the repeated seeds, all against one target."""
+    world, train, val = data
+    net = _open_wan(cfg, world, emulated)
     repeats: list[dict] = []
+    results: dict = {}
+    reference: dict = {}
     try:
-        _run_methods(cfg, world, train, val, evaluator, results, emulated, net, progress)
+        if target is None:
+            rcfg = replace(cfg, seed=cfg.reference_seed, methods=("diloco-fp32",))
+            ref: dict = {}
+            _run_methods(rcfg, world, train, val, build_model(rcfg), ref, {}, net, progress, "reference")
+            r = ref["diloco-fp32"]
+            target = ppl_at_tokens(r["curve"], int(cfg.target_frac * r["tokens"]))
+            reference = {"method": "diloco-fp32", "seed": cfg.reference_seed, "target_frac": cfg.target_frac}
+            reference.update(target_ppl=target, final_ppl=r["final_ppl"], wall_s=r["wall_s"], curve=r["curve"])
+        _run_methods(cfg, world, train, val, build_model(cfg), results, emulated, net, progress)
         pair = ("geomesh", "diloco-fp32")
         if all(m in cfg.methods for m in pair):
             for k in range(1, cfg.repeat_seeds + 1):
                 rcfg = replace(cfg, seed=cfg.seed + k, methods=pair)
                 rres: dict = {}
                 _run_methods(rcfg, world, train, val, build_model(rcfg), rres, {}, net, progress)
-                h = headline(rres)
+                h = headline(rres, target)
                 repeats.append({"seed": rcfg.seed, "headline": h, "results": rres})  # with curves and phases
     finally:
         if net is not None:
             net.close()
-    head = headline(results)
+    head = headline(results, target)
     if repeats:
         _merge_repeats(head, cfg.seed, repeats)
-    return {
-        "config": {**asdict(cfg), "corpus_files": len(files), "train_tokens": len(train), "val_tokens": len(val)},
-        "results": results,
-        "headline": head,
-        "repeats": repeats,
-        "emulated": emulated,
-    }
+    return {"results": results, "headline": head, "repeats": repeats, "reference": reference}
 
 
 def _merge_repeats(head: dict, seed: int, repeats: list[dict]) -> None:
     """Per-seed values of the seed-sensitive keys; each one's headline is the mean over the seeds.
 
     Only GeoMesh and DiLoCo-fp32 are repeated, so only the keys that compare those two are averaged;
-    the first seed's value stays under ``<key>_first_seed``.
+    the first seed's value stays under ``<key>_first_seed``, and the spread under ``<key>_range``.
     """
-    for key in ("ppl_rel_diff_vs_diloco", "straggler_idle_geomesh", "straggler_idle_diloco", "ttt_ratio_vs_diloco"):
+    keys = ("ppl_rel_diff_vs_diloco", "straggler_idle_geomesh", "straggler_idle_diloco", "ttt_ratio_vs_diloco")
+    for key in (*keys, "bytes_ratio_vs_fp32_measured"):
         vals = [head.get(key)] + [r["headline"].get(key) for r in repeats]
         head[f"{key}_per_seed"] = {str(seed + i): v for i, v in enumerate(vals)}
         head[f"{key}_first_seed"] = head.get(key)
         known = [v for v in vals if v is not None]
+        head[f"{key}_range"] = [min(known), max(known)] if known else None
         head[key] = sum(known) / len(known) if len(known) == len(vals) else None  # a seed without a value: no mean
 
 
-def _run_methods(cfg, world, train, val, evaluator, results, emulated, net, progress) -> None:
+def _bw_headline(head: dict, bh: dict, results: dict) -> None:
+    """The bandwidth-bound keys: GeoMesh against the faster to target of the dense DiLoCo baselines run."""
+    g = results.get("geomesh", {}).get("time_to_target_s")
+    dense = {m: r.get("time_to_target_s") for m, r in results.items() if m.startswith("diloco-")}
+    for m, t in dense.items():
+        head[f"ttt_ratio_vs_{m.replace('-', '_')}_bw_bound"] = g / t if g and t else None
+    reached = [t for t in dense.values() if t]
+    # a baseline that never reached the target within its run: no ratio is claimed against it
+    head["ttt_ratio_vs_diloco_bw_bound"] = g / min(reached) if g and reached and len(reached) == len(dense) else None
+    head["bytes_ratio_vs_fp32_measured_bw_bound"] = bh.get("bytes_ratio_vs_fp32_measured")
+    head["ppl_rel_diff_vs_diloco_bw_bound"] = bh.get("ppl_rel_diff_vs_diloco")
+    head["straggler_idle_geomesh_bw_bound"] = bh.get("straggler_idle_geomesh")
+
+
+def _run_methods(cfg, world, train, val, evaluator, results, emulated, net, progress, role="") -> None:
+    links = "bandwidth-bound" if cfg.link_bandwidth_scale != 1.0 else "latency-bound"
     for method in cfg.methods:
         if progress:
-            progress(method if cfg.seed == 0 else f"{method} (seed {cfg.seed})")
+            progress(f"{role or method} ({method}, seed {cfg.seed}, {links})")
+        before = _link_bytes(net, world)
         server = None
         if method == "async":
             import multiprocessing as mp
@@ -582,10 +711,26 @@ def _run_methods(cfg, world, train, val, evaluator, results, emulated, net, prog
                 evaluator.load_state_dict(state)
             curve.append((t, toks, perplexity(evaluator, val, cfg.seq_len, cfg.val_seqs)))
         results[method] = _summarize(method, outs, curve)
+        hist = outs[0]["history"]
+        results[method]["collective"] = hist[0].get("collective", "link to the server") if hist else None
+        if net is not None:
+            after = _link_bytes(net, world)
+            # every tbf link's own counter over the whole run (rendezvous and initial broadcast included)
+            results[method]["measured_link_bytes"] = [
+                {"from": net.machines[i], "to": net.machines[j], "bytes": after[i, j] - before.get((i, j), 0)}
+                for (i, j) in sorted(after)
+            ]
         if method == "async":  # a shared-memory parameter server: its links are shaped in-process
             results[method]["wan"] = "in-process LinkShaper (bandwidth and latency) to the server's machine"
         emulated.setdefault("cpu", [o["throttle"] for o in outs])
         emulated.setdefault("wan", outs[0]["wan"])
+
+
+def _link_bytes(net: NetnsWan | None, world: int) -> dict[tuple[int, int], int]:
+    """Bytes sent so far on every shaped link (rank, peer) from its tbf qdisc's counter; {} without namespaces."""
+    if net is None:
+        return {}
+    return {(i, j): b for i in range(world) for j, b in net.tbf_bytes(i).items()}
 
 
 def ppl_at_tokens(curve: list[dict], tokens: int) -> float:
@@ -597,13 +742,11 @@ def ppl_at_tokens(curve: list[dict], tokens: int) -> float:
     return pts[-1][1]
 
 
-def headline(results: dict) -> dict:
-    """The issue's headline keys from the per-method results (None where a method was not run)."""
+def headline(results: dict, target: float | None) -> dict:
+    """The issue's headline keys from the per-method results (None where a method was not run or did
+    not reach ``target``, the perplexity fixed beforehand by the reference run)."""
     g, d, ddp = results.get("geomesh"), results.get("diloco-fp32"), results.get("ddp")
     out: dict = {}
-    # the target: the worse of the two DiLoCo-family finals after the same tokens (both reach it)
-    reached = [r["final_ppl"] for r in (g, d) if r] or [r["final_ppl"] for r in results.values()]
-    target = max(reached) if reached else None
     out["target_ppl"] = target
     ttt = {
         # target is None only when there are no results: nothing to iterate
@@ -618,6 +761,14 @@ def headline(results: dict) -> dict:
         r["time_to_target_s"] = ttt[k]
     if g and d:
         out["bytes_ratio_vs_fp32"] = g["payload_bytes_per_worker_per_sync"] / d["payload_bytes_per_worker_per_sync"]
+        gm, dm = g.get("measured_wire_bytes_per_worker_per_sync"), d.get("measured_wire_bytes_per_worker_per_sync")
+        out["bytes_ratio_vs_fp32_measured"] = gm / dm if gm and dm else None
+        if gm is None:
+            out["bytes_measured"] = "not available: links emulated in-process (no namespaces, no link counters)"
+        else:
+            out["bytes_measured"] = (
+                f"interface counters in each rank's namespace (DiLoCo-fp32 ran {d.get('collective')})"
+            )
         out["wire_bytes_ratio_vs_fp32_allreduce"] = (
             g["wire_bytes_per_worker_per_sync"] / d["wire_bytes_per_worker_per_sync"]
         )

@@ -17,7 +17,9 @@ from hwtopo.console import UsageError
 
 from . import __version__
 
-QUICK = {"outer_steps": 12, "repeat_seeds": 2}  # GeoMesh vs DiLoCo-fp32 at 3 seeds
+# GeoMesh vs DiLoCo-fp32 at 2 held-out seeds and DiLoCo-fp16 at the first, on latency-bound and on
+# bandwidth-bound links, plus the reference run; DDP and async (minutes under a capped WAN) in the full run
+QUICK = {"outer_steps": 12, "repeat_seeds": 1, "methods": ("geomesh", "diloco-fp32", "diloco-fp16")}
 FULL = {"outer_steps": 20, "hidden": 96, "text_bytes": 3_000_000}
 # Bounds of `plan`'s numbers: far beyond any real run, low enough that a typo fails instead of
 # printing a plan of absurd sizes.
@@ -59,10 +61,18 @@ def _fmt(v, digits=3) -> str:
 
 
 def table(result: dict) -> str:
-    """The methods side by side, then the headline keys: two Markdown tables."""
-    rows = [
+    """The methods side by side (latency-bound, then bandwidth-bound links), then the headline keys."""
+    rows = _rows(result["results"], "latency-bound")
+    rows += _rows(result.get("bw_bound", {}).get("results", {}), "bandwidth-bound")
+    head = [{"headline": f"`{k}`", "value": _fmt(v, 4)} for k, v in result["headline"].items()]
+    return console.table(rows) + "\n\n" + console.table(head)
+
+
+def _rows(results: dict, links: str) -> list[dict]:
+    return [
         {
             "method (emulated speeds + WAN)": name,
+            "links": links,
             "wall s": f"{r['wall_s']:.1f}",
             "time to target s": _fmt(r.get("time_to_target_s")),
             "final val ppl": f"{r['final_ppl']:.2f}",
@@ -70,11 +80,10 @@ def table(result: dict) -> str:
             "straggler idle": f"{r['straggler_idle']:.3f}",
             "comm fraction": f"{r['comm_fraction']:.3f}",
             "bytes/worker/sync": r["payload_bytes_per_worker_per_sync"],
+            "wire bytes measured": _fmt(r.get("measured_wire_bytes_per_worker_per_sync")),
         }
-        for name, r in result["results"].items()
+        for name, r in results.items()
     ]
-    head = [{"headline": f"`{k}`", "value": _fmt(v, 4)} for k, v in result["headline"].items()]
-    return console.table(rows) + "\n\n" + console.table(head)
 
 
 @contextlib.contextmanager
@@ -82,14 +91,15 @@ def _progress(cfg, quiet: bool) -> Iterator[Callable[[str], None]]:
     """A bar over the bench's method runs; the callable names each run as it starts."""
     pair = ("geomesh", "diloco-fp32")
     repeats = cfg.repeat_seeds * len(pair) if all(m in cfg.methods for m in pair) else 0
-    bar = console.progress(total=len(cfg.methods) + repeats, desc="geomesh bench", quiet=quiet)
+    bw = len(cfg.bw_bound_methods) if cfg.bw_bound_scale > 0 else 0
+    bar = console.progress(total=1 + len(cfg.methods) + repeats + bw, desc="geomesh bench", quiet=quiet)
     started: list[str] = []
 
     def starting(method: str) -> None:
         if started:
             bar.update(1)
         started.append(method)
-        bar.set_postfix_str(f"{method} (3 workers, emulated speeds and WAN)")
+        bar.set_postfix_str(f"{method}: 3 workers, emulated speeds and WAN")
 
     try:
         yield starting
@@ -108,9 +118,12 @@ def _bench(cfg, quiet: bool) -> dict:
         "version": __version__,
         "config": res["config"],
         "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
+        "seeds": res["seeds"],
+        "reference": res["reference"],
         "results": res["results"],
         "headline": res["headline"],
         "repeats": res.get("repeats", []),
+        "bw_bound": res["bw_bound"],
         "emulated": res["emulated"],
     }
 

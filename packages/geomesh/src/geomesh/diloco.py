@@ -32,10 +32,13 @@ from .balance import PhaseClock, Plan, Rebalancer, token_weights
 from .signcompress import SignCompressor
 from .wan import WanEmulator, ring_wire_bytes
 
-__all__ = ["DiLoCo", "SyncStats", "GeoMeshError", "COMPRESSIONS"]
+__all__ = ["DiLoCo", "SyncStats", "GeoMeshError", "COMPRESSIONS", "ALL_REDUCE_ALGOS", "dense_all_reduce"]
 
 log = logging.getLogger(__name__)
 COMPRESSIONS = ("sign", "fp32", "fp16")
+# dense all-reduce algorithms: "ring" (gloo's, 2(n-1) hops, fewest bytes), "gather" (all_gather then a
+# local sum, n-1 hops), "auto" (the faster of the two on the WanEmulator's links for this payload)
+ALL_REDUCE_ALGOS = ("ring", "gather", "auto")
 
 
 class GeoMeshError(RuntimeError):
@@ -59,6 +62,7 @@ class SyncStats:
     sync_cpu_s: float = 0.0  # this worker's own CPU work in this outer step (codec, averaging, outer step)
     replanned: bool = False
     codec: dict = field(default_factory=dict)  # sign payload: SignCompressor.last_stats of this step
+    collective: str = ""  # the algorithm the payload ran as (wan.COLLECTIVES), charged per hop alike
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +103,35 @@ def exchange_meta(
     return [int(g[0]) for g in got], rates, wait_s, [float(g[2]) for g in got], [float(g[3]) for g in got]
 
 
+def reduce_kind(algo: str, nbytes: int, wan: WanEmulator | None) -> str:
+    """The collective an all-reduce algorithm of ``ALL_REDUCE_ALGOS`` runs as for an ``nbytes`` payload."""
+    if algo not in ALL_REDUCE_ALGOS:
+        raise ValueError(f"all_reduce must be one of {ALL_REDUCE_ALGOS}, not {algo!r}")
+    if algo == "gather":
+        return "all_reduce_gather"
+    if algo == "auto" and wan is not None:
+        return wan.best_all_reduce(nbytes)
+    return "all_reduce"
+
+
+def dense_all_reduce(
+    flat: torch.Tensor, kind: str, world: int, group=None, wan: WanEmulator | None = None
+) -> torch.Tensor:
+    """Sum ``flat`` over all ranks with the algorithm ``kind`` really runs ("all_reduce": gloo's ring;
+    "all_reduce_gather": all_gather then a local sum), then wait out its emulated WAN time."""
+    t0 = time.perf_counter()
+    if world > 1 and kind == "all_reduce_gather":
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat, group=group)
+        # summed in fp32 and in rank order, so every worker holds bit-identical weights
+        flat = torch.stack([q.float() for q in parts]).sum(0).to(flat.dtype)
+    elif world > 1:
+        dist.all_reduce(flat, group=group)
+    if wan is not None:
+        wan.wait(kind, flat.numel() * flat.element_size(), t0)
+    return flat
+
+
 class DiLoCo:
     """Outer/inner loop state of one worker; call ``step(tokens)`` after every inner optimizer step."""
 
@@ -123,9 +156,11 @@ class DiLoCo:
         rebalancer: Rebalancer | None = None,
         worker_name: str | None = None,
         phase_clock: PhaseClock | None = None,
+        all_reduce: str = "ring",
     ):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        reduce_kind(all_reduce, 0, None)  # a bad name fails before any collective
         if not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be a positive integer, not {inner_steps!r}")
         self.model = model
@@ -151,6 +186,7 @@ class DiLoCo:
             if compression == "sign"
             else None
         )
+        self.reduce_kind = self._reduce_kind(all_reduce)
         self.local_step = 0
         self.outer_step = 0
         self.tokens = 0
@@ -165,6 +201,11 @@ class DiLoCo:
             self._broadcast_initial()
 
     # --- set-up ---------------------------------------------------------------------------------
+    def _reduce_kind(self, algo: str) -> str:
+        """The WanEmulator collective the dense payload runs as (the sign payload is always all_gather)."""
+        elem = 4 if self.compression == "fp32" else 2
+        return reduce_kind(algo, elem * sum(p.numel() for p in self.params), self.wan)
+
     def _check_same_model(self) -> None:
         mine = _shape_digest(self.params).to(_comm_device(self.group))
         got = [torch.zeros_like(mine) for _ in range(self.world)]
@@ -238,18 +279,15 @@ class DiLoCo:
         w = token_weights(all_tokens)[self.rank]
         flat = torch.cat([d.reshape(-1) for d in deltas]).mul_(w).to(dtype)
         t0 = time.perf_counter()
-        if self.world > 1:
-            dist.all_reduce(flat, group=self.group)
+        flat = dense_all_reduce(flat, self.reduce_kind, self.world, self.group, self.wan)
         nbytes = flat.numel() * flat.element_size()
-        if self.wan is not None:
-            self.wan.wait("all_reduce", nbytes, t0)
         self._collective_s += time.perf_counter() - t0
         flat = flat.float()
         agg, off = [], 0
         for d in deltas:
             agg.append(flat[off : off + d.numel()].view_as(d))
             off += d.numel()
-        return agg, nbytes, ring_wire_bytes("all_reduce", nbytes, self.world)
+        return agg, nbytes, ring_wire_bytes(self.reduce_kind, nbytes, self.world)
 
     def sync(self) -> SyncStats:
         """One synchronous outer step (all workers must call it the same number of times)."""
@@ -279,6 +317,7 @@ class DiLoCo:
             wire_bytes=float(wire),
             rates=rates,
             codec=dict(self.compressor.last_stats) if self.compressor is not None else {},
+            collective="all_gather" if self.compressor is not None else self.reduce_kind,
         )
         if self.rebalancer is not None:
             names = [p.name for p in self.rebalancer.plan.profiles]

@@ -13,18 +13,34 @@ from collections.abc import Sequence
 
 import hwtopo
 
-__all__ = ["WanEmulator", "ring_wire_bytes"]
+__all__ = ["WanEmulator", "ring_wire_bytes", "collective_hops", "COLLECTIVES"]
+
+# "all_reduce": ring reduce-scatter + all-gather (gloo's ring); "all_reduce_gather": every rank's whole
+# payload all-gathered around the ring, then summed locally (half the hops, (n-1)/2 times the bytes)
+COLLECTIVES = ("all_gather", "all_reduce", "all_reduce_gather")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in COLLECTIVES:
+        raise ValueError(f"kind must be one of {list(COLLECTIVES)}, not {kind!r}")
+
+
+def collective_hops(kind: str, world: int) -> int:
+    """Sequential ring steps of a collective: each one pays a link's latency once, whatever the method."""
+    _check_kind(kind)
+    if world <= 1:
+        return 0
+    return 2 * (world - 1) if kind == "all_reduce" else world - 1
 
 
 def ring_wire_bytes(kind: str, nbytes: int, world: int) -> float:
     """Bytes one rank sends in a ring collective: all_gather of nbytes per rank, or all_reduce of nbytes."""
+    _check_kind(kind)
     if world <= 1:
         return 0.0
-    if kind == "all_gather":
-        return float((world - 1) * nbytes)
     if kind == "all_reduce":
         return 2.0 * (world - 1) / world * nbytes
-    raise ValueError(f"kind must be 'all_gather' or 'all_reduce', not {kind!r}")
+    return float((world - 1) * nbytes)
 
 
 class WanEmulator:
@@ -82,14 +98,31 @@ class WanEmulator:
             worst = max(worst, t)
         return worst
 
+    def _steps(self, kind: str, nbytes: int) -> tuple[int, float]:
+        hops = collective_hops(kind, self.world)
+        return hops, (nbytes / self.world if kind == "all_reduce" else nbytes)
+
     def collective_time_s(self, kind: str, nbytes: int) -> float:
-        """Emulated seconds for a ring all_gather (nbytes per rank) or all_reduce (nbytes total)."""
-        n = self.world
-        if kind == "all_gather":
-            return self._ring_time(n - 1, nbytes)
-        if kind == "all_reduce":
-            return self._ring_time(2 * (n - 1), nbytes / n)
-        raise ValueError(f"kind must be 'all_gather' or 'all_reduce', not {kind!r}")
+        """Emulated seconds of a collective of ``COLLECTIVES`` (nbytes per rank): one latency per hop
+        (``collective_hops``) for every algorithm alike, plus the bytes through the slowest ring link
+        (reserved on its token bucket: back-to-back collectives queue)."""
+        return self._ring_time(*self._steps(kind, nbytes))
+
+    def model_time_s(self, kind: str, nbytes: int) -> float:
+        """The link model's seconds for one collective on idle links (reserves nothing): hops x latency
+        plus bytes / bandwidth on the slowest ring link, bandwidth counted even when ``latency_only``."""
+        steps, per_step = self._steps(kind, nbytes)
+        if self.world <= 1 or steps <= 0:
+            return 0.0
+        live = [s for s in self.shapers if s is not None]
+        return max((steps * (s.latency_s + per_step / s.bandwidth_bytes_per_s) for s in live), default=0.0)
+
+    def best_all_reduce(self, nbytes: int) -> str:
+        """The all-reduce algorithm a user would pick on these links for ``nbytes``: the ring (fewest
+        bytes) or the gather (fewest hops), whichever the link model says is faster."""
+        ring = self.model_time_s("all_reduce", nbytes)
+        gather = self.model_time_s("all_reduce_gather", nbytes)
+        return "all_reduce_gather" if gather < ring else "all_reduce"
 
     def wait(self, kind: str, nbytes: int, started: float) -> float:
         """Sleep until the emulated collective that began at ``started`` (perf_counter) would be done."""
