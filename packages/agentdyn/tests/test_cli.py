@@ -27,13 +27,6 @@ def test_run_reports_llm_down_as_runtime_failure(free_port):
     assert "failed after 1 attempt(s)" in json.loads(p.stdout)["error"]
 
 
-def test_bench_schedule_alternates_native_and_optimized():
-    from agentdyn.bench import _schedule
-
-    assert _schedule(("native", "static", "optimized"), 2) == ["native", "optimized", "optimized", "native", "static"]
-    assert _schedule(("static",), 3) == ["static"]
-
-
 def test_serve_beyond_loopback_needs_a_token(capsys, monkeypatch):
     monkeypatch.delenv("AGENTDYN_TOKEN", raising=False)
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2

@@ -47,6 +47,8 @@ CASES = [
     ("bench --per-type 1e12", "--per-type"),
     ("bench --coding-work -1", "--coding-work"),
     ("bench --repeats 0", "--repeats"),
+    ("bench --seeds 101,x", "--seeds: '101,x'"),
+    ("bench --seeds -1", "--seeds"),
     ("bench --tool-threads 0", "--tool-threads"),
     ("bench --json {tmp}/missing/b.json", "--json '{tmp}/missing/b.json': directory"),
     ("bench --json {tmp}/dir", "--json '{tmp}/dir' is a directory"),

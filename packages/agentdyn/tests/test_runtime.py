@@ -114,27 +114,53 @@ def test_bench_pipeline_reports_headline_keys():
         emulator=FAST,
         arrival_window_s=0.1,
         types=("web_search", "coding"),
+        seeds=(101,),
+        loads=(("fit", 0.8), ("oversubscribed", 2.0)),
     )
-    out = asyncio.run(bench(cfg))
+    out = asyncio.run(bench(cfg, service=True))
     h = out["headline"]
-    for k in ("cpu_task_latency_ratio", "mixed_avg_latency_reduction", "static_limit_avg_latency_reduction"):
+    for k in (
+        "cpu_task_latency_ratio_vs_fair",
+        "mixed_avg_latency_reduction_vs_fair",
+        "cpu_task_latency_ratio_vs_fair_fit",
+        "mixed_avg_latency_reduction_vs_fair_fit",
+    ):
         assert isinstance(h[k], float)
+        lo, hi = h["seed_spread"][k]
+        assert lo == hi == h[k]  # one seed: its own figure
     assert h["requests_failed"] == 0 and h["zombie_processes"] == 0
+    assert h["heldout_seeds"] == [101] and out["seeds"] == [101]
+    # the real service answered every request (malformed ones with a message) and left nothing
+    assert h["requests_lost"] == 0 and h["service_leftovers"] == 0
+    svc = out["service"]
+    assert svc["requests"] == 2 * 2 and svc["sigterm_exit_code"] == 0
     # every escape attempt was made against the sandbox and failed (None: the host lacks a layer)
     if missing_layers():
         assert h["sandbox_escapes"] is None and out["sandbox"]["missing"] == missing_layers()
     else:
         assert h["sandbox_escapes"] == 0 and len(out["sandbox"]["escape_attempts"]) == len(ATTEMPTS)
     assert h["cpu_task"] == "coding"
-    assert set(out["results"]) == {"native", "static", "optimized"}
-    assert out["order"] == ["native", "optimized", "static"]  # native and optimized side by side
-    nat = out["results"]["native"]
-    assert abs(nat["cpu_task_mean_latency_s"] - nat["per_type"]["coding"]["mean_latency_s"]) < 1e-9
+    assert set(out["results"]) == {"fit", "oversubscribed"}
+    for load, res in out["results"].items():
+        assert set(res) == {"fair", "fair_semaphore", "cgroup_split", "optimized"}
+        assert h["best_fair_baseline"][load]["cpu_task"] in ("fair", "fair_semaphore", "cgroup_split")
+        nat = res["fair"]
+        assert abs(nat["cpu_task_mean_latency_s"] - nat["per_type"]["coding"]["mean_latency_s"]) < 1e-9
+    # the rounds rotate the variants, so none always runs first
+    firsts = [o.split("/")[2] for o in out["order"][::4]]
+    assert firsts == ["fair", "fair_semaphore"]
     # the CPU-aware policy learned its thresholds from the calibration's profiles
     prof = out["profiles"]["tools"]
     assert prof["coding/run_tests"]["cpu_intensity"] > prof["web_search/web_search"]["cpu_intensity"]
-    opt = out["results"]["optimized"]["policy"]
+    opt = out["results"]["fit"]["optimized"]["policy"]
     assert opt["admission"]["source"] == "learned"
     assert opt["admission_stats"]["admitted"] == 7  # every tool call (5 coding + 2 web) was admitted
     assert opt["allocation"]["plan"]["classes"]["coding"]["kind"] == "cpu"
-    assert out["results"]["static"]["policy"]["workers"] >= 1
+    # the fair baselines' tools were told the thread counts the CPU-aware plan gives each class
+    plan = {t: c["threads"] for t, c in opt["allocation"]["plan"]["classes"].items()}
+    for v in ("fair", "fair_semaphore", "cgroup_split"):
+        pol = out["results"]["fit"][v]["policy"]
+        assert pol["threads"] == plan
+        assert {t: g["threads"] for t, g in pol["groups"].items()} == plan
+    sem = out["results"]["oversubscribed"]["fair_semaphore"]["policy"]
+    assert 1 <= sem["max_tool_calls_in_flight"] <= sem["workers"]

@@ -15,13 +15,12 @@ import pytest
 from aiohttp import web
 
 from agentdyn.emulator import EmulatorConfig
-from agentdyn.escapes import leftover_processes
 from agentdyn.llm import LLMConfig
 from agentdyn.monitor import SystemSampler
 from agentdyn.runtime import Harness
 from agentdyn.sandbox import SandboxUnavailable, missing_layers, zombie_children
 from agentdyn.service import make_app
-from hwtopo import cgroups
+from agentdyn.servicecheck import service_leftovers
 
 # a host without every sandbox layer (CI runners are not root) serves with --unsafe-no-sandbox
 UNSAFE = bool(missing_layers())
@@ -153,16 +152,12 @@ def test_holds_200_concurrent_requests():
     assert stats["completed"] == 200 and stats["failed"] == 0
 
 
-def _leftovers(pid: int, tmp: str) -> list[str]:
-    """What a stopped service left: cgroups named for it, entries in its temp dir, tool processes."""
-    out = [str(g) for h in cgroups._hierarchies() for g in h.root.glob(f"{cgroups.PREFIX}{pid}-*")]
-    return out + os.listdir(tmp) + [f"pid {p}" for p in leftover_processes(under=tmp)]
-
-
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
     # its work root, sandbox state and probes go to tmp_path, which must be empty once it stops
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    # with a token, as the service is run: the refusal while draining is a 503, not a 401
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path), AGENTDYN_TOKEN="drain-test-token")
+    auth = {"Authorization": "Bearer drain-test-token"}
     cmd = [
         sys.executable,
         "-m",
@@ -189,6 +184,7 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
                 url + "/v1/agent",
                 data=json.dumps({"task_type": "web_search", "input": {"searches": i % 2}}).encode(),
                 method="POST",
+                headers=auth,
             )
             try:
                 with urllib.request.urlopen(req, timeout=60) as r:
@@ -197,7 +193,7 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
                 return e.code
 
         def accepted():
-            with urllib.request.urlopen(url + "/v1/stats", timeout=10) as r:
+            with urllib.request.urlopen(urllib.request.Request(url + "/v1/stats", headers=auth), timeout=10) as r:
                 return json.loads(r.read())["accepted"]
 
         async def go():
@@ -218,7 +214,7 @@ def test_sigterm_drains_in_flight_requests(free_port, tmp_path):
     assert rc == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/healthz", timeout=2)
-    assert _leftovers(p.pid, str(tmp_path)) == []
+    assert service_leftovers(p.pid, str(tmp_path)) == []
 
 
 def test_port_in_use_still_stops_the_harness():

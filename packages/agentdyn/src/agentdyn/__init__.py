@@ -21,7 +21,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
         "profiles": ["ProfileStore"],
         "runtime": ["AgentRequest", "AgentResult", "Harness", "Runtime", "TASK_TYPES"],
         "sandbox": ["Sandbox", "SandboxLimits", "SandboxUnavailable", "missing_layers"],
-        "scheduler": ["CpuAwarePolicy", "NativePolicy", "StaticLimitPolicy", "make_policy"],
+        "scheduler": ["CpuAwarePolicy", "FairPolicy", "NativePolicy", "StaticLimitPolicy", "make_policy"],
         "website": ["FixtureSite"],
     },
 )

@@ -2,59 +2,101 @@
 
 ``calibrate`` runs one request per task type alone (native) and learns a ``ProfileStore`` from the
 monitor. ``run_workload`` runs a mixed burst of requests under one policy and returns per-request
-results plus the system pressure seen. ``bench`` runs native, the static worker limit and the
-CPU-aware policy on the same workload, same seed, one after another in the same process, and
-computes the headline ratios.
+results plus the system pressure seen. ``bench`` runs the fair baselines (``FAIR_BASELINES``: CFS
+fair share, the same with a tool semaphore sized to the cores, a static cgroup split per class;
+every one with the thread caps the CPU-aware policy gives its tools) and the CPU-aware policy on
+the same workloads in one process, at two offered CPU loads (one that fits the cores, one
+oversubscribed), over held-out seeds, and divides by the best fair baseline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from .allocation import plan_allocation
 from .emulator import EmulatorConfig
 from .monitor import SystemSampler
 from .profiles import ProfileStore
 from .runtime import TASK_TYPES, AgentRequest, AgentResult, Harness
 from .sandbox import zombie_children
-from .scheduler import CpuAwarePolicy, NativePolicy, Policy, StaticLimitPolicy
+from .scheduler import FAIR_BASELINES, CpuAwarePolicy, FairPolicy, NativePolicy, Policy, StaticLimitPolicy
 
-__all__ = ["WorkloadConfig", "make_workload", "calibrate", "run_workload", "bench", "summarize"]
+__all__ = [
+    "WorkloadConfig",
+    "make_workload",
+    "calibrate",
+    "run_workload",
+    "bench",
+    "summarize",
+    "size_load",
+    "vs_fair",
+    "DEV_SEEDS",
+    "HELDOUT_SEEDS",
+    "LOADS",
+    "VARIANTS",
+]
 
 log = logging.getLogger(__name__)
+
+# Settings (the admission and allocation constants) are chosen on the development seeds' workloads;
+# the bench reports only seeds outside them, and says so in its JSON.
+DEV_SEEDS = (0, 1, 2)
+HELDOUT_SEEDS = (101, 102, 103)
+# offered CPU load (cores the in-flight requests would keep busy alone / usable cores)
+LOADS = (("fit", 0.8), ("oversubscribed", 2.0))
+VARIANTS = (*FAIR_BASELINES, "optimized")
+REFERENCES = ("native", "static")  # unfair references (default thread counts; one request at a time)
 
 
 @dataclass
 class WorkloadConfig:
-    per_type: int = 4
+    per_type: int | None = None  # requests per task type at every load; None: sized to each load
     types: tuple[str, ...] = ("rag_qa", "web_search", "coding")
     arrival_window_s: float = 1.0
     coding_work: int = 40_000
     rag_shards: int = 4
     web_pages: int = 12
-    seed: int = 0
+    seed: int = 0  # the LLM emulator's; workloads are drawn from ``seeds``
     emulator: EmulatorConfig = field(default_factory=lambda: EmulatorConfig(ttft_s=0.3, tokens_per_s=80.0))
     site_latency_s: float = 0.05
     tool_timeout_s: float = 120.0
     # numerical libraries in tools start their default thread count (one per core the tool may
-    # run on), as in an unconstrained agent container; see ``sandbox.tool_env``
+    # run on), as in an unconstrained agent container; see ``sandbox.tool_env``. Every compared
+    # policy overrides it per class with the same caps (the CPU-aware plan's), so it only matters
+    # for the unfair ``native`` reference and calibration
     tool_threads: int | str | None = "default"
+    seeds: tuple[int, ...] = HELDOUT_SEEDS
+    loads: tuple[tuple[str, float], ...] = LOADS
+    max_per_type: int = 8  # a workload sized to a load never exceeds this many requests per type
 
     def __post_init__(self) -> None:
-        if self.per_type < 1:
+        if self.per_type is not None and self.per_type < 1:
             raise ValueError(f"per_type must be >= 1, not {self.per_type}")
         bad = [t for t in self.types if t not in TASK_TYPES]
         if bad:
             raise ValueError(f"types: unknown task type {bad[0]!r}; one of {', '.join(TASK_TYPES)}")
+        if not self.seeds or any(not 0 <= s < 2**32 for s in self.seeds):
+            raise ValueError(f"seeds must list at least one seed in [0, 2**32), not {self.seeds!r}")
+        names = [n for n, _ in self.loads]
+        if not self.loads or len(set(names)) != len(names) or any(not x > 0 for _, x in self.loads):
+            raise ValueError(f"loads must name distinct loads with offered CPU load > 0, not {self.loads!r}")
+        if self.max_per_type < 1:
+            raise ValueError(f"max_per_type must be >= 1, not {self.max_per_type}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["emulator"] = self.emulator.describe()
         d["types"] = list(self.types)
+        d["seeds"] = list(self.seeds)
+        d["loads"] = dict(self.loads)
+        d["dev_seeds"] = list(DEV_SEEDS)
+        d["seeds_held_out"] = not set(self.seeds) & set(DEV_SEEDS)
         return d
 
 
@@ -73,12 +115,14 @@ def task_input(task_type: str, i: int, cfg: WorkloadConfig) -> dict:
     return {"work": cfg.coding_work}
 
 
-def make_workload(cfg: WorkloadConfig) -> list[tuple[float, AgentRequest]]:
-    """(arrival offset s, request) for ``per_type`` requests of each type, shuffled by the seed."""
-    rng = random.Random(cfg.seed)
-    reqs = [
-        AgentRequest(t, task_input(t, i, cfg), request_id=f"{t}-{i}") for t in cfg.types for i in range(cfg.per_type)
-    ]
+def make_workload(
+    cfg: WorkloadConfig, per_type: int | None = None, seed: int | None = None
+) -> list[tuple[float, AgentRequest]]:
+    """(arrival offset s, request) for ``per_type`` (default ``cfg.per_type``, else 1) requests of
+    each type, shuffled and spread over the arrival window by ``seed`` (default ``cfg.seeds[0]``)."""
+    n = per_type or cfg.per_type or 1
+    rng = random.Random(cfg.seeds[0] if seed is None else seed)
+    reqs = [AgentRequest(t, task_input(t, i, cfg), request_id=f"{t}-{i}") for t in cfg.types for i in range(n)]
     rng.shuffle(reqs)
     return sorted(((rng.uniform(0, cfg.arrival_window_s), r) for r in reqs), key=lambda x: x[0])
 
@@ -103,7 +147,7 @@ async def calibrate(
                 res = await h.runtime.run(req, on_tool=on_tool)
                 if not res.ok:
                     raise RuntimeError(f"calibration request {req.request_id} failed: {res.error}")
-                store.observe_request(t)
+                store.observe_request(t, res.latency_s)
     finally:
         h.runtime.policy = prev
     return store
@@ -170,14 +214,34 @@ def _cpu_task(store: ProfileStore) -> str:
     return max(classes, key=lambda t: classes[t]["cpu_s"])
 
 
-def _schedule(variants: tuple[str, ...], repeats: int) -> list[str]:
-    """Run order: native and optimized adjacent and alternating (ABBA over rounds) so that drifting
-    load from other tenants hits both alike; the slow static baseline once, last."""
-    pair = [v for v in ("native", "optimized") if v in variants]
-    order: list[str] = []
-    for r in range(repeats):
-        order += pair if r % 2 == 0 else pair[::-1]
-    return order + [v for v in variants if v not in pair]
+def _schedule(variants: tuple[str, ...], k: int) -> list[str]:
+    """Run order of the ``k``-th (seed, load) round: the variants rotated by ``k``, so that across
+    rounds each takes each place and drifting load from other tenants hits all alike."""
+    k %= len(variants)
+    return list(variants[k:] + variants[:k])
+
+
+def size_load(target: float, cores_per_request: dict[str, float], ncores: int, cap: int) -> tuple[int, float]:
+    """Requests per task type giving an offered CPU load near ``target`` (at most ``target`` when
+    it fits the cores, at least ``target`` when above them), clamped to [1, cap]; and that load."""
+    per_set = sum(cores_per_request.values())
+    if per_set <= 0:
+        return 1, 0.0
+    x = target * ncores / per_set
+    n = min(cap, max(1, math.floor(x + 1e-9) if target <= 1 else math.ceil(x - 1e-9)))
+    return n, n * per_set / ncores
+
+
+def _policy(v: str, store: ProfileStore, cores: list[int], sampler, mix: dict[str, float]) -> Policy:
+    if v == "native":
+        return NativePolicy()
+    if v == "static":
+        return StaticLimitPolicy(len(cores))
+    if v == "optimized":
+        return CpuAwarePolicy(ProfileStore.from_dict(store.to_dict()), cores, sampler, mix)
+    # a fair baseline's tools get the thread counts the CPU-aware plan gives each class
+    plan = plan_allocation(store.classes(), cores, mix)
+    return FairPolicy(v, {t: c.threads for t, c in plan.classes.items() if c.threads}, len(cores))
 
 
 async def _escape_attempts(out: dict, progress=None) -> int | None:
@@ -197,21 +261,157 @@ async def _escape_attempts(out: dict, progress=None) -> int | None:
     return sum(v is not None for v in attempts.values())
 
 
-async def bench(
-    cfg: WorkloadConfig, variants: tuple[str, ...] = ("native", "static", "optimized"), progress=None, repeats: int = 1
-) -> dict:
-    """The baselines and the CPU-aware policy on the same workload; returns results + headline."""
+def _merge(rs: list[tuple[int, dict]], cpu_task: str) -> dict:
+    """One variant at one load over its seeds: the pooled summary plus each seed's means."""
+    merged = {
+        "results": [x for _, r in rs for x in r["results"]],
+        "makespan_s": statistics.fmean(r["makespan_s"] for _, r in rs),
+        "pressure": rs[-1][1]["pressure"],
+        "policy": rs[-1][1]["policy"],
+    }
+    out = summarize(merged, cpu_task)
+    out["rounds"] = len(rs)
+    per: dict[str, dict] = {}
+    for seed, r in rs:
+        one = summarize(r, cpu_task)
+        d = per.setdefault(str(seed), {"mean_latency_s": [], "cpu_task_mean_latency_s": []})
+        d["mean_latency_s"].append(one["mean_latency_s"])
+        d["cpu_task_mean_latency_s"].append(one["cpu_task_mean_latency_s"])
+    out["per_seed"] = {s: {k: statistics.fmean(v) for k, v in d.items()} for s, d in per.items()}
+    return out
+
+
+def vs_fair(res: dict[str, dict]) -> dict | None:
+    """The CPU-aware policy against the best fair baseline in ``res`` ({variant: summary}): the
+    baseline with the lowest CPU-task latency for the ratio, the lowest mean latency for the
+    reduction, pooled over seeds and per seed (each seed against its own best). None without both."""
+    fair = [v for v in FAIR_BASELINES if v in res]
+    if "optimized" not in res or not fair:
+        return None
+    opt = res["optimized"]
+    best_cpu = min(fair, key=lambda v: res[v]["cpu_task_mean_latency_s"])
+    best_mean = min(fair, key=lambda v: res[v]["mean_latency_s"])
+    per_seed = {}
+    for s, o in opt["per_seed"].items():
+        cpu = min(res[v]["per_seed"][s]["cpu_task_mean_latency_s"] for v in fair)
+        mean = min(res[v]["per_seed"][s]["mean_latency_s"] for v in fair)
+        per_seed[s] = {
+            "cpu_task_latency_ratio": cpu / o["cpu_task_mean_latency_s"],
+            "mixed_avg_latency_reduction": 1 - o["mean_latency_s"] / mean,
+        }
+    return {
+        "cpu_task_latency_ratio": res[best_cpu]["cpu_task_mean_latency_s"] / opt["cpu_task_mean_latency_s"],
+        "mixed_avg_latency_reduction": 1 - opt["mean_latency_s"] / res[best_mean]["mean_latency_s"],
+        "best_fair_baseline": {"cpu_task": best_cpu, "mean": best_mean},
+        "per_seed": per_seed,
+    }
+
+
+def _headline(out: dict, cpu_task: str) -> dict:
+    """Headline keys: each ratio at the oversubscribed load bare, at any other load suffixed by its
+    name; their spread over the seeds; the best fair baseline each divides by."""
+    head: dict = {"cpu_task": cpu_task, "heldout_seeds": out["seeds"], "offered_cpu_load": {}, "seed_spread": {}}
+    head["best_fair_baseline"] = {}
+    for load, res in out["results"].items():
+        head["offered_cpu_load"][load] = out["loads"][load]["offered_cpu_load"]
+        cmp = vs_fair(res)
+        if cmp is None:
+            continue
+        sfx = "" if load == "oversubscribed" else f"_{load}"
+        for k in ("cpu_task_latency_ratio", "mixed_avg_latency_reduction"):
+            head[f"{k}_vs_fair{sfx}"] = cmp[k]
+            vals = [d[k] for d in cmp["per_seed"].values()]
+            head["seed_spread"][f"{k}_vs_fair{sfx}"] = [min(vals), max(vals)]
+        head["best_fair_baseline"][load] = cmp["best_fair_baseline"]
+    head["requests_failed"] = sum(x["failed"] for res in out["results"].values() for x in res.values())
+    return head
+
+
+async def _run_loads(h: Harness, cfg: WorkloadConfig, store: ProfileStore, variants, repeats, progress, out) -> dict:
+    """Every (seed, load, variant) run, variants rotated per round; {(load, variant): [(seed, run)]}."""
     from hwtopo import usable_cpus
 
-    bad = [v for v in variants if v not in ("native", "static", "optimized")]
+    cores = usable_cpus()
+    cpr = {t: v for t, v in store.cores_per_request().items() if t in cfg.types}
+    out["loads"] = {}
+    for name, target in cfg.loads:
+        n, offered = size_load(target, cpr, len(cores), cfg.max_per_type)
+        if cfg.per_type is not None:
+            n, offered = cfg.per_type, cfg.per_type * sum(cpr.values()) / len(cores)
+        out["loads"][name] = {
+            "target": target,
+            "per_type": n,
+            "requests": n * len(cfg.types),
+            "offered_cpu_load": offered,
+        }
+    runs: dict[tuple[str, str], list[tuple[int, dict]]] = {}
+    k = 0
+    for seed in cfg.seeds:
+        for name, _ in cfg.loads:
+            n = out["loads"][name]["per_type"]
+            workload = make_workload(cfg, n, seed)
+            mix = {t: float(n) for t in cfg.types}
+            for _ in range(repeats):
+                for v in _schedule(tuple(variants), k):
+                    if progress:
+                        progress(f"seed {seed}, load {name} ({len(workload)} requests): {v}")
+                    pol = _policy(v, store, cores, h.sampler, mix)
+                    h.set_policy(pol)
+                    run = await run_workload(h, workload, h.sampler)
+                    runs.setdefault((name, v), []).append((seed, run))
+                    out["order"].append(f"{seed}/{name}/{v}")
+                k += 1
+    h.set_policy(NativePolicy())
+    return runs
+
+
+async def check_service(cfg: WorkloadConfig, store: ProfileStore, concurrency: int, progress=None) -> dict:
+    """``servicecheck.lost_requests`` at twice ``concurrency`` with 20 % malformed requests, against
+    ``agentdyn serve`` with the CPU-aware policy on ``store``'s profiles and the bench's emulated LLM;
+    the valid requests are the bench's task types and inputs in turn."""
+    import os
+    import tempfile
+
+    from .servicecheck import lost_requests
+
+    n = 2 * concurrency
+    if progress:
+        progress(f"service: {n} requests at once, 20% malformed, then SIGTERM")
+    fd, path = tempfile.mkstemp(prefix="agentdyn-profiles-", suffix=".json")
+    os.close(fd)
+    try:
+        store.save(path)
+        e = cfg.emulator
+        args = ("--policy", "optimized", "--profiles", path, "--tool-timeout", str(cfg.tool_timeout_s))
+        args += ("--ttft", str(e.ttft_s), "--tokens-per-s", str(e.tokens_per_s), "--seed", str(cfg.seed))
+
+        def valid(i: int) -> dict:
+            t = cfg.types[i % len(cfg.types)]
+            return {"task_type": t, "input": task_input(t, i // len(cfg.types), cfg)}
+
+        return await lost_requests(n, valid, 0.2, seed=cfg.seeds[0], serve_args=args)
+    finally:
+        os.unlink(path)
+
+
+async def bench(
+    cfg: WorkloadConfig,
+    variants: tuple[str, ...] = VARIANTS,
+    progress=None,
+    repeats: int = 1,
+    service: bool = False,
+) -> dict:
+    """The fair baselines and the CPU-aware policy on the same workloads at each load and held-out
+    seed; returns results per load and variant, and the headline. ``service``: also count the
+    requests the real HTTP service loses (``check_service``) at twice the largest load's
+    concurrency, as ``requests_lost``."""
+    bad = [v for v in variants if v not in VARIANTS + REFERENCES]
     if bad:
-        raise ValueError(f"variant must be native, static or optimized, not {bad[0]!r}")
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS + REFERENCES)}, not {bad[0]!r}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, not {repeats}")
-    cores = usable_cpus()
     sampler = SystemSampler(0.1).start()
-    out: dict = {"results": {}, "order": []}
-    runs: dict[str, list[dict]] = {}
+    out: dict = {"results": {}, "order": [], "seeds": list(cfg.seeds)}
     try:
         async with Harness(
             emulator=cfg.emulator,
@@ -225,51 +425,21 @@ async def bench(
             store = await calibrate(h, cfg, sampler)
             out["profiles"] = store.to_dict()
             cpu_task = _cpu_task(store)
-            workload = make_workload(cfg)
-            mix = {t: float(cfg.per_type) for t in cfg.types}
-            for v in _schedule(tuple(variants), repeats):
-                if progress:
-                    progress(f"running {v}: {len(workload)} requests")
-                pol: Policy
-                if v == "native":
-                    pol = NativePolicy()
-                elif v == "static":
-                    pol = StaticLimitPolicy(len(cores))
-                else:
-                    pol = CpuAwarePolicy(ProfileStore.from_dict(store.to_dict()), cores, sampler, mix)
-                h.set_policy(pol)
-                run = await run_workload(h, workload, sampler)
-                runs.setdefault(v, []).append(run)
-                out["order"].append(v)
-                pol.close()
-            h.set_policy(NativePolicy())
+            runs = await _run_loads(h, cfg, store, variants, repeats, progress, out)
             out["watcher_overhead"] = h.runtime.watcher.overhead()
     finally:
         sampler.stop()
-    for v, rs in runs.items():
-        merged = {
-            "results": [x for r in rs for x in r["results"]],
-            "makespan_s": statistics.fmean(r["makespan_s"] for r in rs),
-            "pressure": rs[-1]["pressure"],
-            "policy": rs[-1]["policy"],
-        }
-        out["results"][v] = summarize(merged, cpu_task)
-        out["results"][v]["rounds"] = len(rs)
+    for (load, v), rs in runs.items():
+        out["results"].setdefault(load, {})[v] = _merge(rs, cpu_task)
     await asyncio.sleep(0.2)
-    zombies = len(zombie_children())
-    escapes = await _escape_attempts(out, progress)
-    r = out["results"]
-    head: dict = {"cpu_task": cpu_task}
-    if "native" in r and "optimized" in r:
-        head["cpu_task_latency_ratio"] = (
-            r["native"]["cpu_task_mean_latency_s"] / r["optimized"]["cpu_task_mean_latency_s"]
-        )
-        head["mixed_avg_latency_reduction"] = 1 - r["optimized"]["mean_latency_s"] / r["native"]["mean_latency_s"]
-    if "native" in r and "static" in r:
-        head["static_limit_avg_latency_reduction"] = 1 - r["static"]["mean_latency_s"] / r["native"]["mean_latency_s"]
-    head["requests_failed"] = sum(x["failed"] for x in r.values())
-    head["zombie_processes"] = zombies
-    head["sandbox_escapes"] = escapes
+    head = _headline(out, cpu_task)
+    head["zombie_processes"] = len(zombie_children())
+    head["sandbox_escapes"] = await _escape_attempts(out, progress)
     out["headline"] = head
+    if service:
+        conc = max(x["requests"] for x in out["loads"].values())
+        out["service"] = await check_service(cfg, store, conc, progress)
+        head["requests_lost"] = out["service"]["lost"]
+        head["service_leftovers"] = len(out["service"]["leftovers"])
     out["sampler_overhead"] = sampler.overhead()
     return out

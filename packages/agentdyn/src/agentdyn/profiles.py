@@ -61,6 +61,7 @@ class ToolProfile:
 class ProfileStore:
     tools: dict[str, ToolProfile] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
+    latency_s: dict[str, float] = field(default_factory=dict)  # mean latency of a request alone, per type
 
     @staticmethod
     def key(task_type: str, tool: str) -> str:
@@ -72,8 +73,21 @@ class ProfileStore:
     def observe(self, task_type: str, tool: str, usage: Usage, alone: bool = False, pressure: float = 0.0) -> None:
         self.tools.setdefault(self.key(task_type, tool), ToolProfile()).update(usage, alone, pressure)
 
-    def observe_request(self, task_type: str) -> None:
-        self.requests[task_type] = self.requests.get(task_type, 0) + 1
+    def observe_request(self, task_type: str, latency_s: float | None = None) -> None:
+        n = self.requests.get(task_type, 0) + 1
+        self.requests[task_type] = n
+        if latency_s is not None:
+            prev = self.latency_s.get(task_type, latency_s)
+            self.latency_s[task_type] = prev + (latency_s - prev) / n
+
+    def cores_per_request(self) -> dict[str, float]:
+        """Per type measured alone: the cores a request keeps busy while in flight (its tools' CPU
+        seconds over its latency); what sizes a workload to an offered CPU load."""
+        out = {}
+        for t, c in self.classes().items():
+            lat = self.latency_s.get(t)
+            out[t] = c["cpu_s"] / lat if lat else c["cpu_intensity"]
+        return out
 
     def classes(self) -> dict[str, dict]:
         """Per task type: CPU seconds and tool wall seconds per request, and the class's intensity."""
@@ -92,13 +106,17 @@ class ProfileStore:
         return out
 
     def to_dict(self) -> dict:
-        return {"tools": {k: v.to_dict() for k, v in self.tools.items()}, "requests": dict(self.requests)}
+        return {
+            "tools": {k: v.to_dict() for k, v in self.tools.items()},
+            "requests": dict(self.requests),
+            "latency_s": dict(self.latency_s),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> ProfileStore:
         names = set(ToolProfile.__dataclass_fields__)
         tools = {k: ToolProfile(**{f: v for f, v in p.items() if f in names}) for k, p in d.get("tools", {}).items()}
-        return cls(tools, dict(d.get("requests", {})))
+        return cls(tools, dict(d.get("requests", {})), dict(d.get("latency_s", {})))
 
     def save(self, path: str | Path) -> None:
         hwtopo.atomic_write_text(path, json.dumps(self.to_dict(), indent=1))

@@ -12,16 +12,31 @@ __all__ = ["bench_table", "characterize_markdown", "plot_bench", "plot_character
 PARTS = ("llm_wait_s", "queue_s", "tool_cpu_s", "tool_cpu_contention_s", "tool_io_other_s", "other_s")
 
 
+def _flat(out: dict) -> dict[str, dict]:
+    """``{"load/variant": summary}`` from the bench's ``{load: {variant: summary}}`` results."""
+    return {f"{load}/{v}": r for load, res in out["results"].items() for v, r in res.items()}
+
+
 def bench_table(out: dict) -> str:
-    """The headline comparison as a markdown table (mean latency per task type per variant)."""
-    res = out["results"]
+    """The headline comparison as a markdown table (mean latency per task type per load and variant)."""
+    res = _flat(out)
+    loads = out.get("loads") or {}
     types = sorted({t for r in res.values() for t in r["per_type"]})
-    rows = ["| variant | " + " | ".join(f"{t} mean s" for t in types) + " | all mean s | makespan s | failed |"]
-    rows.append("|" + "---|" * (len(types) + 4))
-    for v, r in res.items():
+    rows = [
+        "| load (offered CPU) | variant | "
+        + " | ".join(f"{t} mean s" for t in types)
+        + " | all mean s | makespan s | failed |"
+    ]
+    rows.append("|" + "---|" * (len(types) + 5))
+    for key, r in res.items():
+        load, v = key.split("/", 1)
+        offered = loads.get(load, {}).get("offered_cpu_load")
+        label = f"{load} ({offered:.2f})" if offered is not None else load
         cells = [f"{r['per_type'][t]['mean_latency_s']:.2f}" for t in types]
         rows.append(
-            f"| {v} | " + " | ".join(cells) + f" | {r['mean_latency_s']:.2f} | {r['makespan_s']:.1f} | {r['failed']} |"
+            f"| {label} | {v} | "
+            + " | ".join(cells)
+            + f" | {r['mean_latency_s']:.2f} | {r['makespan_s']:.1f} | {r['failed']} |"
         )
     return "\n".join(rows)
 
@@ -31,9 +46,9 @@ def plot_bench(out: dict, path: str) -> str | None:
     plt = console.pyplot("agentdyn")
     if plt is None:
         return None
-    res = out["results"]
+    res = _flat(out)
     types = sorted({t for r in res.values() for t in r["per_type"]})
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / max(1, len(res))
     for i, (v, r) in enumerate(res.items()):
         xs = [j + i * width for j in range(len(types))]

@@ -1,8 +1,13 @@
-"""Scheduling policies the runtime can run under: the two baselines and the CPU-aware one.
+"""Scheduling policies the runtime can run under: the baselines and the CPU-aware one.
 
 * ``NativePolicy``: no control (every tool call runs at once, as agent frameworks do).
 * ``StaticLimitPolicy``: at most ``workers`` requests in flight, default ``max(1, int(0.75 x
   cores))`` -- the common harness rule (SWE-bench ``max_workers``, LangGraph ``max_concurrency``).
+* ``FairPolicy``: the fair baselines the bench divides by. Every class's tools are told the same
+  thread count the CPU-aware policy gives them, so the comparison is about scheduling, not thread
+  caps: Linux CFS fair share with no admission (``fair``), the same plus a static semaphore on
+  tool calls sized to the cores (``fair_semaphore``), or one cgroup per task class with equal CPU
+  weight at full concurrency (``cgroup_split``).
 * ``CpuAwarePolicy``: task-aware CPU allocation (``allocation``) + CPU-aware tool admission
   (``admission``), both learned from a ``ProfileStore``; each can be switched off for ablations.
 """
@@ -19,7 +24,16 @@ from .cgroups import CpuGroup
 from .monitor import SystemSampler, Usage
 from .profiles import ProfileStore
 
-__all__ = ["Policy", "NativePolicy", "StaticLimitPolicy", "CpuAwarePolicy", "make_policy", "POLICIES"]
+__all__ = [
+    "Policy",
+    "NativePolicy",
+    "StaticLimitPolicy",
+    "FairPolicy",
+    "FAIR_BASELINES",
+    "CpuAwarePolicy",
+    "make_policy",
+    "POLICIES",
+]
 
 
 class Policy:
@@ -63,6 +77,64 @@ class StaticLimitPolicy(Policy):
 
     def describe(self) -> dict:
         return {"name": self.name, "workers": self.workers}
+
+
+FAIR_BASELINES = ("fair", "fair_semaphore", "cgroup_split")
+
+
+class FairPolicy(Policy):
+    """A fair baseline (``kind`` one of ``FAIR_BASELINES``): tools of class ``t`` are told
+    ``threads[t]`` threads and run in an accounting group of their class; ``fair_semaphore`` also
+    holds tool calls beyond ``workers`` (default: the cores) in arrival order; ``cgroup_split``
+    gives each class's group the same CPU weight, so under contention the classes split the cores
+    evenly whatever their number of processes."""
+
+    def __init__(self, kind: str, threads: dict[str, int], cores: int, workers: int | None = None):
+        if kind not in FAIR_BASELINES:
+            raise ValueError(f"kind must be one of {', '.join(FAIR_BASELINES)}, not {kind!r}")
+        if cores < 1:
+            raise ValueError(f"cores must be >= 1, not {cores}")
+        self.name = kind
+        self.threads = dict(threads)
+        self.workers = (workers or cores) if kind == "fair_semaphore" else None
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be >= 1, not {self.workers}")
+        self._sem = asyncio.Semaphore(self.workers) if self.workers else None
+        self.groups: dict[str, CpuGroup] = {}
+        self.max_in_flight = 0  # most tool calls that held a slot at once
+        self._in_flight = 0
+
+    def group(self, task_type: str) -> CpuGroup:
+        """The class's group, made at its first tool call."""
+        g = self.groups.get(task_type)
+        if g is None:
+            shares = 1024 if self.name == "cgroup_split" else None
+            g = CpuGroup(f"{self.name}-{task_type}", shares=shares, threads=self.threads.get(task_type))
+            self.groups[task_type] = g
+        return g
+
+    @contextlib.asynccontextmanager
+    async def tool_slot(self, request_id: str, task_type: str, tool: str) -> AsyncIterator[CpuGroup | None]:
+        async with self._sem if self._sem is not None else contextlib.nullcontext():
+            self._in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self._in_flight)
+            try:
+                yield self.group(task_type)
+            finally:
+                self._in_flight -= 1
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "threads": self.threads,
+            "workers": self.workers,
+            "groups": {k: g.describe() for k, g in self.groups.items()},
+            "max_tool_calls_in_flight": self.max_in_flight,
+        }
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            g.close()
 
 
 class CpuAwarePolicy(Policy):

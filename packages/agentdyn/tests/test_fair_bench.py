@@ -1,0 +1,124 @@
+"""The bench's fair baselines, load sizing, rotation and the comparison with the best fair baseline."""
+
+import asyncio
+
+import pytest
+
+from agentdyn.bench import DEV_SEEDS, WorkloadConfig, _schedule, size_load, vs_fair
+from agentdyn.scheduler import FairPolicy
+
+
+def test_size_load_fits_below_and_oversubscribes_above_the_target():
+    cpr = {"coding": 0.5, "rag_qa": 0.2, "web_search": 0.1}  # 0.8 cores per set of one each
+    assert size_load(0.8, cpr, 2, 8) == (2, pytest.approx(0.8))
+    assert size_load(2.0, cpr, 2, 8) == (5, pytest.approx(2.0))
+    n, offered = size_load(0.7, cpr, 2, 8)  # 1.75 sets: one fits, two would not
+    assert n == 1 and offered <= 0.7
+    n, offered = size_load(2.1, cpr, 2, 8)  # 5.25 sets: six reach it
+    assert n == 6 and offered >= 2.1
+    assert size_load(2.0, cpr, 2, 3)[0] == 3  # capped
+    assert size_load(0.1, cpr, 2, 8)[0] == 1  # at least one request per type
+
+
+def test_rotation_puts_every_variant_first_once():
+    vs = ("fair", "fair_semaphore", "cgroup_split", "optimized")
+    orders = [_schedule(vs, k) for k in range(4)]
+    assert {o[0] for o in orders} == set(vs)
+    assert all(sorted(o) == sorted(vs) for o in orders)
+
+
+def _summary(mean, cpu, per_seed):
+    return {
+        "mean_latency_s": mean,
+        "cpu_task_mean_latency_s": cpu,
+        "per_seed": {s: {"mean_latency_s": m, "cpu_task_mean_latency_s": c} for s, (m, c) in per_seed.items()},
+    }
+
+
+def test_vs_fair_divides_by_the_best_baseline_per_figure_and_per_seed():
+    res = {
+        "fair": _summary(10.0, 20.0, {"1": (9.0, 22.0), "2": (11.0, 18.0)}),
+        "fair_semaphore": _summary(12.0, 16.0, {"1": (13.0, 15.0), "2": (11.0, 17.0)}),
+        "cgroup_split": _summary(11.0, 18.0, {"1": (8.0, 19.0), "2": (14.0, 17.0)}),
+        "optimized": _summary(8.0, 8.0, {"1": (8.0, 7.5), "2": (8.0, 8.5)}),
+    }
+    c = vs_fair(res)
+    assert c["best_fair_baseline"] == {"cpu_task": "fair_semaphore", "mean": "fair"}
+    assert c["cpu_task_latency_ratio"] == pytest.approx(16.0 / 8.0)
+    assert c["mixed_avg_latency_reduction"] == pytest.approx(1 - 8.0 / 10.0)
+    # per seed, each against its own best: seed 1's best mean is cgroup_split's 8.0 (no gain)
+    assert c["per_seed"]["1"]["mixed_avg_latency_reduction"] == pytest.approx(0.0)
+    assert c["per_seed"]["1"]["cpu_task_latency_ratio"] == pytest.approx(15.0 / 7.5)
+    assert c["per_seed"]["2"]["cpu_task_latency_ratio"] == pytest.approx(17.0 / 8.5)
+    # a worse policy reads below 1 and negative, not clipped
+    res["optimized"] = _summary(20.0, 32.0, {"1": (20.0, 30.0), "2": (20.0, 34.0)})
+    c = vs_fair(res)
+    assert c["cpu_task_latency_ratio"] == pytest.approx(0.5) and c["mixed_avg_latency_reduction"] == pytest.approx(-1.0)
+    assert vs_fair({"fair": res["fair"]}) is None
+
+
+def test_workload_config_marks_development_seeds_and_checks_loads():
+    assert WorkloadConfig().to_dict()["seeds_held_out"] is True
+    d = WorkloadConfig(seeds=(DEV_SEEDS[0], 101)).to_dict()
+    assert d["seeds_held_out"] is False and d["dev_seeds"] == list(DEV_SEEDS)
+    with pytest.raises(ValueError, match="loads"):
+        WorkloadConfig(loads=(("fit", 0.8), ("fit", 2.0)))
+    with pytest.raises(ValueError, match="seeds"):
+        WorkloadConfig(seeds=())
+
+
+def test_fair_semaphore_holds_tool_calls_beyond_the_cores():
+    pol = FairPolicy("fair_semaphore", {"coding": 1, "rag_qa": 2}, cores=2)
+    held, seen = [], []
+
+    async def call(i):
+        async with pol.tool_slot(f"r{i}", "coding" if i % 2 else "rag_qa", "t") as g:
+            held.append(i)
+            seen.append((len(held), g.threads))
+            await asyncio.sleep(0.01)
+            held.remove(i)
+
+    async def go():
+        await asyncio.gather(*(call(i) for i in range(7)))
+
+    try:
+        asyncio.run(go())
+        assert max(n for n, _ in seen) == 2 and pol.max_in_flight == 2 and len(seen) == 7
+        assert {t for _, t in seen} == {1, 2}  # each class's tools told its thread count
+        assert pol.describe()["workers"] == 2
+    finally:
+        pol.close()
+
+
+def test_fair_and_cgroup_split_admit_everything_at_once():
+    for kind in ("fair", "cgroup_split"):
+        pol = FairPolicy(kind, {"coding": 1}, cores=2)
+
+        async def go(p):
+            async with _Held(p, 6):
+                pass
+
+        try:
+            asyncio.run(go(pol))
+            assert pol.max_in_flight == 6 and pol.workers is None
+            g = pol.groups["coding"]
+            assert g.shares == (1024 if kind == "cgroup_split" else None) and g.threads == 1
+        finally:
+            pol.close()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        FairPolicy("native", {}, cores=2)
+
+
+class _Held:
+    """Holds ``n`` tool slots of ``pol`` at once (entered concurrently)."""
+
+    def __init__(self, pol, n):
+        self.pol, self.n, self.slots = pol, n, []
+
+    async def __aenter__(self):
+        self.slots = [self.pol.tool_slot(f"r{i}", "coding", "t") for i in range(self.n)]
+        await asyncio.gather(*(s.__aenter__() for s in self.slots))
+
+    async def __aexit__(self, *exc):
+        for s in self.slots:
+            await s.__aexit__(None, None, None)
