@@ -309,3 +309,17 @@ def dilation_at_syncs(rank, world):
     if d is None:
         return None
     return d.describe() | {"tp_forward_syncs": fwd, "tp_backward_syncs": bwd}
+
+
+def kernel_samples(rank, world, samples):
+    """Every rank's calibrated-kernel time, ``samples`` times (all ranks together each time)."""
+    from xronos.emulation import measure_kernel
+
+    return [measure_kernel(repeats=40) for _ in range(samples)]
+
+
+def own_quota(rank, world):
+    """Quota and shares of the cgroup v1 cpu group this rank runs in, None when in none."""
+    from xronos.emulation import cgroup_cpu
+
+    return cgroup_cpu()

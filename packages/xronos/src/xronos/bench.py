@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from hwtopo import resume_point, sync_point
 
-from .launch import emulation_label, pin_ranks, spawn, throttle_period_us
+from .emulation import TOLERANCE, check_speeds, measure_kernel
+from .launch import check_emulation, emulation_label, pin_ranks, spawn, throttle_period_us
 from .layers import COMM
 from .partition import even_partition, partition
 from .profile import profile_group
@@ -68,9 +69,10 @@ def _worker(
             calibration_margin=calibration_margin,
             min_windows=min_windows,
         )
+    kernel_s: list[list[float]] = []  # every rank's calibrated-kernel time, sampled once per step
     t_start = time.perf_counter()
     records, timelines = _run_steps(
-        cfg.steps, variants, trainers, parts, rank, timeline_step, rebalancer, calibrate_after
+        cfg.steps, variants, trainers, parts, rank, timeline_step, rebalancer, calibrate_after, kernel_s
     )
     train_s = time.perf_counter() - t_start
     # in variant order on every rank, as the evaluations of the distributed variants meet in collectives
@@ -82,6 +84,7 @@ def _worker(
         "machine_method": hwtopo.cgroup_available(),
         "dilation": dil.describe() if dil is not None else None,
         "records": records,
+        "kernel_s": kernel_s,
         "eval_loss": evals,
         "profile": prof["ranks"][rank],
         "partitions": {k: v.describe() for k, v in parts.items()},
@@ -123,17 +126,28 @@ def _micro_batches(name: str, default: _Default) -> int | _Default:
 
 
 def _run_steps(
-    steps: int, variants, trainers: dict, parts: dict, rank: int, timeline_step: int, rebalancer, calibrate_after: int
+    steps: int,
+    variants,
+    trainers: dict,
+    parts: dict,
+    rank: int,
+    timeline_step: int,
+    rebalancer,
+    calibrate_after: int,
+    kernel_s: list,
 ) -> tuple[dict, dict]:
     """Every variant's step records, interleaved so that load on the machine touches all variants alike.
 
-    Step i of each variant runs before step i+1 of any, each distributed step after a barrier. Also
-    returns the collectives of ``timeline_step`` for the partitioned variants, and keeps
-    ``parts["xronos_final"]`` at the rebalancer's latest partition.
+    Step i of each variant runs before step i+1 of any, each distributed step after a barrier. Before
+    each step every rank times the same calibrated kernel (appended to ``kernel_s``): the speeds the
+    emulation achieves, sampled through the whole run. Also returns the collectives of
+    ``timeline_step`` for the partitioned variants, and keeps ``parts["xronos_final"]`` at the
+    rebalancer's latest partition.
     """
     records: dict[str, list[dict]] = {name: [] for name in variants}
     timelines: dict[str, dict] = {}
     for step in range(steps):
+        kernel_s.append(measure_kernel())
         for name in variants:
             if name == "reference":
                 if rank == 0:
@@ -186,7 +200,7 @@ def run_comparison(
     rebalance_threshold: float = 0.01,
     pin: bool = True,
     calibrate_after: int = 5,
-    emulate: str = "dilate",
+    emulate: str = "auto",
     calibration_margin: float | None = 0.01,
     min_windows: int = 3,
 ) -> list[dict]:
@@ -210,10 +224,12 @@ def run_comparison(
     calibration's counts as one), so one window's transient slowdown cannot move the partition; with
     2-step windows a wrong calibration (a rank slowed through steps 1-5) can be corrected from step 9,
     when a reshard (one flat gather of the moved shards, ~0.03-0.14 s) pays for itself.
-    ``emulate``: "dilate" (compute dilation at every synchronisation, ``hwtopo.dilate``) or "cgroup"
-    (``hwtopo.throttle``'s CPU quota); every variant runs under the same one.
+    ``emulate``: "dilate" (compute dilation at every synchronisation that charges CPU waits,
+    :func:`xronos.emulation.dilate_wall`), "cgroup" (``hwtopo.throttle``'s CPU quota) or "auto" (cgroup
+    where writable); every variant runs under the same one.
     """
     cfg.validate()
+    emulate = check_emulation(emulate)
     if not 0 < cpu_share <= 1:
         raise ValueError(f"cpu_share must be in (0, 1], not {cpu_share!r}")
     bad = [v for v in variants if v not in VARIANTS and not v.startswith("pp-m")]
@@ -267,14 +283,41 @@ def _check_before_launch(cfg: TrainConfig, world: int, variants) -> None:
 
 
 def summarize(results: list[dict], skip: int = 1) -> dict:
-    """Per variant: median step time, per-rank idle ratios, compute stall, losses."""
+    """Per variant: median step time, per-rank idle ratios, compute stall, losses; and under
+    ``"emulation"`` the speeds the emulation achieved (:func:`emulation_check`)."""
     out = {}
     for name in list(results[0]["records"]):
         if name == "reference":
             out[name] = _summarize_reference(results, skip)
         else:
             out[name] = _summarize_distributed(results, name, skip)
+    out["emulation"] = emulation_check(results, out)
     return out
+
+
+def emulation_check(results: list[dict], summary: dict) -> dict:
+    """Did every rank run at its requested speed? Two independent measurements, both must hold.
+
+    ``kernel``: the calibrated kernel all ranks ran together before every step; ``even_tp``: the
+    compute time per rank of even TP, where every rank does the same work. A rank off its requested
+    speed (relative to the fastest) by more than the tolerance makes the run invalid.
+    """
+    speeds = [res["speed"] for res in results]
+    checks = {}
+    if results[0].get("kernel_s"):
+        checks["kernel"] = check_speeds(speeds, results[0]["kernel_s"])
+    if "tp" in summary:
+        checks["even_tp"] = check_speeds(speeds, [summary["tp"]["compute_s_per_rank"]])
+    valid = bool(checks) and all(c["valid"] for c in checks.values())
+    reasons = [
+        f"{how}: rank {r} ran at {c['achieved_relative_speeds'][r]:.2f} of the fastest, asked "
+        f"{c['requested_relative_speeds'][r]:.2f}"
+        for how, c in checks.items()
+        for r in c["invalid_ranks"]
+    ]
+    if not checks:
+        reasons.append("no achieved speed was measured")
+    return {"valid": valid, "tolerance": TOLERANCE, "checks": checks, "invalid_because": reasons}
 
 
 def _summarize_reference(results: list[dict], skip: int) -> dict:
@@ -380,7 +423,13 @@ def _rebalance_summary(results: list[dict], out: dict, rebalance_s: list[float],
 
 
 def headline(summary: dict) -> dict:
+    """The issue's headline keys from a :func:`summarize` result (ratios of medians, same run)."""
     h = {}
+    if "emulation" in summary:
+        h["emulation_valid"] = summary["emulation"]["valid"]
+        kern = summary["emulation"]["checks"].get("kernel")
+        if kern is not None:
+            h["achieved_relative_speeds"] = kern["achieved_relative_speeds"]
     if "xronos" in summary:
         h["idle_ratio_xronos"] = summary["xronos"]["idle_ratio"]
     if "tp" in summary:
@@ -398,15 +447,18 @@ def headline(summary: dict) -> dict:
         h["step_time_ratio_vs_pp"] = summary["xronos"]["step_time_s"] / summary[best]["step_time_s"]
         h["pp_baseline"] = best
     if "reference" in summary and "xronos" in summary:
+        kern = summary.get("emulation", {}).get("checks", {}).get("kernel")
+        if kern is None or kern["requested_relative_speeds"][0] == 1.0:
+            # the reference ran on rank 0, the fastest device, alone: what a user gets without distributing
+            h["step_time_ratio_vs_fast_alone"] = summary["xronos"]["step_time_s"] / summary["reference"]["step_time_s"]
         ref = summary["reference"]["eval_loss"]
         h["loss_rel_diff_vs_reference"] = abs(summary["xronos"]["eval_loss"] - ref) / abs(ref)
     return h
 
 
-def emulation_info(speeds: list[float], cpu_share: float = 1.0, emulate: str = "dilate") -> dict:
-    import hwtopo
-
-    if emulate == "dilate":
+def emulation_info(speeds: list[float], cpu_share: float = 1.0, emulate: str = "auto") -> dict:
+    """How the run emulated its devices: method, parameters, pinning (labelled emulated)."""
+    if check_emulation(emulate) == "dilate":
         return {
             "emulated": True,
             "method": emulation_label(emulate),
@@ -416,17 +468,24 @@ def emulation_info(speeds: list[float], cpu_share: float = 1.0, emulate: str = "
             "pinned_cpus": pin_ranks([s * cpu_share for s in speeds]),
             "oversubscribed": sum(s * cpu_share for s in speeds) > len(os.sched_getaffinity(0)),
             "note": "ranks share one machine; rank r computes at full speed and sleeps (1/speed - 1) x its thread "
-            "CPU time at every synchronisation point (hwtopo.dilate), the same for every variant",
+            "CPU time plus its waits for a CPU at every synchronisation point (xronos.emulation.dilate_wall over "
+            "hwtopo.dilate), the same for every variant",
         }
-    method = "cgroup" if hwtopo.cgroup_available() else "duty-cycle"
+    from .emulation import PRIORITY_SHARES
+
+    shares = [s * cpu_share for s in speeds]
     return {
         "emulated": True,
         "relative_speeds": list(speeds),
         "cpu_share": cpu_share,
-        "cpus_per_rank": [s * cpu_share for s in speeds],
-        "method": method,
-        "cgroup_period_us": [throttle_period_us(s * cpu_share) for s in speeds] if method == "cgroup" else None,
-        "pinned_cpus": pin_ranks([s * cpu_share for s in speeds]),
-        "oversubscribed": sum(s * cpu_share for s in speeds) > len(os.sched_getaffinity(0)),
-        "note": "ranks share one machine; each rank is CPU-throttled with hwtopo.throttle to cpus_per_rank",
+        "cpus_per_rank": shares,
+        "method": "cgroup",
+        "cgroup_period_us": [throttle_period_us(s) for s in shares],
+        "cgroup_quota_cores": [s if s < 1 else None for s in shares],
+        "cgroup_shares": PRIORITY_SHARES,
+        "pinned_cpus": pin_ranks(shares),
+        "oversubscribed": sum(shares) > len(os.sched_getaffinity(0)),
+        "note": "ranks share one machine; each rank runs in its own cgroup (xronos.emulation.RankQuota): a CPU "
+        "quota of cpus_per_rank cores per period (none at 1.0) and top cpu.shares, so other programs on its "
+        "CPU cannot push it below its quota",
     }

@@ -123,14 +123,15 @@ def _model_args(p: argparse.ArgumentParser, steps: int | None = None, training: 
     )
 
 
-def _emulate_arg(p: argparse.ArgumentParser, default: str | None = "dilate", note: str = "", **kw) -> None:
+def _emulate_arg(p: argparse.ArgumentParser, default: str | None = "auto", note: str = "", **kw) -> None:
     p.add_argument(
         "--emulate",
-        choices=("dilate", "cgroup"),
+        choices=("auto", "dilate", "cgroup"),
         default=default,
-        help="how an emulated slower rank is slowed: dilate (computes at full speed and sleeps "
-        "(1/speed - 1) x its CPU time at every synchronisation, hwtopo.dilate: steady at ms scale) or cgroup "
-        "(a CPU quota, hwtopo.throttle: short compute segments of a throttled rank vary by 20-35 %%)" + note,
+        help="how an emulated slower rank is slowed: cgroup (a CPU quota, hwtopo.throttle: binds under load), "
+        "dilate (computes at full speed and sleeps (1/speed - 1) x its CPU time and its waits for a CPU at "
+        "every synchronisation) or auto (cgroup where a cgroup cpu controller is writable, else dilate); "
+        "every run measures the speeds achieved and marks itself invalid when a rank is off by > 10 %%" + note,
         **kw,
     )
 
@@ -141,8 +142,8 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
         "--cpu-share",
         type=_cpu_share_arg,
         default="auto",
-        help="CPUs of the fastest emulated rank (rank r gets speed[r] x this), or 'auto': 1.0 on a quiet machine, "
-        "0.5 or 0.3 when other programs (CPU use sampled for 1 s) would keep the CPU quotas from binding",
+        help="CPUs of the fastest emulated rank (rank r gets speed[r] x this), or 'auto': 1.0, lower only where "
+        "the ranks could not each be pinned to a CPU without oversubscribing it",
     )
     p.add_argument(
         "--rebalance-every",
@@ -157,7 +158,7 @@ def _rows(summary: dict) -> list[dict]:
     """One table row per variant: step time, idle, stall, loss and how the model was split."""
     rows = []
     for name, s in summary.items():
-        if name == "machine_load":
+        if name in ("machine_load", "emulation"):
             continue
         if "partition" in s:
             p = s["partition"]
@@ -182,22 +183,38 @@ def _rows(summary: dict) -> list[dict]:
 
 
 def _cpu_share(value: str | float, speeds: list[float], emulate: str) -> tuple[float, float | None]:
-    """(share, CPUs busy before the run or None). Auto: a share the loaded machine can still give each
-    rank, lowered (in steps of 0.05) until every rank can be pinned to a CPU without oversubscribing it
-    (3 ranks at 1.0/0.7/0.4 on 2 cores: 0.9), so no rank's quota is eaten by another rank's threads.
-    Under compute dilation no quota has to bind (a rank's speed is relative to the CPU time it gets), so
-    auto starts from 1.0 whatever the load (still sampled and recorded) and is lowered only for the
-    pinning."""
+    """(share, CPUs busy before the run or None). Auto: 1.0, lowered (in steps of 0.05) until every rank
+    can be pinned to a CPU without oversubscribing it (3 ranks at 1.0/0.7/0.4 on 2 cores: 0.9), so no
+    rank's quota is eaten by another rank's threads. Other programs' load does not lower it: a cgroup
+    rank has top priority on its CPU up to its quota, and dilation charges a rank's waits for a CPU as
+    compute; the load is still sampled and recorded, and the achieved speeds are checked."""
     if value != "auto":
         return float(value), None
     from .launch import busy_cpus, pin_ranks
 
     busy = busy_cpus()
-    per_cpu = busy / (os.cpu_count() or 1)
-    share = 1.0 if per_cpu < 0.25 or emulate == "dilate" else 0.5 if per_cpu < 0.75 else 0.3
+    share = 1.0
     while speeds and share > 0.1 and pin_ranks([s * share for s in speeds]) is None:
         share = round(share - 0.05, 2)
     return share, busy
+
+
+def _validity_line(summary: dict) -> str:
+    """The emulation's verdict, said in every report: a run off its requested speeds does not count."""
+    em = summary.get("emulation")
+    if em is None:
+        return "Emulation not checked."
+    speeds = "; ".join(
+        f"{how} {', '.join(f'{a:.2f}' for a in c['achieved_relative_speeds'])} "
+        f"(asked {', '.join(f'{w:.2f}' for w in c['requested_relative_speeds'])})"
+        for how, c in em["checks"].items()
+    )
+    if em["valid"]:
+        return f"Emulation valid: every rank within {em['tolerance']:.0%} of its requested speed ({speeds})."
+    return (
+        f"INVALID RUN: the emulation missed its requested speeds by more than {em['tolerance']:.0%} "
+        f"({'; '.join(em['invalid_because'])}); the comparison above does not count. Achieved: {speeds}."
+    )
 
 
 def _load_line(summary: dict) -> str:
@@ -249,9 +266,10 @@ def _timeline_plot(results: list[dict], path: Path) -> bool:
 
 def _run_compare(args, cfg, speeds, variants):
     from .bench import headline, run_comparison, summarize
-    from .launch import emulation_label
+    from .launch import check_emulation, emulation_label
 
     t0 = time.perf_counter()
+    args.emulate = check_emulation(args.emulate)  # auto -> the method this machine allows
     share, busy = _cpu_share(args.cpu_share, speeds, args.emulate)
     load0 = os.getloadavg()[0]
     results = run_comparison(
@@ -283,6 +301,8 @@ def _demo_report(cfg, speeds, summary, head, rows, plotted: bool) -> str:
         "",
         _load_line(summary),
         "",
+        _validity_line(summary),
+        "",
     ]
     if plotted:
         md.append("- timeline.png: one step per rank, computing vs waiting at all-reduces, Xronos vs even TP")
@@ -304,6 +324,7 @@ def cmd_demo(args) -> int:
     rows = _rows(summary)
     print(console.table(rows))
     print(_load_line(summary))
+    print(_validity_line(summary))
     print(json.dumps(head, indent=2))
     for r in results:
         r["emulated"] = summary["machine_load"]["emulated"]
@@ -329,6 +350,7 @@ def cmd_bench(args) -> int:
     results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp", "pp"])
     print(console.table(_rows(summary)))
     print(_load_line(summary))
+    print(_validity_line(summary))
     print(json.dumps(head, indent=2))
     doc = {
         "package": "xronos",

@@ -39,22 +39,22 @@ WorkerError = _launch.RankError  # a rank failed, died or timed out; its message
 BACKEND = "gloo"  # shards and activations are CPU tensors; $MLSYSKIT_BACKEND still overrides
 
 # cgroup quota period for emulated slow ranks. hwtopo uses 100 ms; a TP step synchronises every few
-# milliseconds, so a long period turns a steady 0.5x into bursts of full speed and full stops. The
-# kernel's smallest quota is 1 ms, so the period is the shortest that keeps the quota at 1 ms.
+# milliseconds, so a long period turns a steady 0.5x into bursts of full speed and full stops. Shorter
+# is not better either: the kernel hands out CPU time to a group in slices of a few ms, and a 0.5-core
+# quota measured 0.27x at a 2 ms period and 0.4x at 5 ms, but 0.48-0.52x at 10 ms and 20 ms.
 THROTTLE_PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000
 
 
 def throttle_period_us(speed: float) -> int:
-    """Shortest cgroup period (<= THROTTLE_PERIOD_US) whose quota at ``speed`` is at least 1 ms.
+    """The cgroup period for ``speed``: THROTTLE_PERIOD_US, longer where the quota would be under 1 ms.
 
     ``XRONOS_THROTTLE_PERIOD_US`` overrides it (a fixed period for every throttled rank, for studying
     how the emulation's granularity shows up in the waits).
     """
     fixed = os.environ.get("XRONOS_THROTTLE_PERIOD_US")
-    if fixed:
-        return max(int(fixed), int(math.ceil(MIN_QUOTA_US / speed)))
-    return min(THROTTLE_PERIOD_US, max(MIN_QUOTA_US, int(round(MIN_QUOTA_US / speed))))
+    base = int(fixed) if fixed else THROTTLE_PERIOD_US
+    return max(base, int(math.ceil(MIN_QUOTA_US / speed)))
 
 
 # glibc malloc for the workers: keep freed memory in the heap instead of returning it to the kernel
@@ -76,13 +76,16 @@ def init_from_env(timeout_s: float = 60.0) -> tuple[int, int]:
     return _launch.init_from_env(BACKEND, timeout_s)
 
 
-EMULATIONS = ("dilate", "cgroup")
+EMULATIONS = ("auto", "dilate", "cgroup")
 
 
 def check_emulation(emulate: str) -> str:
+    """``emulate`` checked, with ``auto`` resolved (cgroup quota where writable, else dilation)."""
     if emulate not in EMULATIONS:
         raise ValueError(f"emulate must be one of {', '.join(EMULATIONS)}, not {emulate!r}")
-    return emulate
+    from .emulation import resolve_method
+
+    return resolve_method(emulate)
 
 
 def emulation_label(emulate: str) -> str:
@@ -90,23 +93,26 @@ def emulation_label(emulate: str) -> str:
     return "dilation" if check_emulation(emulate) == "dilate" else "cgroup"
 
 
-def emulate_speed(speed: float, emulate: str = "dilate"):
+def emulate_speed(speed: float, emulate: str = "dilate", prioritise: bool = False):
     """Make this process run at ``speed`` of one CPU (emulated); an object with ``close()``, or None.
 
     ``dilate``: a process-wide ``hwtopo.Dilation`` measured on the calling thread (call this from the
-    thread that computes); ``cgroup``: ``hwtopo.throttle``'s CPU quota with a short period.
+    thread that computes) that charges CPU waits as compute (:func:`xronos.emulation.dilate_wall`);
+    ``cgroup``: a CPU quota with a short period at top priority (:class:`xronos.emulation.RankQuota`);
+    ``auto``: cgroup where writable. ``prioritise``: under cgroup, a full-speed rank also gets its own
+    top-priority group (a quota of one core), so it is not the only rank that other programs slow.
     """
-    check_emulation(emulate)
-    if speed >= 1.0:
+    emulate = check_emulation(emulate)
+    if speed >= 1.0 and not (prioritise and emulate == "cgroup"):
         return None
-    import hwtopo
+    from .emulation import RankQuota, dilate_wall
 
     if emulate == "dilate":
-        return hwtopo.dilate(speed)
-
-    # the shortest period whose quota is still >= the kernel's 1 ms minimum: finer-grained slices
-    # (method="cgroup": no silent duty-cycle fallback under a 'cgroup' label; hwtopo names what is missing)
-    return hwtopo.throttle(os.getpid(), speed=speed, cpus=1, method="cgroup", period_s=throttle_period_us(speed) / 1e6)
+        return dilate_wall(speed)
+    # the shortest period whose quota is still >= the kernel's 1 ms minimum: finer-grained slices;
+    # no silent duty-cycle fallback under a 'cgroup' label (hwtopo names what is missing)
+    speed = min(speed, 1.0)
+    return RankQuota(speed, throttle_period_us(speed) / 1e6)
 
 
 def pin_ranks(shares: list[float], cpus: list[int] | None = None) -> list[int] | None:
@@ -154,7 +160,7 @@ class RankSetup:
     def __call__(self, rank: int):
         if self.cpus is not None:
             os.sched_setaffinity(0, {self.cpus[rank]})
-        return emulate_speed(self.speeds[rank], self.emulate)
+        return emulate_speed(self.speeds[rank], self.emulate, prioritise=min(self.speeds) < 1.0)
 
 
 def spawn(
@@ -174,7 +180,7 @@ def spawn(
     CPU ``cpus[r]`` (see :func:`pin_ranks`), None leaves placement to the OS. A failure raises
     :data:`WorkerError` naming the rank that failed first.
     """
-    check_emulation(emulate)
+    emulate = check_emulation(emulate)
     speeds = tuple(speeds) if speeds is not None else (1.0,) * world_size
     if len(speeds) != world_size:
         raise ValueError(f"speeds has {len(speeds)} entries but world_size is {world_size}")
