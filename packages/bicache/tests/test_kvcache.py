@@ -33,7 +33,7 @@ def test_attention_is_bidirectional(dlm, task):
         DiffusionLM(causal, dlm.vocab, dlm.spec)
 
 
-def test_layerwise_forward_equals_transformers_forward(dlm, task):
+def test_cached_path_forward_equals_transformers_forward(dlm, task):
     _, _, x = _batch(dlm, task)
     with torch.no_grad():
         ref = dlm.model(input_ids=x).logits
@@ -135,7 +135,7 @@ def test_mismatched_cache_and_model_errors(dlm, task):
 
 
 def test_local_layers_forward_matches_transformers_and_drift_stays_near_the_boundary(task):
-    # Gemma3 sliding-window (local) layers: the layer-wise forward builds the bidirectional window
+    # Gemma3 sliding-window (local) layers: bicache's forward gives them the bidirectional window
     # mask itself and must match the stock forward; the prefix K/V of layer l <= local_layers (computed
     # from local layers' outputs only) differ between two requests only within l * (window - 1)
     # positions of the end of the shared prefix; past a global layer they drift everywhere (measured)

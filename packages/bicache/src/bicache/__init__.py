@@ -11,7 +11,7 @@ from .depth import Calibration, DepthPolicy, calibrate, choose_bound, kv_drift
 from .diffusion import DECODE_MODES, DecodeConfig, DecodeStats, generate
 from .engine import MODES, Completion, Engine, keep_heap
 from .kvcache import PassLayer, PrefixEntry, RecordingLayer, SpliceLayer, block_cache, fill_entry, prefix_cache
-from .model import DiffusionLM, load_local_dlm, tiny_config
+from .model import DiffusionLM, decoder_layers, load_local_dlm, tiny_config
 from .prefix_store import PrefixStore, Reservoir, common_prefix_len
 from .task import Request, TableTask, TaskSpec, Vocab
 from .train import Recipe, cache_dir, load_or_train, train
@@ -44,6 +44,7 @@ __all__ = [
     "calibrate",
     "choose_bound",
     "common_prefix_len",
+    "decoder_layers",
     "fill_entry",
     "generate",
     "keep_heap",

@@ -6,7 +6,7 @@ step is fixed by ``steps``). How the logits of a step are computed is the *cache
 
 ``none``          plain bidirectional forward over the whole sequence every step;
 ``naive``         autoregressive-style prefix cache: all layers' prefix K/V reused, never refreshed
-                  (transformers ``DynamicCache`` through the stock model forward);
+                  (a transformers ``DynamicCache`` through the model's own forward);
 ``bicache``       layers ``< depth`` reuse the shared prefix's K/V, deeper layers recompute;
 ``block``         Fast-dLLM style: a full forward refreshes every K/V at the start of each block,
                   the other steps compute the current block only (dual cache);
@@ -63,22 +63,19 @@ class DecodeStats:
 
 
 def naive_logits(dlm: DiffusionLM, x: torch.Tensor, entry: PrefixEntry, cache: Cache | None = None) -> torch.Tensor:
-    """The AR-engine prefix cache: stock forward of the suffix on a DynamicCache holding the prefix.
+    """The AR-engine prefix cache: the model's forward of the suffix on a DynamicCache holding the prefix.
 
-    ``cache``: for models with local layers, a splice cache from an earlier step of the same batch
-    (``kvcache.prefix_cache(dlm, entry, N)``) to reuse its buffers.
+    ``cache``: instead of a fresh DynamicCache, a splice cache from an earlier step of the same
+    batch (``kvcache.prefix_cache(dlm, entry, N)``) to reuse its buffers.
     """
     b, p = x.shape[0], entry.length
-    if "sliding_attention" in dlm.layer_types:
-        # the stock sliding-window cache keeps only the last window of keys; reuse every layer through
-        # the same splice cache instead (identical arithmetic to a DynamicCache holding the prefix)
-        cache = cache if cache is not None else kvcache.prefix_cache(dlm, entry, dlm.num_layers)
-        return kvcache.forward(dlm, x, cache, start=p, depth=dlm.num_layers, logits_from=p)
-    cache = DynamicCache(config=dlm.config)
-    for i in range(dlm.num_layers):
-        cache.update(entry.keys[i].expand(b, -1, -1, -1), entry.values[i].expand(b, -1, -1, -1), i)
-    pos = torch.arange(p, x.shape[1]).unsqueeze(0)
-    return dlm.model(input_ids=x[:, p:], position_ids=pos, cache=cache, use_cache=True).logits
+    if cache is None:
+        # every layer a full DynamicLayer, sliding-window ones included: bicache's masks apply the
+        # bidirectional window, which a suffix query's window over the prefix needs from both sides
+        cache = DynamicCache()
+        for i in range(dlm.num_layers):
+            cache.update(entry.keys[i].expand(b, -1, -1, -1), entry.values[i].expand(b, -1, -1, -1), i)
+    return kvcache.forward(dlm, x, cache, start=p, depth=dlm.num_layers, logits_from=p)
 
 
 def _check_request(dlm: DiffusionLM, prompts: torch.Tensor, cfg: DecodeConfig, mode: str) -> None:

@@ -1,10 +1,11 @@
-"""Per-layer prefix KV cache on the transformers Cache API, and the layer-wise forward it needs.
+"""Per-layer prefix KV cache on the transformers Cache API, run through the model's own forward.
 
 A forward pass of the diffusion LM can compute only a *span* of the sequence in its first
 ``depth`` layers, taking the other positions' keys/values from a cache, and then continue with the
 full sequence in the deeper layers from a cached hidden state. Layers are
 :class:`transformers.cache_utils.CacheLayerMixin` objects held in a
-:class:`transformers.cache_utils.Cache`, so the stock Gemma3 attention modules call them through
+:class:`transformers.cache_utils.Cache` that the model's own ``forward`` takes; its attention
+modules (Llama, Qwen2, Gemma3 and any decoder of the same layer shape) call them through
 ``cache.update``:
 
 * :class:`SpliceLayer` keeps stored K/V for the positions not recomputed and splices the fresh K/V of
@@ -13,11 +14,15 @@ full sequence in the deeper layers from a cached hidden state. Layers are
 * :class:`PassLayer` stores nothing (the layer recomputes everything);
 * :class:`RecordingLayer` wraps either and keeps what attention saw (to refresh a block cache or to
   fill a prefix entry).
+
+:func:`forward` never re-implements a decoder loop: hooks on the model's decoder layers, active only
+inside it, give each layer its bidirectional mask and switch the query span at the reuse depth.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -213,6 +218,27 @@ def block_cache(recorded: Cache, start: int, keep_suffix: bool = True) -> Cache:
     return _cache(layers)
 
 
+@dataclass
+class _Plan:
+    """What the layer hooks of one :func:`forward` call do (see there)."""
+
+    dlm: DiffusionLM
+    cache: Cache | None
+    first: int  # the first position the model is fed
+    start: int  # the first position layers < depth compute when reinjecting
+    end: int
+    depth: int
+    reinject: bool
+    prefix_hidden: torch.Tensor | None
+    hidden_out: list | None
+    masks: dict = field(default_factory=dict)  # memo: one mask per (layer type, query span, keys)
+
+
+# The plan of the forward running in this thread (or task); None outside bicache's forward, so the
+# hooks leave every other call of the model alone, in this thread or any other.
+_PLAN: ContextVar[_Plan | None] = ContextVar("bicache_plan", default=None)
+
+
 def forward(
     dlm: DiffusionLM,
     ids: torch.Tensor,
@@ -230,9 +256,13 @@ def forward(
     the hidden state of positions ``[0, start)`` entering layer ``depth`` comes from
     ``prefix_hidden`` and deeper layers compute ``[0, end)``. With ``depth == 0`` every layer
     computes ``[start, end)`` (``start == 0`` and no cache: the plain bidirectional forward).
+
+    The model's own ``forward`` runs (any decoder :func:`~bicache.model.decoder_layers` accepts),
+    with ``cache`` as its transformers Cache. Hooks on its layers give each one a bidirectional
+    mask (full, or Gemma3's bidirectional sliding window) and, for a reuse depth inside the model,
+    let the shallow layers compute the span only and hand the deep ones the prefix's hidden state.
+    ``hidden_out`` receives the hidden state entering each layer and the last layer's output.
     """
-    model = dlm.model
-    inner = model.model
     n = dlm.num_layers
     end = ids.shape[1] if end is None else end
     logits_from = start if logits_from is None else logits_from
@@ -241,44 +271,109 @@ def forward(
     reinject = 0 < depth < n and start > 0
     if reinject and (prefix_hidden is None or prefix_hidden.shape[1] != start):
         raise ValueError("recomputing deep layers over the prefix needs its hidden state at that depth")
-    b = ids.shape[0]
-    h = inner.embed_tokens(ids[:, start:end])
-    pos = torch.arange(start, end, device=ids.device).unsqueeze(0)
-    rope = inner.rotary_emb(h, pos, "full_attention")
-    types = dlm.layer_types
-    for i, layer in enumerate(inner.layers):
-        if reinject and i == depth:
-            assert prefix_hidden is not None  # checked above
-            h = torch.cat([prefix_hidden.expand(b, -1, -1), h], dim=1)
-            pos = torch.arange(0, end, device=ids.device).unsqueeze(0)
-            rope = inner.rotary_emb(h, pos, "full_attention")
-        if hidden_out is not None:
-            hidden_out.append(h)
-        mask = None
-        if types[i] == "sliding_attention":
-            own = cache.layers[i] if cache is not None else None
-            assert own is None or isinstance(own, CacheLayerMixin)  # bicache's caches hold only such layers
-            mask = window_mask(pos[0], own, dlm.sliding_window)
-        h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos, cache=cache)
-    if hidden_out is not None:
-        hidden_out.append(h)
-    first = pos[0, 0].item()
-    h = inner.norm(h[:, logits_from - first :])
-    return model.lm_head(h)
+    if cache is not None and len(cache.layers) != n:
+        raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {n}; mismatched cache and model")
+    _install_hooks(dlm)
+    first = 0 if reinject else start
+    plan = _Plan(dlm, cache, first, start, end, depth, reinject, prefix_hidden, hidden_out)
+    keep = end - logits_from
+    token = _PLAN.set(plan)
+    try:
+        out = dlm.model(
+            input_ids=ids[:, first:end],
+            position_ids=torch.arange(first, end, device=ids.device).unsqueeze(0),
+            # a 4D mask makes the model skip building its own (causal) masks; the hooks set each layer's
+            attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device),
+            cache=cache,
+            use_cache=False,
+            # logits of the last ``keep`` positions; 0 would mean all of them to transformers
+            logits_to_keep=keep if keep > 0 else torch.zeros(0, dtype=torch.long, device=ids.device),
+        )
+    finally:
+        _PLAN.reset(token)
+    return out.logits
 
 
-def window_mask(q_pos: torch.Tensor, layer: CacheLayerMixin | None, window: int) -> torch.Tensor:
-    """Bidirectional sliding-window mask (1, 1, q, kv): True where ``|q - k| < window``.
+def _install_hooks(dlm: DiffusionLM) -> None:
+    """Hook every decoder layer once; the hooks act only while a :class:`_Plan` is set."""
+    if getattr(dlm.model, "_bicache_hooked", False):
+        return
+    for i, layer in enumerate(dlm.layers):
+        layer.register_forward_pre_hook(_layer_pre_hook(i), with_kwargs=True)
+    dlm.layers[-1].register_forward_hook(_last_layer_hook)
+    dlm.model._bicache_hooked = True
 
-    The keys a layer attends to are either the computed span itself (no cache, :class:`PassLayer`)
-    or a full sequence from position 0 (a :class:`SpliceLayer` holding stored K/V).
+
+def _layer_pre_hook(i: int):
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+        plan = _PLAN.get()
+        if plan is None:
+            return None
+        h = args[0] if args else kwargs["hidden_states"]
+        span = plan.reinject and i < plan.depth
+        if plan.reinject and i == plan.depth:
+            assert plan.prefix_hidden is not None  # checked by forward()
+            h = torch.cat([plan.prefix_hidden.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
+        if span:  # the model is fed [0, end); this shallow layer computes [start, end) only
+            cut = plan.start - plan.first
+            if h.shape[1] == plan.end - plan.first:
+                h = h[:, cut:]
+            for name in ("position_embeddings", "position_ids"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = _tail(kwargs[name], cut)
+        if plan.hidden_out is not None:
+            plan.hidden_out.append(h)
+        kwargs["attention_mask"] = _layer_mask(plan, i, plan.start if span else plan.first)
+        kwargs["is_causal"] = False  # Llama's and Qwen2's attention default to causal without a mask
+        if args:
+            return (h, *args[1:]), kwargs
+        kwargs["hidden_states"] = h
+        return args, kwargs
+
+    return hook
+
+
+def _last_layer_hook(module: torch.nn.Module, args: tuple, output):
+    plan = _PLAN.get()
+    if plan is not None and plan.hidden_out is not None:
+        plan.hidden_out.append(output[0] if isinstance(output, tuple) else output)
+
+
+def _tail(x, cut: int):
+    """Positions ``cut:`` of a per-position tensor (sequence on dim -2 for rotary cos/sin, -1 for ids)."""
+    if isinstance(x, tuple):
+        return tuple(t[..., cut:, :] for t in x)
+    return x[..., cut:]
+
+
+def _layer_mask(plan: _Plan, i: int, q0: int) -> torch.Tensor | None:
+    """Layer ``i``'s bidirectional mask for queries ``[q0, end)`` over the keys its cache layer gives.
+
+    Full attention needs none (``is_causal=False``); a sliding-window layer gets ``|q - k| < window``
+    in the layout its attention kernel takes (bool for sdpa, additive for eager).
     """
-    q = q_pos.shape[0]
-    kv = q if layer is None else layer.get_mask_sizes(q)[0]
-    k_pos = (
-        q_pos if kv == q and (layer is None or layer.get_seq_length() == 0) else torch.arange(kv, device=q_pos.device)
-    )
-    return ((q_pos[:, None] - k_pos[None, :]).abs() < window)[None, None]
+    dlm = plan.dlm
+    if dlm.layer_types[i] == "full_attention":
+        return None
+    q = plan.end - q0
+    layer = plan.cache.layers[i] if plan.cache is not None else None
+    if layer is None or (layer.get_seq_length() == 0 and layer.get_mask_sizes(q)[0] == q):
+        kv, offset = q, q0  # the layer attends over exactly what it computes
+    else:
+        kv, offset = layer.get_mask_sizes(q)
+    key = (q0, q, kv, offset)
+    if key not in plan.masks:
+        device = dlm.model.device
+        q_pos = torch.arange(q0, plan.end, device=device)
+        k_pos = torch.arange(offset, offset + kv, device=device)
+        allowed = ((q_pos[:, None] - k_pos[None, :]).abs() < dlm.sliding_window)[None, None]
+        if dlm.config._attn_implementation == "eager":
+            dtype = dlm.model.dtype
+            allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+                ~allowed, torch.finfo(dtype).min
+            )
+        plan.masks[key] = allowed
+    return plan.masks[key]
 
 
 def fill_entry(dlm: DiffusionLM, ids: torch.Tensor, prefix_len: int) -> tuple[PrefixEntry, torch.Tensor]:
