@@ -31,6 +31,7 @@ from .baselines import SerialTiers
 from .devices import build_devices
 from .faults import safety_counts
 from .hf import PoolCache, _run, cache_kv, layout_for, prefill
+from .iobench import chunk_read_bandwidth
 from .pagecache import meminfo_cached_bytes
 from .pool import KVPool
 from .retrieval import KVBuffers
@@ -63,6 +64,7 @@ class BenchConfig:
     ssd_read_cap: float = 200e6
     ssd_write_cap: float | None = None
     recompute_reps: int = 2
+    read_chunks: int = 8  # chunks of the get_chunk-vs-torch.load measurement (0 skips it)
     io_backend: str = "preadv"  # SSD reads: "preadv", "io_uring" or "auto"
     seed: int = 0
     # the ``safety`` block (``faults.safety_counts``): concurrent same-key PUT/GET pairs against
@@ -326,11 +328,17 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
             if cfg.compare_ssds and cfg.compare_ssds != cfg.ssds:
                 few = _mode(model, ids, cfg, root / "emulated_few", True, progress, cold, ssds=cfg.compare_ssds)
             raw = _mode(model, ids, cfg, root / "raw", False, progress, cold)
+        chunk_read = None
+        if cfg.read_chunks:
+            progress("chunk reads: get_chunk / read_chunk / HTTP GET vs torch.load (real disk, cold)")
+            chunk_read = chunk_read_bandwidth(
+                layout_for(model, cfg.chunk_tokens), root / "chunks", cfg.read_chunks, cfg.reps, cfg.seed
+            )
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
         else:
-            for sub in ("emulated", "emulated_few", "raw"):
+            for sub in ("emulated", "emulated_few", "raw", "chunks"):
                 shutil.rmtree(root / sub, ignore_errors=True)
     recompute = statistics.median(rec)
     safety = None
@@ -355,6 +363,9 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
         results[f"emulated_{tag}"] = few
         results[f"ratios_emulated_{tag}"] = h_few
     results.update({"raw": raw, "ratios_emulated": h_emu, "ratios_raw": h_raw})
+    if chunk_read is not None:
+        results["chunk_read"] = chunk_read
+        headline["get_chunk_bw_ratio_vs_torch_load"] = chunk_read["get_chunk_bw_ratio_vs_torch_load"]
     return {
         "package": "kvpool",
         "version": __version__,

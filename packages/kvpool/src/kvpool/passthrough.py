@@ -41,6 +41,8 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from hashlib import blake2b
 from pathlib import Path
 
@@ -52,7 +54,7 @@ from .pagecache import resident_bytes
 from .stores import ExtentAllocator, StoreStats, Throttling, as_bytes_tensor
 from .uring import IoUring, buffer_address, iovec_array
 
-__all__ = ["PassthroughStore", "DeviceUnavailable", "AlignedBuffer", "ALIGN", "HEADER_BYTES"]
+__all__ = ["PassthroughStore", "DeviceUnavailable", "AlignedBuffer", "BufferPart", "ALIGN", "HEADER_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,20 @@ def _parse_record(rec) -> dict:
     return rec
 
 
+def _split_runs(pieces: list[tuple[list[int], list[int]]], target: int) -> list[tuple[list[int], list[int]]]:
+    """Runs of adjacent units cut at unit boundaries into pieces of at least ``target`` bytes."""
+    out = []
+    for run, ex in pieces:
+        start, acc = 0, 0
+        for j, x in enumerate(ex):
+            acc += x
+            if acc >= target and j + 1 < len(ex):
+                out.append((run[start : j + 1], ex[start : j + 1]))
+                start, acc = j + 1, 0
+        out.append((run[start:], ex[start:]))
+    return out
+
+
 class AlignedBuffer:
     """A page-aligned anonymous mapping, viewed as a uint8 tensor and a memoryview (for O_DIRECT)."""
 
@@ -122,6 +138,31 @@ class AlignedBuffer:
         self.view = memoryview(self._map)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
+    def parts(self, sizes: list[int]) -> list[BufferPart]:
+        """Consecutive page-aligned pieces of this buffer, one per size (each rounded up to a page).
+
+        Units adjacent in the slab land in adjacent pieces, so one ``preadv`` fills them all.
+        """
+        out, pos = [], 0
+        for n in sizes:
+            n = max(ALIGN, -(-n // ALIGN) * ALIGN)
+            if pos + n > self.nbytes:
+                raise ValueError(f"parts: {sum(sizes)} bytes do not fit a buffer of {self.nbytes}")
+            out.append(BufferPart(self, pos, n))
+            pos += n
+        return out
+
+
+class BufferPart:
+    """A page-aligned piece of an :class:`AlignedBuffer`, usable wherever a staging buffer is."""
+
+    def __init__(self, parent: AlignedBuffer, offset: int, nbytes: int):
+        self.parent = parent  # keeps the mapping alive while the piece is in use
+        self.nbytes = nbytes
+        self.address = parent.address + offset
+        self.view = parent.view[offset : offset + nbytes]
+        self.tensor = parent.tensor[offset : offset + nbytes]
+
 
 class PassthroughStore:
     """One SSD of the pool: slab + allocator + journaled index, O_DIRECT reads and writes."""
@@ -130,6 +171,10 @@ class PassthroughStore:
     align_bytes = ALIGN
     unit_overhead_bytes = HEADER_BYTES
     default_io_backend = "preadv"  # when the constructor is not told
+    # a read of at least twice this many bytes goes in pieces of about this size, two in flight at
+    # once, so the disk queue holds more than one request and checking overlaps reading
+    pipeline_bytes = 2 << 20
+    readahead_threads = 2
 
     def __init__(
         self,
@@ -166,6 +211,8 @@ class PassthroughStore:
                 self.io_backend_why = why
                 log.info("%s: io_uring unavailable (%s); reading with preadv", name, why)
         self._rings: list[IoUring] = []  # idle rings, one taken per concurrent read_many
+        self._idle_bufs: list[AlignedBuffer] = []  # whole-chunk staging buffers handed back for reuse
+        self._ra: ThreadPoolExecutor | None = None  # read-ahead threads of large reads, made when needed
         if capacity_bytes < ALIGN:
             raise ValueError(f"SSD device {name!r}: capacity_bytes must be at least {ALIGN}, not {capacity_bytes!r}")
         if not self.dir.is_dir():
@@ -383,6 +430,32 @@ class PassthroughStore:
         """A buffer large enough to read a unit of ``nbytes`` payload (one per reader thread)."""
         return AlignedBuffer(HEADER_BYTES + nbytes)
 
+    def chunk_staging(self, unit_bytes: int, count: int) -> tuple[list[BufferPart], Callable[[], None]]:
+        """``count`` adjacent staging pieces for units of ``unit_bytes`` payload (one chunk: a single
+        ``preadv`` fills them all) and the function that hands their buffer back for reuse.
+
+        Reusing buffers keeps fresh pages (the kernel zeroing them) out of every chunk read.
+        """
+        ext = self.alloc.round(HEADER_BYTES + unit_bytes)
+        need = ext * count
+        with self._lock:
+            buf = next((b for b in self._idle_bufs if b.nbytes >= need), None)
+            if buf is not None:
+                self._idle_bufs.remove(buf)
+        if buf is None:
+            buf = AlignedBuffer(need)
+        returned = threading.Event()
+
+        def release() -> None:
+            if returned.is_set():
+                return
+            returned.set()
+            with self._lock:
+                if len(self._idle_bufs) < 4:
+                    self._idle_bufs.append(buf)
+
+        return buf.parts([ext] * count), release
+
     def _write_buffer(self, ext: int) -> AlignedBuffer:
         buf = getattr(self._local, "wbuf", None)
         if buf is None or buf.nbytes < ext:
@@ -434,12 +507,11 @@ class PassthroughStore:
         self.stats.add(bytes_written=self.alloc.round(ext_bytes), writes=1, write_s=time.perf_counter() - t0)
         return True
 
-    def _write_unit(self, name: str, src: torch.Tensor, off: int, seq: int) -> int | None:
-        """Header + payload at ``off`` (O_DIRECT from an aligned buffer); the payload's CRC32, or None on failure."""
+    def _fill(self, buf: AlignedBuffer | BufferPart, name: str, src: torch.Tensor, seq: int) -> int:
+        """Header + payload (+ zero padding to the page) of one unit into ``buf``; the payload's CRC32."""
         n = src.numel()
         ext_bytes = HEADER_BYTES + n
         ext = self.alloc.round(ext_bytes)
-        buf = self._write_buffer(ext)
         buf.tensor[HEADER_BYTES : HEADER_BYTES + n].copy_(src)
         if ext > ext_bytes:
             buf.tensor[ext_bytes:ext].zero_()
@@ -447,38 +519,108 @@ class PassthroughStore:
         header = _HEADER.pack(MAGIC, VERSION, 0, _digest(name), n, crc, seq)
         buf.view[: len(header)] = header
         buf.view[len(header) : HEADER_BYTES] = bytes(HEADER_BYTES - len(header))
+        return crc
+
+    def _pwrite(self, view: memoryview, off: int, what: str) -> bool:
+        """One O_DIRECT write of ``view`` at ``off``; False (and the device marked failed on a
+        device error) when it does not complete."""
         try:
-            written = os.pwrite(self.fd, buf.view[:ext], off)
-            if written != ext:
-                raise OSError(errno.EIO, f"short write ({written} of {ext} bytes)")
+            written = os.pwrite(self.fd, view, off)
+            if written != len(view):
+                raise OSError(errno.EIO, f"short write ({written} of {len(view)} bytes)")
             if self.sync:
                 os.fdatasync(self.fd)
         except OSError as e:
             self.stats.add(errors=1)
-            log.warning("%s: write of %s failed (%s); unit not stored", self.name, name, e.strerror or e)
+            log.warning("%s: write of %s failed (%s); not stored", self.name, what, e.strerror or e)
             if e.errno in _DEVICE_ERRORS:
-                self._fail(e, f"slab write of {name}")
-            return None
-        return crc
+                self._fail(e, f"slab write of {what}")
+            return False
+        return True
+
+    def _write_unit(self, name: str, src: torch.Tensor, off: int, seq: int) -> int | None:
+        """Header + payload at ``off`` (O_DIRECT from an aligned buffer); the payload's CRC32, or None on failure."""
+        ext = self.alloc.round(HEADER_BYTES + src.numel())
+        buf = self._write_buffer(ext)
+        crc = self._fill(buf, name, src, seq)
+        return crc if self._pwrite(buf.view[:ext], off, name) else None
+
+    def put_many(self, items: list[tuple[str, object]]) -> bool:
+        """Store several units (a chunk's layers) in one contiguous extent with one write.
+
+        A later ``read_many`` of the same names then fetches them with one ``preadv``. Units
+        already stored are kept; when no free extent holds them all, they are stored one by one
+        wherever they fit. True once every unit is stored (visible only after its bytes are written
+        and its journal record appended, as with ``put``).
+        """
+        srcs = [(name, as_bytes_tensor(data)) for name, data in items]
+        with self._lock:
+            todo = [(nm, t) for nm, t in srcs if nm not in self.index]
+            if not todo:
+                return True
+            if self.failed is not None:
+                return False
+            exts = [self.alloc.round(HEADER_BYTES + t.numel()) for _, t in todo]
+            off = self.alloc.alloc(sum(exts)) if len(todo) > 1 else None
+            seqs = list(range(self._seq + 1, self._seq + 1 + len(todo)))
+            if off is not None:
+                self._seq += len(todo)
+        if off is None:
+            return all(self.put(nm, t) for nm, t in todo)
+        t0 = time.perf_counter()
+        total = sum(exts)
+        buf = self._write_buffer(total)
+        offs = [off + sum(exts[:i]) for i in range(len(todo))]
+        parts = buf.parts(exts)
+        crcs = [self._fill(part, nm, t, s) for part, (nm, t), s in zip(parts, todo, seqs)]
+        if not self._pwrite(buf.view[:total], off, f"{len(todo)} units from {todo[0][0]}"):
+            with self._lock:
+                self.alloc.free(off, total)
+            return False
+        if self.throttle:
+            self.throttle.after_write(total, t0)
+        with self._lock:
+            for i, ((nm, t), o, crc, s) in enumerate(zip(todo, offs, crcs, seqs)):
+                if nm in self.index:  # a concurrent put of the same name was published first
+                    self.alloc.free(o, exts[i])
+                    continue
+                try:
+                    self._journal({"o": "p", "n": nm, "off": o, "len": t.numel(), "crc": crc, "u": s})
+                except OSError as e:
+                    for j in range(i, len(todo)):
+                        self.alloc.free(offs[j], exts[j])
+                    self.stats.add(errors=1)
+                    self._fail(e, f"journal append for {nm}")
+                    return False
+                self.index[nm] = (o, t.numel(), crc, s)
+                self._maybe_snapshot()
+        self.stats.add(bytes_written=total, writes=len(todo), write_s=time.perf_counter() - t0)
+        return True
 
     failed: OSError | None = None
 
-    def read(self, name: str, staging: AlignedBuffer | None = None) -> torch.Tensor | None:
+    def read(self, name: str, staging: AlignedBuffer | BufferPart | None = None) -> torch.Tensor | None:
         """The unit's payload as a uint8 view into ``staging``; None on a miss or a failed check."""
         return self.read_many([name], [staging])[0]
 
     def read_many(
-        self, names: list[str], stagings: list[AlignedBuffer | None], max_run_bytes: int = 16 << 20
+        self,
+        names: list[str],
+        stagings: Sequence[AlignedBuffer | BufferPart | None],
+        max_run_bytes: int = 16 << 20,
+        on_unit: Callable[[int, torch.Tensor], object] | None = None,
     ) -> list[torch.Tensor | None]:
         """Read several units; units adjacent in the slab are fetched by one ``preadv`` (one iovec each).
 
         Returns, per name, a uint8 view into its staging buffer (allocated when missing or too
         small), or None on a miss or a failed check. Every unit is checked on its own.
+        ``on_unit(i, view)``: called on this thread for each unit that passed its check, while later
+        pieces of a large read may still be in flight (a caller copies it out meanwhile).
         """
         with self._lock:
             ents = {i: e for i, nm in enumerate(names) if (e := self.index.get(nm)) is not None}
         out: list[torch.Tensor | None] = [None] * len(names)
-        bufs: dict[int, AlignedBuffer] = {}  # a staging buffer for each unit found
+        bufs: dict[int, AlignedBuffer | BufferPart] = {}  # a staging buffer for each unit found
         order = sorted(ents, key=lambda i: ents[i][0])
         misses = len(names) - len(order)
         if misses:
@@ -505,26 +647,52 @@ class PassthroughStore:
                 self.throttle.after_read(sum(map(sum, exts)), t0)
             self.stats.add(read_s=time.perf_counter() - t0)
             for run, ex, got in zip(runs, exts, gots):
-                self._check_run(names, run, ex, ents, bufs, got, out)
+                self._check_run(names, run, ex, ents, bufs, got, out, on_unit)
             return out
-        for run, ex in zip(runs, exts):
-            t0 = time.perf_counter()
-            try:
-                got = os.preadv(self.fd, [bufs[i].view[:x] for i, x in zip(run, ex)], ents[run[0]][0])
-            except OSError as e:
-                got = -(e.errno or errno.EIO)
-            if self.throttle and got >= 0:
-                self.throttle.after_read(sum(ex), t0)
-            self._check_run(names, run, ex, ents, bufs, got, out)
-            self.stats.add(read_s=time.perf_counter() - t0)
+        pieces = list(zip(runs, exts))
+        if sum(map(sum, exts)) >= 2 * self.pipeline_bytes:
+            pieces = _split_runs(pieces, self.pipeline_bytes)
+        if len(pieces) == 1:
+            run, ex = pieces[0]
+            self._check_run(names, run, ex, ents, bufs, self._preadv_run(run, ex, ents, bufs), out, on_unit)
+            return out
+        # a large read: pieces in flight on the store's read-ahead threads, each of which checks
+        # (CRC32) and hands out its piece as soon as it is in, while the disk reads the next ones
+        pool = self._readahead()
+
+        def piece(run: list[int], ex: list[int]) -> None:
+            self._check_run(names, run, ex, ents, bufs, self._preadv_run(run, ex, ents, bufs), out, on_unit)
+
+        futs = [pool.submit(piece, run, ex) for run, ex in pieces]
+        wait(futs)  # every piece, even after a failure: no read may land in a buffer handed back
+        for fut in futs:
+            fut.result()
         return out
+
+    def _preadv_run(self, run: list[int], ex: list[int], ents: dict[int, tuple[int, int, int, int]], bufs: dict) -> int:
+        """One ``preadv`` of a run of adjacent units (caps included); bytes read, or -errno."""
+        t0 = time.perf_counter()
+        try:
+            got = os.preadv(self.fd, [bufs[i].view[:x] for i, x in zip(run, ex)], ents[run[0]][0])
+        except OSError as e:
+            got = -(e.errno or errno.EIO)
+        if self.throttle and got >= 0:
+            self.throttle.after_read(sum(ex), t0)
+        self.stats.add(read_s=time.perf_counter() - t0)
+        return got
+
+    def _readahead(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._ra is None:
+                self._ra = ThreadPoolExecutor(max_workers=self.readahead_threads, thread_name_prefix=f"{self.name}-ra")
+            return self._ra
 
     def _uring_runs(
         self,
         runs: list[list[int]],
         exts: list[list[int]],
         ents: dict[int, tuple[int, int, int, int]],
-        bufs: dict[int, AlignedBuffer],
+        bufs: dict[int, AlignedBuffer | BufferPart],
     ) -> list[int]:
         """All runs in flight at once on an idle ring of this store; bytes read (or -errno) per run."""
         with self._lock:
@@ -544,9 +712,10 @@ class PassthroughStore:
         run: list[int],
         ex: list[int],
         ents: dict[int, tuple[int, int, int, int]],
-        bufs: dict[int, AlignedBuffer],
+        bufs: dict[int, AlignedBuffer | BufferPart],
         got: int,
         out: list[torch.Tensor | None],
+        on_unit: Callable[[int, torch.Tensor], object] | None = None,
     ) -> None:
         if got < 0:
             self.stats.add(errors=1, misses=len(run))
@@ -556,11 +725,13 @@ class PassthroughStore:
             return
         pos = 0
         for i, x in zip(run, ex):
-            out[i] = self._check(names[i], ents[i], bufs[i], got - pos)
+            out[i] = view = self._check(names[i], ents[i], bufs[i], got - pos)
+            if on_unit is not None and view is not None:
+                on_unit(i, view)
             pos += x
 
     def _check(
-        self, name: str, ent: tuple[int, int, int, int], staging: AlignedBuffer, got: int
+        self, name: str, ent: tuple[int, int, int, int], staging: AlignedBuffer | BufferPart, got: int
     ) -> torch.Tensor | None:
         off, n, crc, seq = ent
         why = None
@@ -622,6 +793,10 @@ class PassthroughStore:
             rings, self._rings = self._rings, []
         for ring in rings:
             ring.close()
+        with self._lock:
+            ra, self._ra = self._ra, None
+        if ra is not None:
+            ra.shutdown(wait=True)
         os.close(self.fd)  # releases the flock
         self._fd = None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -25,13 +25,54 @@ from .keys import ChunkKey, KVLayout, chunk_keys, longest_prefix, unit_name
 from .placement import DeviceInfo, Placement
 from .retrieval import TORCH_DTYPES, KVBuffers, LayerwiseLoad
 
-__all__ = ["KVPool", "ChunkConflict"]
+__all__ = ["KVPool", "ChunkConflict", "ChunkBytes"]
 
 log = logging.getLogger(__name__)
 
 
+def _nothing() -> None:
+    """A release that has nothing to hand back."""
+
+
+def _put_units(store, items: list[tuple[str, torch.Tensor]]) -> bool:
+    """All of ``items`` stored on ``store``: in one contiguous extent where the store can, else one by one."""
+    put_many = getattr(store, "put_many", None)
+    if put_many is not None:
+        return bool(put_many(items))
+    return all(store.put(name, data) for name, data in items)
+
+
 class ChunkConflict(ValueError):
     """A chunk key is already stored with other bytes: the first writer of a key wins."""
+
+
+class ChunkBytes:
+    """A chunk as read from its device: ``parts``, one uint8 view per layer in layer order.
+
+    The views point into the store's staging buffer (an SSD) or its arena (a memory module); the
+    chunk stays pinned (never evicted or moved) until ``release``, so a server can send the views
+    as they are, without copying them into one buffer first.
+    """
+
+    def __init__(self, parts: list[torch.Tensor], release: Callable[[], None]):
+        self.parts = parts
+        self._release: Callable[[], None] | None = release
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+    def release(self) -> None:
+        """Hand the staging buffer back and unpin the chunk (once; later calls do nothing)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> ChunkBytes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class KVPool:
@@ -236,7 +277,7 @@ class KVPool:
                 return False
             store, ok = self.stores[dev], False
             try:
-                ok = all(store.put(unit_name(hx, layer), chunk[layer]) for layer in range(L))
+                ok = _put_units(store, [(unit_name(hx, layer), chunk[layer]) for layer in range(L)])
             finally:
                 ok = self._finish_writes(dev, [hx], set() if ok else {hx}) == 1
             if ok:
@@ -273,29 +314,67 @@ class KVPool:
 
     def get_chunk(self, hx: str) -> torch.Tensor | None:
         """One chunk as ``[layers, 2, kv_heads, chunk_tokens, head_dim]``, or None (absent, being written, or failed check)."""
+        L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
+        out = torch.empty(L, 2, H, n, D, dtype=TORCH_DTYPES[self.layout.dtype])
+        flat = out.view(L, -1).view(torch.uint8)
+        # each layer is copied out as soon as it is checked, while later layers are still being read
+        got = self.read_chunk(hx, on_unit=lambda layer, view: flat[layer].copy_(view))
+        if got is None:
+            return None
+        got.release()
+        return out
+
+    def read_chunk(self, hx: str, on_unit: Callable[[int, torch.Tensor], object] | None = None) -> ChunkBytes | None:
+        """A chunk's bytes in its device's staging buffer (release when done), or None like ``get_chunk``.
+
+        All layer units of the chunk are read at once: a chunk stored by ``put_chunk`` sits in one
+        extent of its SSD's slab, so one ``preadv`` (or one io_uring submission) fetches it whole;
+        a large one goes in pieces, a few in flight at once. ``on_unit(layer, view)`` sees each
+        layer as soon as it has passed its check.
+        """
         with self._lock:
             dev = self.placement.location(hx)
             if dev is None:
                 return None
             self._pins[hx] += 1  # under the lock that eviction decisions take: it cannot go meanwhile
+        give_back: Callable[[], None] = _nothing
         try:
-            return self._read_chunk(hx, dev)
-        finally:
+            parts, give_back = self._read_units(hx, dev, on_unit)
+        except BaseException:
+            give_back()
+            self._unpin([hx])
+            raise
+        if parts is None:
+            give_back()
+            self._unpin([hx])
+            return None
+
+        def release() -> None:
+            give_back()
             self._unpin([hx])
 
-    def _read_chunk(self, hx: str, dev: str) -> torch.Tensor | None:
-        L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
-        out = torch.empty(L, 2, H, n, D, dtype=TORCH_DTYPES[self.layout.dtype])
+        return ChunkBytes(parts, release)
+
+    def _read_units(
+        self, hx: str, dev: str, on_unit: Callable[[int, torch.Tensor], object] | None = None
+    ) -> tuple[list[torch.Tensor] | None, Callable[[], None]]:
+        """Every layer unit of ``hx`` on ``dev`` in one ``read_many``; None (and the chunk dropped) when any fails."""
+        L, ub = self.layout.num_layers, self.layout.unit_bytes
         store = self.stores[dev]
-        staging = store.staging(self.layout.unit_bytes)
-        for layer in range(L):
-            view = store.read(unit_name(hx, layer), staging)
-            if view is None or view.numel() != self.layout.unit_bytes:
-                self._drop_unreadable(dev, hx)
-                return None
-            out[layer].view(-1).view(torch.uint8).copy_(view)
+        stage = getattr(store, "chunk_staging", None)
+        stagings, give_back = stage(ub, L) if stage is not None else ([None] * L, _nothing)
+        names = [unit_name(hx, layer) for layer in range(L)]
+        try:
+            views = store.read_many(names, stagings, max_run_bytes=L * (ub + 2 * store.align_bytes), on_unit=on_unit)
+        except BaseException:
+            give_back()
+            raise
+        if any(v is None or v.numel() != ub for v in views):
+            give_back()
+            self._drop_unreadable(dev, hx)
+            return None, _nothing
         self.placement.touch([hx])
-        return out
+        return [v for v in views if v is not None], give_back
 
     def _drop_unreadable(self, dev: str, hx: str) -> None:
         """Forget a chunk a reader found unreadable on ``dev`` (only that copy, never a newer one)."""

@@ -137,12 +137,19 @@ def make_app(pool: KVPool, token: str | None = None):
 
     async def get_chunk(request):
         key = _key(request)
-        t = await asyncio.get_running_loop().run_in_executor(None, pool.get_chunk, key)
-        if t is None:
+        got = await asyncio.get_running_loop().run_in_executor(None, pool.read_chunk, key)
+        if got is None:
             raise web.HTTPNotFound(text="not in the pool")
-        return web.Response(
-            body=t.reshape(-1).view(torch.uint8).numpy().tobytes(), content_type="application/octet-stream"
-        )
+        with got:
+            # the layer units go out as they lie in the staging buffer (or the memory arena): no
+            # copy into one bytes object first; the chunk stays pinned until the last one is sent
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = got.nbytes
+            await resp.prepare(request)
+            for part in got.parts:
+                await resp.write(part.numpy().data)
+            await resp.write_eof()
+        return resp
 
     async def stats(request):
         return web.Response(text=json.dumps(pool.stats(), default=str), content_type="application/json")
@@ -281,15 +288,30 @@ class PoolClient:
             raise
 
     def get_chunk(self, key: str) -> torch.Tensor | None:
+        """The chunk as ``[layers, 2, kv_heads, chunk_tokens, head_dim]``, or None when not pooled.
+
+        The body is read straight into the tensor's memory (no intermediate bytes object).
+        """
         L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
+        out = torch.empty(L, 2, H, n, D, dtype=TORCH_DTYPES[self.layout.dtype])
+        dst = out.view(-1).view(torch.uint8).numpy().data
         try:
             with self._req("GET", f"/v1/chunks/{key}") as r:
-                data = r.read()
+                got = 0
+                while got < len(dst):
+                    k = r.readinto(dst[got:])
+                    if not k:
+                        break
+                    got += k
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 return None
             raise
-        return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[self.layout.dtype]).view(L, 2, H, n, D)
+        if got != len(dst):
+            raise ValueError(
+                f"server sent {got} bytes for chunk {key}; the layout {self.layout.tag()} needs {len(dst)}"
+            )
+        return out
 
     def stats(self) -> dict:
         return self._json("GET", "/v1/stats")

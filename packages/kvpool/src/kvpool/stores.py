@@ -254,8 +254,17 @@ class MemoryStore:
         self.stats.add(bytes_read=n, reads=1, hits=1, read_s=time.perf_counter() - t0)
         return view
 
-    def read_many(self, names: list[str], stagings: list | None = None) -> list[torch.Tensor | None]:
-        return [self.read(n) for n in names]
+    def read_many(
+        self, names: list[str], stagings: list | None = None, max_run_bytes: int = 0, on_unit=None
+    ) -> list[torch.Tensor | None]:
+        """Zero-copy views of the units (``stagings`` and ``max_run_bytes`` concern SSDs only);
+        ``on_unit(i, view)`` is called for each unit found."""
+        out = [self.read(n) for n in names]
+        if on_unit is not None:
+            for i, v in enumerate(out):
+                if v is not None:
+                    on_unit(i, v)
+        return out
 
     def delete(self, name: str) -> bool:
         with self._lock:
