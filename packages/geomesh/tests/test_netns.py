@@ -40,6 +40,22 @@ def test_latency_only_emulator_adds_latency_per_ring_step():
     assert lat.describe()["mode"] == "inprocess-latency" and full.describe()["mode"] == "inprocess"
 
 
+def test_latency_only_wait_adds_the_hops_latency_after_the_real_transfer(monkeypatch):
+    import geomesh.wan
+
+    slept = []
+    monkeypatch.setattr(geomesh.wan.time, "sleep", slept.append)
+    c = hwtopo.load("geo-3region")
+    lat = WanEmulator(c, c.names, latency_only=True)
+    slow = c.link("use-a100", "aps-t4").latency_s
+    # the bytes took 10 s through the tbf links: the 2 hops' latency still follows them
+    lat.wait("all_gather", 1000, time.perf_counter() - 10)
+    assert slept == [pytest.approx(2 * slow)]
+    full = WanEmulator(c, c.names)  # in-process: bytes and latency are both in the model, minus what passed
+    full.wait("all_gather", 1000, time.perf_counter() - 10)
+    assert len(slept) == 1
+
+
 def _gather(rank, world, nbytes):
     from geomesh.bench import tx_bytes
 

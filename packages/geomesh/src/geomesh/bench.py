@@ -780,6 +780,11 @@ def headline(results: dict, target: float | None) -> dict:
         # after the same number of tokens: GeoMesh's curve read at DiLoCo's final token count
         out["ppl_rel_diff_vs_diloco"] = (ppl_at_tokens(g["curve"], d["tokens"]) - d["final_ppl"]) / d["final_ppl"]
         out["tokens_rel_diff_vs_diloco"] = (g["tokens"] - d["tokens"]) / d["tokens"]
+    f16 = results.get("diloco-fp16")
+    if g and f16:
+        out["ttt_ratio_vs_diloco_fp16"] = (
+            ttt["geomesh"] / ttt["diloco-fp16"] if ttt["geomesh"] and ttt["diloco-fp16"] else None
+        )
     if g and ddp:
         out["ttt_ratio_vs_ddp"] = ttt["geomesh"] / ttt["ddp"] if ttt["geomesh"] and ttt["ddp"] else None
         if ttt["geomesh"] and ttt["ddp"] is None and ddp.get("stopped_at_time_cap"):

@@ -63,6 +63,7 @@ class SyncStats:
     replanned: bool = False
     codec: dict = field(default_factory=dict)  # sign payload: SignCompressor.last_stats of this step
     collective: str = ""  # the algorithm the payload ran as (wan.COLLECTIVES), charged per hop alike
+    collective_s: float = 0.0  # seconds in the payload's collective (emulated WAN time included)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -318,6 +319,7 @@ class DiLoCo:
             rates=rates,
             codec=dict(self.compressor.last_stats) if self.compressor is not None else {},
             collective="all_gather" if self.compressor is not None else self.reduce_kind,
+            collective_s=self._collective_s,
         )
         if self.rebalancer is not None:
             names = [p.name for p in self.rebalancer.plan.profiles]

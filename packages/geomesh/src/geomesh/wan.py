@@ -125,9 +125,12 @@ class WanEmulator:
         return "all_reduce_gather" if gather < ring else "all_reduce"
 
     def wait(self, kind: str, nbytes: int, started: float) -> float:
-        """Sleep until the emulated collective that began at ``started`` (perf_counter) would be done."""
+        """Sleep until the emulated collective that began at ``started`` (perf_counter) would be done.
+
+        ``latency_only``: the bytes just crossed really shaped links, so the hops' latency comes on top of
+        the time they took (a WAN transfer pays both), instead of hiding inside it."""
         target = self.collective_time_s(kind, nbytes)
-        left = target - (time.perf_counter() - started)
+        left = target if self.latency_only else target - (time.perf_counter() - started)
         if left > 0:
             time.sleep(left)
         self.emulated_s += target
