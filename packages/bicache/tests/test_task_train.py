@@ -80,6 +80,26 @@ def test_training_steps_lower_loss_and_cache_is_reused(tmp_path):
     assert torch.isfinite(loss) and loss > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_llada_and_dream_shaped_recipes_train_and_reload(tmp_path, arch):
+    recipe = Recipe(arch=arch, layers=2, local_layers=0, hidden=32, heads=2, steps=3, batch=4, eval_every=3, target=2.0)
+    dlm = load_or_train(recipe, progress=False, directory=tmp_path)
+    assert type(dlm.model).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
+    again = load_or_train(recipe, progress=False, directory=tmp_path)  # loaded from its checkpoint
+    assert type(again.model) is type(dlm.model)
+    for a, b in zip(dlm.model.parameters(), again.model.parameters()):
+        assert torch.equal(a, b)
+    assert recipe.key() != Recipe(layers=2, local_layers=0, hidden=32, heads=2, steps=3, batch=4).key()
+    with pytest.raises(ValueError, match="Recipe.local_layers must be 0 for arch"):
+        train(Recipe(arch=arch, layers=1, hidden=16, heads=2, steps=1), progress=False)
+
+
+def test_gemma3_recipe_keys_are_unchanged_by_the_arch_field():
+    # the keys these recipes had before ``arch`` existed: a user's trained checkpoints stay found
+    assert Recipe().key() == "b512af87d2bd"
+    assert Recipe(layers=2).key() == "9fd6af8222fc"
+
+
 def test_mixed_curriculum_draws_row_counts_in_range():
     spec = TaskSpec()
     t = TableTask(spec, seed=6)

@@ -186,7 +186,8 @@ def run_bench(
             "max_batch": max_batch,
             "decode": {"gen_length": cfg.gen_length, "block_length": cfg.block_length, "steps": cfg.steps},
             "model": {
-                "arch": "Gemma3 (use_bidirectional_attention=True)",
+                "arch": f"{type(dlm.model).__name__} (bidirectional)",
+                "layer_types": dlm.layer_types,
                 "layers": dlm.num_layers,
                 "hidden": dlm.config.hidden_size,
                 "params": sum(p.numel() for p in dlm.model.parameters()),

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 class Recipe:
     """Everything that determines the trained weights (and so the cache key)."""
 
+    arch: str = "gemma3"  # gemma3 | llama (LLaDA's shape) | qwen2 (Dream's): see model.tiny_config
     layers: int = 6
     hidden: int = 64
     heads: int = 4
@@ -56,7 +57,10 @@ class Recipe:
     spec: TaskSpec = TaskSpec()
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if fields["arch"] == "gemma3":
+            del fields["arch"]  # the key Gemma3 recipes had before ``arch`` existed: their cache stays valid
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -143,15 +147,17 @@ class _RunState:
 
 def _initial_model(recipe: Recipe) -> DiffusionLM:
     """The untrained model of ``recipe``, table embeddings composed if it asks for that."""
+    gemma = {"attn_scalar": recipe.attn_scalar, "local_layers": recipe.local_layers, "window": recipe.window}
+    if recipe.arch != "gemma3" and recipe.local_layers:
+        raise ValueError(f"Recipe.local_layers must be 0 for arch {recipe.arch!r} (only gemma3 has local layers)")
     dlm = DiffusionLM.random(
         recipe.spec,
         seed=recipe.seed,
+        arch=recipe.arch,
         layers=recipe.layers,
         hidden=recipe.hidden,
         heads=recipe.heads,
-        attn_scalar=recipe.attn_scalar,
-        local_layers=recipe.local_layers,
-        window=recipe.window,
+        **(gemma if recipe.arch == "gemma3" else {}),
     )
     if recipe.compose_init:
         compose_table_embeddings(dlm, recipe.seed)
