@@ -323,3 +323,18 @@ def own_quota(rank, world):
     from xronos.emulation import cgroup_cpu
 
     return cgroup_cpu()
+
+
+def library_baselines(rank, world, cfg_dict):
+    """Losses of DTensor's even TP and of torch.distributed.pipelining (GPipe, 1F1B) on this rank."""
+    from xronos.baselines import DTensorTPTrainer, PipeliningTrainer
+    from xronos.train import TrainConfig
+
+    cfg = TrainConfig(**cfg_dict)
+    out = {}
+    t = DTensorTPTrainer(cfg)
+    out["dtensor"] = [t.step()["loss"] for _ in range(cfg.steps)] + [t.evaluate()]
+    for schedule in ("gpipe", "1f1b"):
+        p = PipeliningTrainer(cfg, [1.0] * world, schedule)
+        out[schedule] = [p.step()["loss"] for _ in range(cfg.steps)] + [p.evaluate()]
+    return out

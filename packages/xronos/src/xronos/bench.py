@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hwtopo import resume_point, sync_point
 
+from .baselines import SCHEDULES, DTensorTPTrainer, PipeliningTrainer
 from .emulation import TOLERANCE, check_speeds, measure_kernel
 from .launch import check_emulation, emulation_label, pin_ranks, spawn, throttle_period_us
 from .layers import COMM
@@ -32,7 +33,7 @@ __all__ = ["VARIANTS", "run_comparison", "summarize", "headline"]
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("reference", "xronos", "tp", "pp")
+VARIANTS = ("reference", "xronos", "tp", "dtensor", "pp", "pipelining")
 
 
 def _worker(
@@ -103,7 +104,7 @@ def _worker(
 
 def _build_trainers(cfg: TrainConfig, shape, parts: dict, speeds, variants, rank: int, solo, corpus) -> dict:
     """This rank's trainer for every variant, all on the same corpus (the reference on rank 0 alone)."""
-    trainers: dict[str, TPTrainer | PPTrainer] = {}
+    trainers: dict[str, TPTrainer | PPTrainer | DTensorTPTrainer | PipeliningTrainer] = {}
     for name in variants:
         if name == "reference":
             if rank == 0:
@@ -111,6 +112,11 @@ def _build_trainers(cfg: TrainConfig, shape, parts: dict, speeds, variants, rank
                 trainers[name] = TPTrainer(cfg, ref_part, 0, solo[0], corpus)
         elif name in parts:
             trainers[name] = TPTrainer(cfg, parts[name], rank, None, corpus)
+        elif name == "dtensor":
+            trainers[name] = DTensorTPTrainer(cfg, corpus)
+        elif name.startswith("ppl-"):  # torch.distributed.pipelining: "ppl-<schedule>-m<micro-batches>"
+            pp_cfg = dataclasses.replace(cfg, micro_batches=_micro_batches(name, cfg.micro_batches))
+            trainers[name] = PipeliningTrainer(pp_cfg, speeds, name.split("-")[1], corpus)
         elif name.startswith("pp"):
             pp_cfg = dataclasses.replace(cfg, micro_batches=_micro_batches(name, cfg.micro_batches))
             trainers[name] = PPTrainer(pp_cfg, speeds, rank, len(solo), None, corpus, local_group=solo[rank])
@@ -232,18 +238,10 @@ def run_comparison(
     emulate = check_emulation(emulate)
     if not 0 < cpu_share <= 1:
         raise ValueError(f"cpu_share must be in (0, 1], not {cpu_share!r}")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith("pp-m")]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("pp-m", "ppl-"))]
     if bad:
         raise ValueError(f"variants: {bad[0]!r} is not one of {', '.join(VARIANTS)}")
-    if "pp" in variants:
-        # GPipe baseline at each micro-batch count that divides the batch among a few sensible ones
-        # (GPipe suggests M >= 4 x stages; fewer, larger micro-batches run faster GEMMs); the headline
-        # compares with the fastest, so the baseline is not handicapped by one choice
-        counts = sorted(
-            {m for m in (cfg.micro_batches, 4, 8, 4 * len(speeds)) if m <= cfg.batch and cfg.batch % m == 0}
-        )
-        i = variants.index("pp")
-        variants = [*variants[:i], *(f"pp-m{m}" for m in counts), *variants[i + 1 :]]
+    variants = _expand_pipelines(cfg, len(speeds), list(variants))
     _check_before_launch(cfg, len(speeds), variants)
     ts = cfg.steps // 2 if timeline_step is None else timeline_step
     shares = [s * cpu_share for s in speeds]
@@ -269,14 +267,39 @@ def run_comparison(
     )
 
 
+def _expand_pipelines(cfg: TrainConfig, world: int, variants: list[str]) -> list[str]:
+    """``pp`` and ``pipelining`` become one variant per micro-batch count (and schedule).
+
+    Each pipeline baseline runs at every count among a few sensible ones that divides the batch
+    (GPipe suggests M >= 4 x stages; fewer, larger micro-batches run faster GEMMs and 1F1B needs
+    M >= stages), and the headline compares with the fastest, so no single choice handicaps it.
+    """
+    counts = sorted(
+        {m for m in (cfg.micro_batches, world, 4, 8, 4 * world) if world <= m <= cfg.batch and cfg.batch % m == 0}
+    )
+    out = []
+    for name in variants:
+        if name == "pp":
+            out += [f"pp-m{m}" for m in counts if m in (cfg.micro_batches, 4, 8, 4 * world)]
+        elif name == "pipelining":
+            out += [f"ppl-{s}-m{m}" for s in SCHEDULES for m in counts]
+        else:
+            out.append(name)
+    return out
+
+
 def _check_before_launch(cfg: TrainConfig, world: int, variants) -> None:
     """The errors a rank would hit, raised here before any process starts (one message each)."""
     shape = cfg.shape()
     for name in variants:
-        if name in ("xronos", "tp"):
+        if name in ("xronos", "tp", "dtensor"):
             even_partition(shape, world)  # heads/MLP blocks cannot be split across this many ranks
+            if name == "dtensor" and cfg.lora_r:
+                raise ValueError("the dtensor baseline fine-tunes every weight; drop it or use lora_r 0")
         elif name.startswith("pp"):
             split_layers(cfg.layers, [1.0] * world)  # fewer layers than stages
+            if name.startswith("ppl-") and cfg.lora_r:
+                raise ValueError("the pipelining baseline fine-tunes every weight; drop it or use lora_r 0")
             mb = _micro_batches(name, cfg.micro_batches)
             if cfg.batch % mb:
                 raise ValueError(f"batch ({cfg.batch}) must be a multiple of the micro-batch count {mb} ({name})")
@@ -443,9 +466,13 @@ def headline(summary: dict) -> dict:
             h["reshards"] = summary["xronos"].get("reshards", 0)
     pps = [n for n in summary if n.startswith("pp")]
     if pps and "xronos" in summary:
-        best = min(pps, key=lambda n: summary[n]["step_time_s"])  # the fastest pipeline configuration
+        # the fastest pipeline configuration: the library's GPipe/1F1B or the hand-written GPipe, any
+        # micro-batch count
+        best = min(pps, key=lambda n: summary[n]["step_time_s"])
         h["step_time_ratio_vs_pp"] = summary["xronos"]["step_time_s"] / summary[best]["step_time_s"]
         h["pp_baseline"] = best
+    if "dtensor" in summary and "tp" in summary:
+        h["tp_step_ratio_vs_dtensor"] = summary["tp"]["step_time_s"] / summary["dtensor"]["step_time_s"]
     if "reference" in summary and "xronos" in summary:
         kern = summary.get("emulation", {}).get("checks", {}).get("kernel")
         if kern is None or kern["requested_relative_speeds"][0] == 1.0:

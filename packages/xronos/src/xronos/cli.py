@@ -223,7 +223,7 @@ def _load_line(summary: dict) -> str:
     how = (
         "compute dilated at every synchronisation, hwtopo.dilate"
         if ml.get("emulated") == "dilation"
-        else "CPU quota, hwtopo.throttle"
+        else "a top-priority cgroup CPU quota per rank, xronos.emulation.RankQuota"
     )
     parts = [
         f"emulated: {ml.get('emulated', 'cgroup')}. Machine load (1-min load average) "
@@ -347,7 +347,10 @@ def cmd_bench(args) -> int:
     json_path = console.output_file(args.json, "--json") if args.json else None
     if not args.quiet:
         print(f"xronos bench: {len(speeds)} emulated ranks at speeds {speeds}, {cfg.steps} steps", file=sys.stderr)
-    results, summary, head, wall = _run_compare(args, cfg, speeds, ["reference", "xronos", "tp", "pp"])
+    # the libraries' baselines fine-tune every weight; with --lora-r the hand-written GPipe stays
+    libraries = ["dtensor", "pipelining"] if not cfg.lora_r else []
+    variants = ["reference", "xronos", "tp", *libraries[:1], "pp", *libraries[1:]]
+    results, summary, head, wall = _run_compare(args, cfg, speeds, variants)
     print(console.table(_rows(summary)))
     print(_load_line(summary))
     print(_validity_line(summary))
@@ -525,7 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
     _model_args(d, steps=10)
     _emulation_args(d)
-    b = console.command(sub, "bench", "Xronos vs even TP vs GPipe PP vs single-process reference, side by side")
+    b = console.command(
+        sub,
+        "bench",
+        "Xronos vs even TP (its own and DTensor's) vs pipelines (hand-written GPipe, torch.distributed.pipelining "
+        "GPipe and 1F1B) vs the fastest device alone, side by side",
+    )
     b.add_argument("--quick", action="store_true", help="2 ranks at speeds 1.0,0.5 (under 3 minutes)")
     b.add_argument("--json", help="write the results JSON here")
     b.add_argument("--speeds", help="emulated relative speed per rank (1.0,0.5 with --quick; else 1.0,0.7,0.4)")
