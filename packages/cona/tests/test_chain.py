@@ -354,3 +354,28 @@ def test_a_running_decision_can_be_held_to_every_efficiency_model():
         ch.decide(a, step=4, noise_range=(40.0, 55.0), remaining_s=8.0, models=("cubic",))
     one = ch.decide(a, step=5, noise_range=(500.0, 700.0), remaining_s=8.0, models="tuned")  # a name, not letters
     assert one.switched and one.to_dict()["efficiency_model"] == "tuned"
+
+
+def test_goodput_scaling_keeps_the_data_parallel_layout_and_scales_with_hysteresis():
+    """The AdaptDL/Pollux baseline: the data-parallel strategies alone, the best goodput at step 0's noise scale,
+    then a bigger batch only when its goodput beats the current one's by more than 5%."""
+    from cona.chain import GoodputScaler
+
+    gb = {b: Strategy(2, 1, 1, min(b // 2, 32), b) for b in (16, 32, 64, 128)}
+    pp32 = Strategy(1, 1, 2, 32, 32)  # the fastest gb32 here, but another layout: never taken
+    tput = {gb[16]: 1500.0, gb[32]: 2700.0, gb[64]: 3900.0, gb[128]: 4500.0, pp32: 3500.0}
+    cands = GoodputScaler.data_parallel(list(tput), world=2)
+    assert cands == list(gb.values())
+    gns = GradientNoiseScale(reference_batch=8)
+    sc = GoodputScaler(cands, tput, gns, margin=0.05)
+    assert sc.start(None).chosen == gb[16]  # unresolved at step 0: the smallest batch
+    best_at_20 = max(gb.values(), key=lambda s: goodput(tput[s], s.global_batch, 20.0, 8))
+    assert sc.start(20.0).chosen == best_at_20 != gb[128]
+    stay = sc.decide(best_at_20, step=1)
+    assert not stay.switched and "no gradient statistics yet" in stay.reason
+    _set_phi(gns, 2000.0)  # the noise scale has grown: gb128 wins by far more than 5%
+    d = sc.decide(best_at_20, step=2)
+    assert d.switched and d.chosen == gb[128]
+    # within the hysteresis: gb128 beats gb64 by under 5% at this noise scale, so gb64 stays
+    phi = next(p for p in range(10, 5000) if 1.0 < goodput(4500.0, 128, p, 8) / goodput(3900.0, 64, p, 8) < 1.05)
+    assert not sc.decide(gb[64], step=3, noise_scale=float(phi)).switched

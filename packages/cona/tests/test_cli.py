@@ -35,22 +35,29 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
     res = json.loads(out.read_text())
     assert set(res) >= {"package", "version", "config", "machine", "results", "headline", "emulated"}
     assert res["package"] == "cona" and res["emulated"] is False
-    assert set(res["headline"]) == {*HEADLINE_KEYS, "censored_seeds", "oracle_branches"}
-    assert res["config"]["seed_list"] == [0, 1]
+    extra = {"censored_seeds", "oracle_branches", "probe_table_fresh", "held_out_seeds", "gap_to_oracle_median"}
+    extra |= {"gap_to_oracle_iqr", "best_baseline_per_seed", "seeds_where_best_static_changes"}
+    assert set(res["headline"]) == {*HEADLINE_KEYS, *extra}
+    assert res["config"]["seed_list"] == [100, 101] == res["headline"]["held_out_seeds"]
+    assert res["headline"]["probe_table_fresh"] is True and res["probe"]["table"]["reused"] is False
     for k in HEADLINE_KEYS:  # the headline is the median over seeds, with the spread beside it
         sp = res["headline_spread"][k]
         assert len(sp["per_seed"]) == 2 and sp["median"] == res["headline"][k]
         if sp["min"] is not None:
             assert sp["min"] <= sp["median"] <= sp["max"]
-    assert set(res["step0"]) == {"0", "1"}
-    assert all(s["best_static"] == res["step0"]["0"]["best_static"] for s in res["step0"].values())
+    assert set(res["step0"]) == {"100", "101"}
+    statics = {f"static_gb{n.rsplit('gb', 1)[1]}" for n in res["step0"]["100"]["statics"]}
+    assert statics == {"static_gb8", "static_gb16"}  # the fastest strategy of every global batch
     # probing is paid once and reported; every seed uses the same measurements
     assert res["probe"]["measured_now"] and res["probe"]["total_probe_cost_s"] > 0
-    assert set(res["results"]) == {"best_static", "surrogate_static", "cona", "oracle"}
+    assert set(res["results"]) == {*statics, "surrogate_static", "goodput_scaling", "cona", "oracle"}
+    assert all(c["strategy"].startswith("dp2-") for c in res["results"]["goodput_scaling"]["chain"])
     for name, r in res["results"].items():
         assert r["steps"] > 0, name
-        assert set(r["per_seed"]) == {"0", "1"}, name
-        if name in ("cona", "surrogate_static") and res["step0"]["0"]["first_step_from_step0"]:
+        assert set(r["per_seed"]) == {"100", "101"}, name
+        if r["stopped_behind"]:  # a static stopped behind another static: ran, not necessarily learned yet
+            continue
+        if name in ("cona", "surrogate_static") and res["step0"]["100"]["first_step_from_step0"]:
             assert r["trace"][0][1] < math.log(256) + 0.3  # one step (step 0's warm gradient) from the untrained LM
         else:
             assert r["trace"][0][1] == pytest.approx(math.log(256), abs=0.3)  # an untrained byte-level LM
@@ -91,7 +98,7 @@ def test_bench_quick_json_has_headline_and_baselines(tmp_path, capsys, monkeypat
                 assert p["first_eval_at_target_s"] <= p["time_to_target_s"], name
         assert r["censored_seeds"] == missed, name
         assert all(f"{seed}: {name}" in res["headline"]["censored_seeds"] for seed in missed)
-    assert all(v is not None for v in res["headline_spread"]["ttp_ratio_vs_best_static"]["per_seed"])
+    assert all(v is not None for v in res["headline_spread"]["ttp_ratio_vs_best_baseline"]["per_seed"])
     assert 0 <= res["headline"]["gns_overhead_frac"] < 1
     assert res["headline"]["switches"] == len(cona["chain"]) - 1
     pos = [c["samples"] for c in cona["chain"]]  # the samples trained at each switch: a replay follows them
@@ -193,21 +200,21 @@ def test_headline_is_the_median_over_seeds_with_spread():
 
     per = {
         0: {
-            "ttp_ratio_vs_best_static": 0.5,
+            "ttp_ratio_vs_best_baseline": 0.5,
             "gap_to_oracle": None,
             "switches": 2,
             "switch_overhead_frac": 0.01,
             "gns_overhead_frac": 0.02,
         },
         1: {
-            "ttp_ratio_vs_best_static": 0.9,
+            "ttp_ratio_vs_best_baseline": 0.9,
             "gap_to_oracle": 0.1,
             "switches": 1,
             "switch_overhead_frac": 0.0,
             "gns_overhead_frac": 0.03,
         },
         2: {
-            "ttp_ratio_vs_best_static": 0.6,
+            "ttp_ratio_vs_best_baseline": 0.6,
             "gap_to_oracle": 0.3,
             "switches": 3,
             "switch_overhead_frac": 0.02,
@@ -215,14 +222,14 @@ def test_headline_is_the_median_over_seeds_with_spread():
         },
     }
     head, spread = aggregate(per)
-    assert head["ttp_ratio_vs_best_static"] == 0.6 and head["switches"] == 2
+    assert head["ttp_ratio_vs_best_baseline"] == 0.6 and head["switches"] == 2
     assert head["gap_to_oracle"] == pytest.approx(0.2)  # a seed without a value is left out, and counted
     assert spread["gap_to_oracle"]["seeds_without_value"] == 1
-    assert (spread["ttp_ratio_vs_best_static"]["min"], spread["ttp_ratio_vs_best_static"]["max"]) == (0.5, 0.9)
+    assert (spread["ttp_ratio_vs_best_baseline"]["min"], spread["ttp_ratio_vs_best_baseline"]["max"]) == (0.5, 0.9)
 
 
-def _runs(cona_t, oracle_t, best_t=20.0):
-    def run(t):
+def _runs(cona_t, oracle_t, best_t=20.0, surrogate_t=12.0, scaling_t=15.0):
+    def run(t, stopped=None):
         return {
             "time_to_target_s": t,
             "final_val_ppl": 6.0,
@@ -231,9 +238,37 @@ def _runs(cona_t, oracle_t, best_t=20.0):
             "gns_s": 0.2,
             "clock_s": 10.0,
             "decision_eval_frac": 0.01,
+            "stopped_behind": stopped,
         }
 
-    return {"best_static": run(best_t), "surrogate_static": run(12.0), "cona": run(cona_t), "oracle": run(oracle_t)}
+    return {
+        "static_gb16": run(None, stopped="static_gb64"),  # stopped behind: out of the running, not censored
+        "static_gb64": run(best_t),
+        "surrogate_static": run(surrogate_t),
+        "goodput_scaling": run(scaling_t),
+        "cona": run(cona_t),
+        "oracle": run(oracle_t),
+    }
+
+
+def test_the_headline_divides_by_the_best_baseline_and_says_which():
+    from types import SimpleNamespace
+
+    from cona.report import headline
+
+    cfg = SimpleNamespace(target_ppl=5.8, budget_s=60.0, target_window=5)
+    h, notes = headline(_runs(9.0, 8.0, best_t=11.0, surrogate_t=12.0, scaling_t=10.0), cfg, 0)
+    assert h["best_baseline"] == "goodput_scaling" and h["best_static_hindsight"] == "static_gb64"
+    assert h["ttp_ratio_vs_best_baseline"] == pytest.approx(0.9)
+    assert h["oracle_gain_captured"] == pytest.approx((10.0 - 9.0) / (10.0 - 8.0))
+    assert h["ttp_ratio_vs_best_static_hindsight"] == pytest.approx(9.0 / 11.0)
+    assert h["ttp_ratio_vs_surrogate_static"] == pytest.approx(0.75)
+    assert h["censored"] == [] and notes == []  # the stopped static is neither censored nor noted
+    h, _ = headline(_runs(9.0, 8.0, best_t=7.0), cfg, 0)  # the hindsight static beats even the oracle
+    assert h["best_baseline"] == "static_gb64" and h["oracle_gain_captured"] is None
+    h, _ = headline(_runs(9.0, 8.0, best_t=None), cfg, 0)  # no static reached the target: censored at the budget
+    assert h["best_static_hindsight"] == "static_gb64" and h["censored"] == ["static_gb64"]
+    assert h["ttp_ratio_vs_best_static_hindsight"] == pytest.approx(9.0 / 60.0)
 
 
 def test_a_seed_where_cona_misses_the_target_stays_in_the_headline_censored():
@@ -245,24 +280,50 @@ def test_a_seed_where_cona_misses_the_target_stays_in_the_headline_censored():
 
     cfg = SimpleNamespace(target_ppl=5.8, budget_s=60.0, target_window=5)
     per, notes = {}, []
-    for seed, (c, o) in enumerate([(10.0, 10.0), (None, 12.0), (10.0, 10.0)]):
+    for seed, (c, o) in enumerate([(6.0, 6.0), (None, 7.2), (6.0, 6.0)]):
         per[seed], n = headline(_runs(c, o), cfg, seed)
         notes += n
-    assert per[1]["ttp_ratio_vs_best_static"] == pytest.approx(60.0 / 20.0)
-    assert per[1]["gap_to_oracle"] == pytest.approx((60.0 - 12.0) / 12.0)
+    assert per[1]["ttp_ratio_vs_best_baseline"] == pytest.approx(60.0 / 12.0)
+    assert per[1]["gap_to_oracle"] == pytest.approx((60.0 - 7.2) / 7.2)
     assert per[1]["censored"] == ["cona"] and any("seed 1: cona did not reach" in x for x in notes)
     head, spread = aggregate(per)
     assert head["censored_seeds"] == ["1: cona"]
-    assert spread["ttp_ratio_vs_best_static"]["per_seed"] == pytest.approx([0.5, 3.0, 0.5])
+    assert spread["ttp_ratio_vs_best_baseline"]["per_seed"] == pytest.approx([0.5, 5.0, 0.5])
     assert spread["gap_to_oracle"]["seeds_without_value"] == 0
+    assert head["gap_to_oracle_median"] == head["gap_to_oracle"] == pytest.approx(0.0)
+    assert head["gap_to_oracle_iqr"] == pytest.approx([0.0, (60.0 - 7.2) / 7.2 / 2])  # inclusive quartiles of 3
     # two of three censored: the medians are the censored values, not the one seed that reached the target
-    per = {seed: headline(_runs(c, 10.0), cfg, seed)[0] for seed, c in enumerate([None, None, 10.0])}
+    per = {seed: headline(_runs(c, 10.0), cfg, seed)[0] for seed, c in enumerate([None, None, 6.0])}
     head, _ = aggregate(per)
-    assert head["ttp_ratio_vs_best_static"] == pytest.approx(3.0) and head["gap_to_oracle"] == pytest.approx(5.0)
+    assert head["ttp_ratio_vs_best_baseline"] == pytest.approx(5.0) and head["gap_to_oracle"] == pytest.approx(5.0)
     assert head["censored_seeds"] == ["0: cona", "1: cona"]
     # a censored oracle is censored too (not a missing gap)
     h, _ = headline(_runs(30.0, None), cfg, 0)
     assert h["gap_to_oracle"] == pytest.approx(-0.5) and h["censored"] == ["oracle"]
+
+
+def test_best_strategy_changes_are_measured_from_the_static_runs_and_the_oracle():
+    from cona.report import strategy_changes
+
+    runs = {
+        # gb16 leads to the early losses, gb64 to the target: the best static changes during training
+        "static_gb16": {"trace": [[0.0, 5.5], [1.0, 4.0], [2.0, 3.0], [6.0, 2.5]]},
+        "static_gb64": {"trace": [[0.0, 5.5], [1.5, 4.0], [3.0, 3.0], [4.0, 2.0]]},
+        "oracle": {"chain": [{"strategy": "a"}, {"strategy": "b"}, {"strategy": "b"}]},
+    }
+    got = strategy_changes(runs, target_loss=2.0, window=1, levels=2)
+    assert [x["first"] for x in got["static_first_to_loss"]] == ["static_gb16", "static_gb64"]
+    assert got["static_first_to_loss"][0] == {"loss": 3.75, "first": "static_gb16", "clock_s": 2.0}
+    assert got["static_leader_changes"] == 1 and got["oracle_changes"] == 1
+    assert got["oracle_kept_by_phase"] == ["a", "b", "b"]
+
+
+def test_development_seeds_in_the_report_are_flagged_as_not_held_out():
+    from cona.config import BenchConfig
+    from cona.report import _seed_notes
+
+    assert "held-out seeds [100, 101, 102]" in _seed_notes(BenchConfig())[0]
+    assert "seeds [8, 9] are development seeds" in _seed_notes(BenchConfig(seed=8, seeds=3))[0]
 
 
 def test_set_replaces_any_bench_setting_and_wins_over_flags():

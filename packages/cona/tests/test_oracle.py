@@ -36,7 +36,7 @@ def _worker(rank, world):
     plain = tr.variant
 
     def variant(run, s, state, chainer=None, gns=None, consumed=0, held_out=False):
-        if run.name not in ("best_static", "surrogate_static", "cona"):  # an oracle branch
+        if run.name not in ("surrogate_static", "cona", "goodput_scaling") and not run.name.startswith("static_"):
             assert held_out  # its evaluations read the held-out windows too
             starts.append({"clock": run.clock, "strategy": s.name, "consumed": consumed, "state": state_digest(state)})
         return plain(run, s, state, chainer, gns, consumed, held_out)
@@ -69,9 +69,8 @@ def _worker(rank, world):
         return rt(trace, *a)
 
     harness.remaining_time = remaining
-    best = max(tr.candidates, key=lambda s: tr.cost.throughput(s)[0])
     shortlist = [s.name for s in oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches)]
-    res = bench.run_seed(tr, best, 0.01)
+    res = bench.run_seed(tr, 0.01)
     return {
         "starts": starts,
         "ends": ends,
@@ -252,12 +251,14 @@ def test_cona_decisions_read_only_charged_evaluations_spaced_apart(out):
     runs, step0 = out["res"]["runs"], out["res"]["step0"]
     assert runs["surrogate_static"]["decision_s"] == step0["decision_s"] > 0
     assert cona["decision_s"] > step0["decision_s"] and runs["oracle"]["decision_s"] == 0
-    assert runs["best_static"]["decision_s"] == 0
+    assert all(r["decision_s"] == 0 for name, r in runs.items() if name.startswith("static_"))
+    assert runs["goodput_scaling"]["decision_s"] > 0 and runs["goodput_scaling"]["decision_eval_s"] == 0
     # and each run's clock is exactly what it charged: step 0, steps, cona's evaluations and decisions, switches
     for name, r in runs.items():
         parts = (r["start_s"], r["train_s"], r["decision_eval_s"], r["decision_s"], r["switch_s"])
         assert r["clock_s"] == pytest.approx(sum(parts), rel=1e-9), name
-        assert r["train_s"] > 0 and (r["start_s"] > 0) == (name in ("cona", "surrogate_static")), name
+        stepped_from_step0 = name in ("cona", "surrogate_static", "goodput_scaling")  # charged step 0
+        assert r["train_s"] > 0 and (r["start_s"] > 0) == stepped_from_step0, name
     for d in cona["decisions"][1:]:
         assert "remaining_s" in d and math.isfinite(d["remaining_s"])
 
@@ -370,3 +371,24 @@ def test_early_models_latch_at_the_first_growth_fit():
     v = SimpleNamespace(grown=False, tr=SimpleNamespace(cfg=BenchConfig()), gns=GradientNoiseScale(reference_batch=8))
     seq = [Variant._running_models(v, fit) for fit in (None, None, (0.6, 0.1), None, (0.5, 0.2))]
     assert seq == [("sqrt", "tuned"), ("sqrt", "tuned"), None, None, None]
+
+
+def test_a_static_run_past_the_best_static_time_to_target_is_stopped():
+    """Statics are interleaved: once one reaches the target at clock T, a static past T that has not cannot be the
+    best static in hindsight, and stops; one still before T goes on."""
+    from types import SimpleNamespace
+
+    from cona.bench import _stop_behind
+    from cona.harness import Run
+
+    def static(name, trace, clock, done=False):
+        return SimpleNamespace(run=Run(name, trace=trace, clock=clock), done=done)
+
+    fast = static("static_gb64", [(0.0, 5.0), (4.0, 1.9)], 4.0, done=True)
+    behind = static("static_gb16", [(0.0, 5.0), (4.5, 2.5)], 4.5)
+    before = static("static_gb256", [(0.0, 5.0), (3.5, 3.0)], 3.5)
+    _stop_behind([behind, before], 2.0, 1)  # nobody at the target yet: nothing stops
+    assert not behind.done and not before.done
+    _stop_behind([fast, behind, before], 2.0, 1)
+    assert behind.done and behind.run.stopped_behind == "static_gb64"
+    assert not before.done and before.run.stopped_behind is None

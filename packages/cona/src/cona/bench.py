@@ -1,10 +1,13 @@
-"""The bench: cona and its baselines trained side by side to a target loss, inside ``launch``ed ranks.
+"""The bench: cona and the baselines a user would run, trained side by side to a target loss in ``launch``ed ranks.
 
-Throughput is probed once (or read from the cache); then, per seed, every variant starts from the same initial
-weights and sample stream: ``best_static`` (the highest throughput, what an offline per-iteration-time searcher
-picks), ``surrogate_static`` (the surrogate's choice at step 0, kept), ``cona`` (re-ranks every
-``decide_every_s`` and switches with hysteresis, charged its own evaluations and decisions) and the quick
-``oracle``. All advance in turns of ``slice_s`` of training clock, so their step times see the same load.
+Throughput is probed once (or read from a fresh cached table); then, per seed, every variant starts from the same
+initial weights and sample stream: ``static_gb<N>`` (the fastest strategy of every global batch, held: every other
+strategy of that batch trains the same samples at the same learning rate, only slower by the probes), whose best in
+hindsight is the static choice to beat; ``surrogate_static`` (the gradient-noise model's choice at step 0, held);
+``goodput_scaling`` (AdaptDL/Pollux: the data-parallel global batch of best goodput, re-chosen with 5% hysteresis,
+no strategy switching); ``cona`` (re-ranks every ``decide_every_s`` and switches, charged its own evaluations and
+decisions) and the quick ``oracle``. All advance in turns of ``slice_s`` of training clock, so their step times see
+the same load; a static run past the clock another static reached the target at is stopped (it cannot be best).
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from .chain import Chainer
+from .chain import Chainer, GoodputScaler
 from .config import BenchConfig
 from .executor import Executor, FullState, initial_state
 from .gns import GradientNoiseScale, fieller_interval, micro_batch_pairs
 from .harness import Run, Variant, summary, time_to_target
 from .model import TextData, stdlib_tokens, tiny_llama_config
 from .oracle import Oracle, oracle_shortlist
-from .probe import CostModel, Prober, fastest_first, rank0, rank0_all
+from .probe import CostModel, Prober, fastest_first, fastest_per_batch, rank0, rank0_all
 from .space import ModelDims, Strategy, enumerate_strategies, rank_memory_budget
 
 __all__ = ["Trainer", "Step0", "bench_worker", "run_seed", "step0_range"]
@@ -171,7 +174,7 @@ def _pairs(pairs: Sequence[tuple[float, float]]) -> list[list[float]]:
     return [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in pairs]
 
 
-def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, Chainer, dict]:
+def _start(tr: Trainer, statics: list[Strategy], reshard_s: float) -> tuple[dict, Chainer, dict]:
     """Step 0 of a seed: the statistics, cona's initial choice and, on step 0's global batch, the warm gradient as
     its first step. Returns what step 0 reports, the chainer, and where cona and surrogate_static start."""
     cfg = tr.cfg
@@ -202,14 +205,14 @@ def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, 
         start |= {"gns_s": gns0_s - st0.warm_s, "clock": gns0_s + first_s}
     st0.ex = st0.warm = None
     shown_hi = f"{hi:.0f}" if math.isfinite(hi) else "inf"
-    msg = "seed %d: step 0 chose %s (noise scale in [%.0f, %s]); training 4 variants to perplexity %g"
-    progress.info(msg, tr.seed, choice.name, lo, shown_hi, cfg.target_ppl)
+    msg = "seed %d: step 0 chose %s (noise scale in [%.0f, %s]); training %d variants to perplexity %g"
+    progress.info(msg, tr.seed, choice.name, lo, shown_hi, len(statics) + 3 + cfg.oracle, cfg.target_ppl)
     step0 = {
         "noise_scale": min(max(tr0, 0.0) / g2, 1e9) if g2 > 0 else None,  # None: |G|^2 not resolved above zero
         "noise_range": [lo, hi if math.isfinite(hi) else None],
         "gns_s": gns0_s,  # all that step 0 took, its warm batch included
         "pairs": _pairs(pairs0),
-        "best_static": best_static.name,
+        "statics": [s.name for s in statics],
         "surrogate_choice": choice.name,
         "reason": first.reason,
         "switch_cost_prior_s": reshard_s,
@@ -224,9 +227,20 @@ def _start(tr: Trainer, best_static: Strategy, reshard_s: float) -> tuple[dict, 
     return step0, chainer, start
 
 
-def _interleave(tr: Trainer, variants: list[Variant | Oracle]) -> None:
+def _stop_behind(statics: list[Variant], target_loss: float, window: int) -> None:
+    """Stop every static run past the clock another static reached the target at: it cannot be the best static."""
+    hits = [(t, v.run.name) for v in statics if (t := time_to_target(v.run.trace, target_loss, window)) is not None]
+    if not hits:
+        return
+    best_t, best = min(hits)
+    for v in statics:
+        if not v.done and v.run.clock > best_t:
+            v.done, v.run.stopped_behind = True, best
+
+
+def _interleave(tr: Trainer, variants: list[Variant | Oracle], statics: list[Variant]) -> None:
     """Advance every variant in turns of ``slice_s`` of training clock until all are done, rotating who goes
-    first, and report progress."""
+    first, stopping the statics that can no longer be best, and report progress."""
     cfg = tr.cfg
     t, rnd, w0 = cfg.slice_s, 0, time.perf_counter()
     finished: set[str] = set()
@@ -234,6 +248,7 @@ def _interleave(tr: Trainer, variants: list[Variant | Oracle]) -> None:
         k = rnd % len(variants)
         for v in variants[k:] + variants[:k]:
             v.advance(t)
+        _stop_behind(statics, cfg.target_loss, cfg.target_window)
         t += cfg.slice_s
         rnd += 1
         for v in variants:
@@ -243,6 +258,8 @@ def _interleave(tr: Trainer, variants: list[Variant | Oracle]) -> None:
                 how = f"stopped at the {cfg.budget_s:g} s budget above the target"
                 if ttt is not None:
                     how = f"reached the target at {ttt:.1f} s of clock"
+                elif v.run.stopped_behind:
+                    how = f"stopped at {v.run.clock:.1f} s of clock, behind {v.run.stopped_behind}"
                 wall = time.perf_counter() - w0
                 progress.info("seed %d: %s %s (%.0f s wall so far)", tr.seed, v.run.name, how, wall)
         if rnd % max(round(5 / cfg.slice_s), 1) == 0:  # every 5 s of training clock
@@ -250,10 +267,33 @@ def _interleave(tr: Trainer, variants: list[Variant | Oracle]) -> None:
             progress.info(msg, tr.seed, t, len(finished), len(variants))
 
 
-def run_seed(tr: Trainer, best_static: Strategy, reshard_s: float) -> dict:
+def _goodput_scaling(tr: Trainer, step0: dict, start: dict, reshard_s: float) -> tuple[Run, Variant]:
+    """AdaptDL/Pollux-style batch scaling from step 0's point estimate, charged step 0 and its choice; it starts
+    from cona's first step when it chose that global batch, else from the initial weights."""
+    cfg = tr.cfg
+    gns = cfg.noise_scale_estimator()
+    cands = GoodputScaler.data_parallel(tr.candidates, cfg.world)
+    scaler = GoodputScaler(cands, tr.cost.throughput, gns, margin=cfg.scaler_hysteresis, switch_cost_s=reshard_s)
+    t0 = time.perf_counter()
+    (phi,) = rank0_all(-1.0 if step0["noise_scale"] is None else step0["noise_scale"])
+    first = scaler.start(None if phi < 0 else phi)
+    dec_s = rank0(time.perf_counter() - t0)
+    state, consumed, clock, gns_s = tr.state0, 0, step0["gns_s"], step0["gns_s"]
+    if start["consumed"] and first.chosen.global_batch == start["first"].chosen.global_batch:
+        state, consumed, clock, gns_s = start["state"], start["consumed"], start["clock"], start["gns_s"]
+    run = Run("goodput_scaling", clock=clock + dec_s, start_s=clock, decision_s=dec_s, gns_s=gns_s)
+    run.steps, run.samples = (1, consumed) if consumed else (0, 0)
+    run.decisions.append(first.to_dict())
+    v = tr.variant(run, first.chosen, state, chainer=scaler, gns=gns, consumed=consumed)
+    run.chain[0]["why"] = first.reason
+    return run, v
+
+
+def run_seed(tr: Trainer, reshard_s: float) -> dict:
     """Every variant of one seed, from that seed's initial weights and sample stream."""
     cfg = tr.cfg
-    step0, chainer, start = _start(tr, best_static, reshard_s)
+    statics = fastest_per_batch(tr.candidates, tr.cost.throughput)
+    step0, chainer, start = _start(tr, statics, reshard_s)
     first = start["first"]
     steps = 1 if start["consumed"] else 0
 
@@ -262,14 +302,18 @@ def run_seed(tr: Trainer, best_static: Strategy, reshard_s: float) -> dict:
         return Run(name, clock=c + d_s, start_s=c, decision_s=d_s, gns_s=start["gns_s"], steps=steps, samples=consumed)
 
     choice, state, consumed = first.chosen, start["state"], start["consumed"]
-    runs = {"best_static": Run("best_static"), "surrogate_static": started("surrogate_static"), "cona": started("cona")}
+    runs = {f"static_gb{s.global_batch}": Run(f"static_gb{s.global_batch}") for s in statics}
+    static_vs = [tr.variant(runs[f"static_gb{s.global_batch}"], s, tr.state0) for s in statics]
+    runs |= {"surrogate_static": started("surrogate_static"), "cona": started("cona")}
     runs["cona"].decisions.append(first.to_dict())
     variants: list[Variant | Oracle] = [
-        tr.variant(runs["best_static"], best_static, tr.state0),
+        *static_vs,
         tr.variant(runs["surrogate_static"], choice, state, consumed=consumed),
         tr.variant(runs["cona"], choice, state, chainer=chainer, gns=chainer.gns, consumed=consumed),
     ]
     runs["cona"].chain[0]["why"] = first.reason
+    runs["goodput_scaling"], scaling = _goodput_scaling(tr, step0, start, reshard_s)
+    variants.append(scaling)
     shortlist = oracle_shortlist(tr.candidates, tr.cost.throughput, cfg.oracle_branches) if cfg.oracle else []
     step0["oracle_branches"] = [s.name for s in shortlist]
     with tempfile.TemporaryDirectory(prefix="cona-oracle-") as d:
@@ -279,7 +323,7 @@ def run_seed(tr: Trainer, best_static: Strategy, reshard_s: float) -> dict:
             oracle = Oracle(tr, shortlist, dirs[0])
             runs["oracle"] = oracle.run
             variants.append(oracle)
-        _interleave(tr, variants)
+        _interleave(tr, variants, static_vs)
     return {"step0": step0, "runs": {k: summary(v, cfg.target_loss, cfg.target_window) for k, v in runs.items()}}
 
 
@@ -304,13 +348,12 @@ def bench_worker(rank: int, world: int, cfg_dict: dict, show_progress: bool = Fa
     measured = dict(base.cost.measured)
     table = {s.name: dict(zip(("samples_per_s", "source"), base.cost.throughput(s))) for s in base.candidates}
     out["throughput"] = table
-    best_static = max(base.candidates, key=lambda s: (base.cost.throughput(s)[0], s.name))
     reshard_s = base.reshard_seconds()
     out["probe"]["reshard_s"] = reshard_s
     out["seeds"] = {}
     for seed in cfg.seed_list:
         tr = base if seed == base.seed else Trainer(cfg, seed)
         tr.cost = CostModel(dict(measured))  # the probed table, the same for every seed
-        out["seeds"][seed] = run_seed(tr, best_static, reshard_s)
+        out["seeds"][seed] = run_seed(tr, reshard_s)
     out["config"] = asdict(cfg)
     return out if rank == 0 else None

@@ -22,7 +22,17 @@ from dataclasses import dataclass, field, fields
 from .gns import GradientNoiseScale, batch_efficiency, efficiency_models
 from .space import Strategy
 
-__all__ = ["Estimate", "Decision", "Chainer", "goodput", "robust_choice", "switch_gain", "noise_grid", "remaining_time"]
+__all__ = [
+    "Estimate",
+    "Decision",
+    "Chainer",
+    "GoodputScaler",
+    "goodput",
+    "robust_choice",
+    "switch_gain",
+    "noise_grid",
+    "remaining_time",
+]
 
 log = logging.getLogger(__name__)
 
@@ -345,3 +355,48 @@ class Chainer:
         self.decisions.append(d)
         log.info("step %d: %s", d.step, d.reason)
         return d
+
+
+class GoodputScaler(Chainer):
+    """AdaptDL/Pollux-style goodput-driven batch scaling without strategy switching: on the data-parallel layout
+    alone (``data_parallel``), every decision takes the global batch (and micro-batch) of highest goodput at the
+    current noise-scale estimate when it beats the current one's by more than ``margin`` (AdaptDL's 5% hysteresis,
+    which ended its batch-size thrashing). No noise range, no time left, no evaluations read."""
+
+    @staticmethod
+    def data_parallel(candidates: Sequence[Strategy], world: int) -> list[Strategy]:
+        """The candidates AdaptDL scales over: dp = ``world`` (else the widest data-parallel layout there is)."""
+        widest = max(c.dp for c in candidates)
+        return [c for c in candidates if c.dp == widest and c.tp * c.pp == world // widest]
+
+    def start(self, noise_scale: float | None, elapsed_s: float = 0.0) -> Decision:
+        """The best goodput at step 0's point estimate of the noise scale (None, unresolved: the smallest batch)."""
+        if noise_scale is None:
+            pick = min(self.candidates, key=lambda c: (c.global_batch, -self._table(c)[0], c.name))
+            ranking = tuple(self.rank(0.0))
+            reason = f"start: noise scale unresolved at step 0, the smallest global batch {pick.name}"
+            return self._record(Decision(0, elapsed_s, None, pick, True, reason, 0.0, 0.0, ranking))
+        ranking = tuple(self.rank(noise_scale))
+        best = ranking[0]
+        reason = f"start: best goodput {best.goodput:.1f} at step 0's noise scale {noise_scale:.1f}"
+        return self._record(Decision(0, elapsed_s, None, best.strategy, True, reason, noise_scale, 0.0, ranking))
+
+    def decide(  # type: ignore[override]
+        self, current: Strategy | None, step: int = 0, elapsed_s: float = 0.0, noise_scale: float | None = None, **_
+    ) -> Decision:
+        """Switch to the best goodput at ``noise_scale`` (else the estimator's) when it beats ``current``'s by
+        ``margin``; other arguments of ``Chainer.decide`` are ignored."""
+        if current is None:
+            return self.start(self.gns.noise_scale if self.gns.ready else None, elapsed_s)
+        phi = self.gns.noise_scale if noise_scale is None else noise_scale
+        ranking = tuple(self.rank(phi))
+        cur = next(e for e in ranking if e.strategy == current)
+        best = ranking[0]
+        if not self.gns.ready:
+            reason = f"stay: no gradient statistics yet for {current.name}"
+            return self._record(Decision(step, elapsed_s, current, current, False, reason, phi, 0.0, ranking))
+        if best.strategy != current and best.goodput > cur.goodput * (1 + self.margin):
+            reason = f"scale: {best.strategy.name} goodput {best.goodput:.1f} > {current.name} {cur.goodput:.1f}"
+            return self._record(Decision(step, elapsed_s, current, best.strategy, True, reason, phi, 0.0, ranking))
+        reason = f"stay: {current.name} goodput {cur.goodput:.1f} within {self.margin:g} of the best {best.goodput:.1f}"
+        return self._record(Decision(step, elapsed_s, current, current, False, reason, phi, 0.0, ranking))

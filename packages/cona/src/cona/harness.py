@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from .chain import Chainer, remaining_time
+from .chain import Chainer, GoodputScaler, remaining_time
 from .executor import FullState
 from .gns import GradientNoiseScale
 from .probe import every_rank, rank0, rank0_all
@@ -82,6 +82,7 @@ class Run:
     decision_trace: list[tuple[float, float]] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
     held_out_trace: list[tuple[float, float]] = field(default_factory=list)  # the oracle's picks read these
+    stopped_behind: str | None = None  # a static run stopped once past the clock another static reached the target at
 
 
 def _rounded(trace: list[tuple[float, float]]) -> list[list[float]]:
@@ -111,6 +112,7 @@ def summary(run: Run, target_loss: float, window: int) -> dict:
         "trace": _rounded(run.trace),
         "held_out_trace": _rounded(run.held_out_trace),
         "decisions": run.decisions,
+        "stopped_behind": run.stopped_behind,
     }
 
 
@@ -202,7 +204,8 @@ class Variant:
         if self.held_out:
             run.held_out_trace.append((t, self.ex.evaluate(self.tr.held_out)))
         run.eval_s += time.perf_counter() - te
-        if self.chainer is not None and readable and t >= self.next_charged:
+        reads = self.chainer is not None and not isinstance(self.chainer, GoodputScaler)  # cona's trend
+        if reads and readable and t >= self.next_charged:
             te = time.perf_counter()
             dv = self.ex.evaluate(self.tr.decision_val)
             dt = rank0(time.perf_counter() - te)
@@ -253,13 +256,17 @@ class Variant:
         t_decide = time.perf_counter()
         self.next_decide = run.clock + cfg.decide_every_s
         online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
-        rem, lo, hi, phi, extra = self._decision_inputs(online)
-        models = self._running_models(extra.pop("fit"))
-        d = chainer.decide(
-            s, run.steps, run.clock, noise_range=(lo, hi), remaining_s=rem, noise_scale=phi, models=models
-        )
-        pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in gns.raw[-cfg.range_window :]]
-        extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
+        if isinstance(chainer, GoodputScaler):  # its own point estimate, rank 0's, nothing else read
+            (phi,) = rank0_all(min(gns.noise_scale, 1e9) if gns.ready else 0.0)
+            d, extra = chainer.decide(s, run.steps, run.clock, noise_scale=phi), {}
+        else:
+            rem, lo, hi, phi, extra = self._decision_inputs(online)
+            models = self._running_models(extra.pop("fit"))
+            d = chainer.decide(
+                s, run.steps, run.clock, noise_range=(lo, hi), remaining_s=rem, noise_scale=phi, models=models
+            )
+            pairs = [[float(f"{g:.8g}"), float(f"{t:.8g}")] for g, t in gns.raw[-cfg.range_window :]]
+            extra |= {"remaining_s": rem, "noise_range": [lo, hi], "pairs": pairs}  # the pairs it read, for replays
         run.decisions.append(d.to_dict() | {"online_samples_per_s": online} | extra)
         dt = rank0(time.perf_counter() - t_decide)
         run.clock += dt
