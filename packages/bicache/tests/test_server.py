@@ -80,6 +80,8 @@ def test_generate_and_openai_routes(dlm, task):
     assert chat[0] == 200 and chat[1]["choices"][0]["message"]["role"] == "assistant"
     assert badchat[0] == 400 and "'messages'" in badchat[1]["error"]["message"]
     assert health["status"] == "ok" and health["stats"]["requests"] >= 4
+    # the block cache alone never consults the prefix store
+    assert health["prefix_store"] == {"entries": 0, "bytes": 0, "hits": 0, "misses": 0, "evictions": 0}
     assert models["data"][0]["object"] == "model"
 
 

@@ -262,6 +262,8 @@ async def health(request: web.Request) -> web.Response:
                 "entries": len(engine.store.entries),
                 "bytes": engine.store.nbytes(),
                 "hits": engine.store.hits,
+                "misses": engine.store.misses,
+                "evictions": engine.store.evictions,
             },
         }
     )
