@@ -19,14 +19,30 @@ def batch(rank: int, step: int, size: int = 4):
 
 
 def train(
-    rank, world, compression, outer_steps, inner_steps_by_rank, ckpt=None, save_at=None, resume=False, all_reduce="ring"
+    rank,
+    world,
+    compression,
+    outer_steps,
+    inner_steps_by_rank,
+    ckpt=None,
+    save_at=None,
+    resume=False,
+    all_reduce="ring",
+    sign_collective="all_gather",
 ):
     model = tiny_model(seed=rank)  # different inits: DiLoCo must start everyone from rank 0's weights
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rotate = compression == "sign-rot"  # the sign payload in the randomized-Hadamard basis
     comp = "sign" if rotate else compression
     dl = DiLoCo(
-        model, opt, inner_steps_by_rank[rank], compression=comp, chunk_size=16, rotate=rotate, all_reduce=all_reduce
+        model,
+        opt,
+        inner_steps_by_rank[rank],
+        compression=comp,
+        chunk_size=16,
+        rotate=rotate,
+        all_reduce=all_reduce,
+        sign_collective=sign_collective,
     )
     step = 0
     if resume:
@@ -57,6 +73,28 @@ def all_variants(rank, world):
 def ring_and_gather(rank, world):
     """The dense fp32 outer step with gloo's ring all-reduce and with the gather (all_gather + local sum)."""
     return {algo: train(rank, world, "fp32", 2, [2, 3, 5][:world], all_reduce=algo) for algo in ("ring", "gather")}
+
+
+def sign_reduce_scatter(rank, world):
+    """DiLoCo with the sharded sign exchange, plain and rotated, next to the all_gather one."""
+    out = {}
+    for comp in ("sign", "sign-rot"):
+        for coll in ("all_gather", "reduce_scatter"):
+            out[comp, coll] = train(rank, world, comp, 3, [2, 3, 5][:world], sign_collective=coll)
+    return out
+
+
+def exact_sign_mean(rank, world):
+    """Every worker sends m_r(chunk) x P for one +-1 pattern P: sign coding is exact there, so the
+    sharded exchange must return the token-weighted mean of the m_r exactly."""
+    from geomesh import SignCompressor, SignReduceScatter
+
+    pattern = torch.where(torch.arange(96) % 3 == 0, -1.0, 1.0)
+    mags = torch.arange(1, 7, dtype=torch.float32).repeat_interleave(16) * (rank + 1)
+    comp = SignCompressor([(96,)], chunk_size=16, scale="rms")
+    rs = SignReduceScatter(comp, world, rank)
+    (got,) = rs.reduce([mags * pattern], tokens=10 * (rank + 1))
+    return got, rs.wire_bytes(), rs.slot
 
 
 def mismatched(rank, world):

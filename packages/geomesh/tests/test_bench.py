@@ -4,6 +4,7 @@ import pytest
 
 from geomesh import WanEmulator
 from geomesh.bench import BenchConfig, bench_cluster, load_corpus, ppl_at_tokens, run_bench
+from geomesh.simulate import scheme_of
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,14 @@ def test_small_bench_side_by_side():
         assert links["results"]["geomesh"]["collective"] == "all_gather"
     assert res["bw_bound"]["emulated"]["link_bandwidth_scale"] == 0.1
     assert "ttt_ratio_vs_diloco_bw_bound" in h
+    # the 8-64 worker model, checked against the 3-worker runs (seconds only: no link counters in-process)
+    val = res["simulation"]["latency_bound"]["validation"]
+    assert set(val) == {
+        "allgather-sign",
+        d_scheme := scheme_of("diloco-fp32", res["results"]["diloco-fp32"]["collective"]),
+    }
+    assert val[d_scheme]["measured_collective_s"] == res["results"]["diloco-fp32"]["collective_s_per_sync"]
+    assert h["sim_traffic_ratio_vs_ring_fp32@64"] <= 1 / 8 < h["sim_traffic_ratio_allgather_sign_vs_ring_fp32@64"]
     # no namespaces here: no link counters, and the JSON says so instead of a number
     assert h["bytes_ratio_vs_fp32_measured"] is None and h["bytes_measured"].startswith("not available")
     for key in (

@@ -1,6 +1,17 @@
 import pytest
 import torch
-from _workers import all_variants, dies, mismatched, rebalanced, ring_and_gather, stalls, tiny_model, train
+from _workers import (
+    all_variants,
+    dies,
+    exact_sign_mean,
+    mismatched,
+    rebalanced,
+    ring_and_gather,
+    sign_reduce_scatter,
+    stalls,
+    tiny_model,
+    train,
+)
 
 import geomesh
 from geomesh import DiLoCo, GeoMeshError, spawn
@@ -49,10 +60,41 @@ def test_gather_all_reduce_matches_the_ring():
     assert ring["wire_bytes"] == pytest.approx(4 / 3 * ring["payload_bytes"])
 
 
+def test_sign_reduce_scatter_returns_the_exact_weighted_mean():
+    res = spawn(exact_sign_mean, 3, timeout_s=120, start_method="fork")
+    pattern = torch.where(torch.arange(96) % 3 == 0, -1.0, 1.0)
+    base = torch.arange(1, 7, dtype=torch.float32).repeat_interleave(16)
+    w = torch.tensor([10.0, 20.0, 30.0]) / 60  # tokens 10, 20, 30 weight the magnitudes 1x, 2x, 3x
+    expected = base * float((w * torch.tensor([1.0, 2.0, 3.0])).sum()) * pattern
+    for got, _, _ in res:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    # 6 chunks of 16 in 3 shards of 2: a shard coding is 8 + 2 x 4 + 4 bytes; 2 x 2 of them sent
+    assert [(wire, slot) for _, wire, slot in res] == [(4 * 20, 20)] * 3
+
+
+def test_sign_reduce_scatter_keeps_workers_identical_and_sends_less():
+    res = spawn(sign_reduce_scatter, 3, timeout_s=240, start_method="fork")
+    for comp in ("sign", "sign-rot"):
+        rs = [r[comp, "reduce_scatter"] for r in res]
+        for r in (1, 2):
+            assert all(torch.equal(a, b) for a, b in zip(rs[0]["params"], rs[r]["params"])), (comp, r)
+        h_rs, h_ag = rs[0]["history"][0], res[0][comp, "all_gather"]["history"][0]
+        assert h_rs["collective"] == "reduce_scatter+all_gather" and h_ag["collective"] == "all_gather"
+        # (n-1)/n of every shard out and (n-1)/n of the coded mean back: under 2 payloads, vs (n-1) = 2 payloads
+        assert h_rs["wire_bytes"] < h_ag["wire_bytes"] == 2 * h_ag["payload_bytes"]
+        # the same direction as the all_gather's outer step, from twice-coded signs
+        a = torch.cat([p.reshape(-1) for p in rs[0]["params"]])
+        b = torch.cat([p.reshape(-1) for p in res[0][comp, "all_gather"]["params"]])
+        init = torch.cat([p.detach().reshape(-1) for p in tiny_model(0).parameters()])
+        assert torch.nn.functional.cosine_similarity(a - init, b - init, dim=0) > 0.8
+
+
 def test_all_reduce_name_is_checked():
     model = tiny_model(0)
     with pytest.raises(ValueError, match="all_reduce must be one of"):
         DiLoCo(model, torch.optim.AdamW(model.parameters()), 2, compression="fp32", all_reduce="tree")
+    with pytest.raises(ValueError, match="sign_collective must be one of"):
+        DiLoCo(model, torch.optim.AdamW(model.parameters()), 2, sign_collective="tree")
 
 
 @pytest.mark.parametrize("comp", ["sign", "sign-rot"])

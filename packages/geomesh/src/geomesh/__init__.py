@@ -18,6 +18,7 @@ from .diloco import COMPRESSIONS, DiLoCo, GeoMeshError, SyncStats
 from .launch import LaunchError, free_port, init_from_env, spawn
 from .netns import WAN_MODES, NetnsError, NetnsWan, WanDecision, wan_mode
 from .signcompress import SignCodec, SignCompressor, contraction, pack_signs, unpack_signs
+from .signreduce import SignReduceScatter
 from .wan import COLLECTIVES, WanEmulator, collective_hops, ring_wire_bytes
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "WAN_MODES",
     "wan_mode",
     "ring_wire_bytes",
+    "SignReduceScatter",
     "collective_hops",
     "COLLECTIVES",
     "BalanceError",

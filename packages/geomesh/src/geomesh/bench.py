@@ -27,13 +27,15 @@ from .baselines import AsyncServer, GradientAllReduce
 from .diloco import ALL_REDUCE_ALGOS, DiLoCo
 from .launch import spawn
 from .netns import IFNAME, WAN_MODES, NetnsError, NetnsWan, netns_prerequisites, wan_mode
+from .simulate import scaling, scheme_of, validate
 from .wan import WanEmulator
 
 __all__ = ["BenchConfig", "METHODS", "run_bench", "load_corpus", "build_model", "headline"]
 
 log = logging.getLogger(__name__)
 METHODS = ("geomesh", "diloco-fp32", "diloco-fp16", "ddp", "async")
-ABLATIONS = ("geomesh-fp32", "diloco-sign")  # balancing without compression; compression without balancing
+# balancing without compression; compression without balancing; GeoMesh with the sign reduce-scatter
+ABLATIONS = ("geomesh-fp32", "diloco-sign", "geomesh-rs")
 
 
 @dataclass
@@ -85,7 +87,8 @@ class BenchConfig:
     # the bandwidth-bound configuration: every link's bandwidth times this (0: not run), so that a dense
     # sync costs more in bytes than in latency; run for ``bw_bound_methods`` at ``seed``
     bw_bound_scale: float = 0.1
-    bw_bound_methods: tuple[str, ...] = ("geomesh", "diloco-fp32", "diloco-fp16")
+    # (geomesh-rs: the sign reduce-scatter, measured at 3 workers to check the 8-64 worker simulation)
+    bw_bound_methods: tuple[str, ...] = ("geomesh", "diloco-fp32", "diloco-fp16", "geomesh-rs")
     link_bandwidth_scale: float = 1.0  # this configuration's links: the cluster spec's bandwidth times this
     text_bytes: int = 1_500_000
     val_seqs: int = 48
@@ -281,7 +284,8 @@ def _make_diloco(cfg, method: str, model, opt, wan, worker: str) -> DiLoCo:
         1 << 30 if balanced else cfg.inner_steps,  # geomesh: the first phase is time-boxed (synced by hand)
         outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum,
-        compression="sign" if method == "geomesh" else method.split("-")[1],
+        compression="sign" if method in ("geomesh", "geomesh-rs") else method.split("-")[1],
+        sign_collective="reduce_scatter" if method == "geomesh-rs" else "all_gather",
         chunk_size=cfg.chunk_size,
         scale=cfg.scale,
         error_feedback=cfg.error_feedback,
@@ -547,6 +551,9 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
         # the end of training: every byte the method's syncs really put on the wire (TCP/IP included)
         res["measured_tx_bytes_per_worker"] = tx
         res["measured_wire_bytes_per_worker_per_sync"] = sum(tx) / len(tx) / syncs
+    coll = [h["collective_s"] for hs in hist for h in hs if "collective_s" in h]
+    if coll:
+        res["collective_s_per_sync"] = sum(coll) / len(coll)
     if method == "ddp":
         res["stopped_at_time_cap"] = bool(outs[0].get("capped"))
     if "phases" in outs[0]:
@@ -575,6 +582,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         bw = _configuration(bcfg, data, lat["reference"]["target_ppl"], progress, bemu)
         bw["emulated"] = bemu
         _bw_headline(head, bw["headline"], bw["results"])
+    sim = _simulation(cfg, lat["results"], bw.get("results", {}))
+    head.update(_simulation_headline(sim))
     held_out = [cfg.seed + k for k in range(cfg.repeat_seeds + 1)]
     return {
         "config": {**asdict(cfg), "corpus_files": len(files), "train_tokens": len(train), "val_tokens": len(val)},
@@ -584,8 +593,59 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "headline": head,
         "repeats": lat["repeats"],
         "bw_bound": {k: v for k, v in bw.items() if k != "reference"},
+        "simulation": sim,
         "emulated": emulated,
     }
+
+
+def _simulation(cfg: BenchConfig, lat: dict, bw: dict) -> dict:
+    """8-64 workers over the spec's links (round-robin placement), the model checked against the 3-worker
+    runs measured here: bytes from the link counters, seconds in the collective."""
+    d = lat.get("diloco-fp32") or bw.get("diloco-fp32")
+    if not d:
+        return {}
+    n_params = d["payload_bytes_per_worker_per_sync"] // 4
+    world = len(hwtopo.load(cfg.cluster).machines)
+    out: dict = {"n_params": n_params, "placement": "round-robin over the spec's machines"}
+    for name, results, scale in (("latency_bound", lat, 1.0), ("bandwidth_bound", bw, cfg.bw_bound_scale)):
+        if not results:
+            continue
+        cluster = bench_cluster(replace(cfg, link_bandwidth_scale=scale))
+        measured = {}
+        for method, r in results.items():
+            scheme = scheme_of(method, r.get("collective"))
+            if scheme and r.get("collective_s_per_sync") is not None:
+                wire = r.get("measured_wire_bytes_per_worker_per_sync")
+                measured[scheme] = {"workers": world, "wire_bytes": wire, "collective_s": r["collective_s_per_sync"]}
+        out[name] = {
+            **scaling(cluster, n_params, cfg.chunk_size),
+            "validation": validate(cluster, n_params, measured, cfg.chunk_size),
+        }
+    return out
+
+
+def _simulation_headline(sim: dict) -> dict:
+    """The scaling keys: the sign reduce-scatter's and all_gather's traffic against an fp32 ring at 64
+    workers, and how far the model was from the measured 3-worker runs."""
+    if not sim:
+        return {}
+    lat = sim.get("latency_bound") or sim["bandwidth_bound"]
+    out = {
+        "sim_traffic_ratio_vs_ring_fp32@64": lat["ratios"].get("reduce-scatter-sign_traffic_vs_ring_fp32@64"),
+        "sim_traffic_ratio_allgather_sign_vs_ring_fp32@64": lat["ratios"].get("allgather-sign_traffic_vs_ring_fp32@64"),
+    }
+    if "bandwidth_bound" in sim:
+        r = sim["bandwidth_bound"]["ratios"]
+        out["sim_time_ratio_vs_ring_fp32@64_bw_bound"] = r.get("reduce-scatter-sign_time_vs_ring_fp32@64")
+    errs = {"wire_bytes": [], "collective_s": []}
+    for part in ("latency_bound", "bandwidth_bound"):
+        for row in sim.get(part, {}).get("validation", {}).values():
+            for key, vals in errs.items():
+                if row.get(f"{key}_rel_err") is not None:
+                    vals.append(abs(row[f"{key}_rel_err"]))
+    out["sim_validation_max_bytes_rel_err"] = max(errs["wire_bytes"], default=None)
+    out["sim_validation_max_time_rel_err"] = max(errs["collective_s"], default=None)
+    return out
 
 
 def _open_wan(cfg: BenchConfig, world: int, emulated: dict) -> NetnsWan | None:

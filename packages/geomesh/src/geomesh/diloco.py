@@ -30,15 +30,25 @@ import hwtopo
 
 from .balance import PhaseClock, Plan, Rebalancer, token_weights
 from .signcompress import SignCompressor
+from .signreduce import SignReduceScatter
 from .wan import WanEmulator, ring_wire_bytes
 
-__all__ = ["DiLoCo", "SyncStats", "GeoMeshError", "COMPRESSIONS", "ALL_REDUCE_ALGOS", "dense_all_reduce"]
+__all__ = [
+    "DiLoCo",
+    "SyncStats",
+    "GeoMeshError",
+    "COMPRESSIONS",
+    "ALL_REDUCE_ALGOS",
+    "SIGN_COLLECTIVES",
+    "dense_all_reduce",
+]
 
 log = logging.getLogger(__name__)
 COMPRESSIONS = ("sign", "fp32", "fp16")
 # dense all-reduce algorithms: "ring" (gloo's, 2(n-1) hops, fewest bytes), "gather" (all_gather then a
 # local sum, n-1 hops), "auto" (the faster of the two on the WanEmulator's links for this payload)
 ALL_REDUCE_ALGOS = ("ring", "gather", "auto")
+SIGN_COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
 class GeoMeshError(RuntimeError):
@@ -158,10 +168,13 @@ class DiLoCo:
         worker_name: str | None = None,
         phase_clock: PhaseClock | None = None,
         all_reduce: str = "ring",
+        sign_collective: str = "all_gather",
     ):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
         reduce_kind(all_reduce, 0, None)  # a bad name fails before any collective
+        if sign_collective not in SIGN_COLLECTIVES:
+            raise ValueError(f"sign_collective must be one of {SIGN_COLLECTIVES}, not {sign_collective!r}")
         if not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be a positive integer, not {inner_steps!r}")
         self.model = model
@@ -188,6 +201,12 @@ class DiLoCo:
             else None
         )
         self.reduce_kind = self._reduce_kind(all_reduce)
+        # the sign payload: all-gathered whole, or reduced by shard (traffic flat in the worker count)
+        self.sign_reduce = (
+            SignReduceScatter(self.compressor, self.world, self.rank, group, wan)
+            if self.compressor is not None and sign_collective == "reduce_scatter"
+            else None
+        )
         self.local_step = 0
         self.outer_step = 0
         self.tokens = 0
@@ -202,6 +221,11 @@ class DiLoCo:
             self._broadcast_initial()
 
     # --- set-up ---------------------------------------------------------------------------------
+    def _collective_name(self) -> str:
+        if self.sign_reduce is not None:
+            return "reduce_scatter+all_gather"
+        return "all_gather" if self.compressor is not None else self.reduce_kind
+
     def _reduce_kind(self, algo: str) -> str:
         """The WanEmulator collective the dense payload runs as (the sign payload is always all_gather)."""
         elem = 4 if self.compression == "fp32" else 2
@@ -261,6 +285,11 @@ class DiLoCo:
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
+        if self.sign_reduce is not None:
+            t0 = time.perf_counter()
+            agg = [a.to(d.device) for a, d in zip(self.sign_reduce.reduce(deltas, self.tokens), deltas)]
+            self._collective_s += time.perf_counter() - t0
+            return agg, self.sign_reduce.payload_bytes, self.sign_reduce.wire_bytes()
         if self.compressor is not None:  # compression == "sign"
             buf = self.compressor.compress(deltas, self.tokens)
             t0 = time.perf_counter()
@@ -318,7 +347,7 @@ class DiLoCo:
             wire_bytes=float(wire),
             rates=rates,
             codec=dict(self.compressor.last_stats) if self.compressor is not None else {},
-            collective="all_gather" if self.compressor is not None else self.reduce_kind,
+            collective=self._collective_name(),
             collective_s=self._collective_s,
         )
         if self.rebalancer is not None:
@@ -360,6 +389,7 @@ class DiLoCo:
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "synced": [s.detach().clone() for s in self.synced],
             "compressor": self.compressor.state_dict() if self.compressor else None,
+            "server_residual": self.sign_reduce.server_residual.clone() if self.sign_reduce else None,
             "local_step": self.local_step,
             "outer_step": self.outer_step,
             "tokens": self.tokens,
@@ -381,6 +411,8 @@ class DiLoCo:
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         if self.compressor is not None and state["compressor"] is not None:
             self.compressor.load_state_dict(state["compressor"])
+        if self.sign_reduce is not None and state.get("server_residual") is not None:
+            self.sign_reduce.server_residual = state["server_residual"].clone()
         for k in ("local_step", "outer_step", "tokens", "inner_steps", "batch_size"):
             setattr(self, k, state[k])
         self._phase_start = time.perf_counter()

@@ -16,8 +16,9 @@ import hwtopo
 __all__ = ["WanEmulator", "ring_wire_bytes", "collective_hops", "COLLECTIVES"]
 
 # "all_reduce": ring reduce-scatter + all-gather (gloo's ring); "all_reduce_gather": every rank's whole
-# payload all-gathered around the ring, then summed locally (half the hops, (n-1)/2 times the bytes)
-COLLECTIVES = ("all_gather", "all_reduce", "all_reduce_gather")
+# payload all-gathered around the ring, then summed locally (half the hops, (n-1)/2 times the bytes);
+# "reduce_scatter": nbytes per rank, one n-th of it kept by each rank (the first half of the ring)
+COLLECTIVES = ("all_gather", "all_reduce", "all_reduce_gather", "reduce_scatter")
 
 
 def _check_kind(kind: str) -> None:
@@ -40,6 +41,8 @@ def ring_wire_bytes(kind: str, nbytes: int, world: int) -> float:
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (world - 1) / world * nbytes
+    if kind == "reduce_scatter":
+        return (world - 1) / world * nbytes
     return float((world - 1) * nbytes)
 
 
@@ -100,7 +103,7 @@ class WanEmulator:
 
     def _steps(self, kind: str, nbytes: int) -> tuple[int, float]:
         hops = collective_hops(kind, self.world)
-        return hops, (nbytes / self.world if kind == "all_reduce" else nbytes)
+        return hops, (nbytes / self.world if kind in ("all_reduce", "reduce_scatter") else nbytes)
 
     def collective_time_s(self, kind: str, nbytes: int) -> float:
         """Emulated seconds of a collective of ``COLLECTIVES`` (nbytes per rank): one latency per hop
