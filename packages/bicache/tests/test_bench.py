@@ -31,3 +31,8 @@ def test_bench_runs_every_variant_side_by_side(dlm):
     assert r["block_cache"]["0.9"]["token_layers_computed"] < r["nocache"]["0.9"]["token_layers_computed"]
     assert r["fixed_depth_1"]["0.9"]["depths"] == [1]
     assert h["acc_drop_bicache"] == pytest.approx(h["acc_nocache"] - h["acc_bicache"], abs=1e-4)
+    # against Fast-dLLM's dual cache (the block cache) alone, at a 50% shared prefix
+    dual, both = r["block_cache"]["0.5"], r["bicache+block_cache"]["0.5"]
+    ratio = (both["tokens"] / both["median_cpu_seconds"]) / (dual["tokens"] / dual["median_cpu_seconds"])
+    assert h["throughput_ratio_vs_dual_cache"] == pytest.approx(ratio, abs=1e-3)
+    assert h["acc_drop_vs_dual_cache"] == pytest.approx(dual["accuracy"] - both["accuracy"], abs=1e-4)

@@ -272,4 +272,11 @@ def headline_from(results: dict, work: dict) -> dict:
             head[f"throughput_ratio_vs_nocache{suffix}@{k}"] = round(
                 (r_bi["tokens"] / r_bi[timer]) / (r_none["tokens"] / r_none[timer]), 3
             )
+        if "0.5" in results["block_cache"]:
+            # the strongest baseline: Fast-dLLM's dual cache alone vs bicache on top of it, at 50%
+            r_dual, r_both = results["block_cache"]["0.5"], results["bicache+block_cache"]["0.5"]
+            head[f"throughput_ratio_vs_dual_cache{suffix}"] = round(
+                (r_both["tokens"] / r_both[timer]) / (r_dual["tokens"] / r_dual[timer]), 3
+            )
+            head["acc_drop_vs_dual_cache"] = round(r_dual["accuracy"] - r_both["accuracy"], 4)
     return head
