@@ -28,7 +28,7 @@ from torch import nn
 from hwtopo import resume_point, sync_point
 
 from .shard import build_model
-from .train import TrainConfig, make_corpus, make_optimizer, split_layers
+from .train import TrainConfig, clip_stage_grads, make_corpus, make_optimizer, split_layers
 
 __all__ = ["DTensorTPTrainer", "PipeliningTrainer", "SCHEDULES"]
 
@@ -221,17 +221,7 @@ class PipeliningTrainer:
         t0 = time.perf_counter()
         self.stage_mod.train()
         loss = self._run(ids, True)
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in self.params:
-            if p.grad is not None:
-                sq += p.grad.double().pow(2).sum()
-        dist.all_reduce(sq)
-        total = float(sq.sqrt())
-        coef = self.cfg.clip / (total + 1e-6)
-        if coef < 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        total = clip_stage_grads(self.params, self.cfg.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         sync_point()

@@ -283,6 +283,23 @@ def split_layers(num_layers: int, speeds: list[float]) -> list[int]:
     return counts
 
 
+def clip_stage_grads(params: list, max_norm: float, group=None) -> float:
+    """Clip a pipeline stage's gradients by the global norm over all stages (each holds its own
+    parameters: squares summed over the group); returns the norm before clipping."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            sq += p.grad.double().pow(2).sum()
+    all_reduce(sq, group, tag="clip")
+    total = float(sq.sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total
+
+
 class PPTrainer:
     """GPipe-style pipeline stage: all micro-batches forward, then all backward, over send/recv.
 
@@ -381,17 +398,7 @@ class PPTrainer:
                 out.backward(grad)
             if not self.first:
                 self._p2p(dist.send, inp.grad.contiguous(), self.rank - 1)
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in self.params:
-            if p.grad is not None:
-                sq += p.grad.double().pow(2).sum()
-        all_reduce(sq, self.group, tag="clip")
-        total = float(sq.sqrt())
-        coef = self.cfg.clip / (total + 1e-6)
-        if coef < 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        total = clip_stage_grads(self.params, self.cfg.clip, self.group)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         sync_point()
