@@ -357,6 +357,8 @@ def _layer_mask(plan: _Plan, i: int, q0: int) -> torch.Tensor | None:
         return None
     q = plan.end - q0
     layer = plan.cache.layers[i] if plan.cache is not None else None
+    if layer is not None and not isinstance(layer, CacheLayerMixin):
+        raise ValueError(f"cache layer {i} is a {type(layer).__name__}; a sliding-window layer needs a K/V cache layer")
     if layer is None or (layer.get_seq_length() == 0 and layer.get_mask_sizes(q)[0] == q):
         kv, offset = q, q0  # the layer attends over exactly what it computes
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ def tiny_config(
         raise ValueError(f"local_layers must lie in [0, layers={layers}], got {local_layers}")
     if local_layers and arch != "gemma3":
         raise ValueError(f"local_layers needs arch='gemma3' (sliding-window layers); {arch} has global layers only")
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": 3 * hidden,
@@ -150,8 +151,8 @@ class DiffusionLM:
         cfg = model.config
         if not getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError(
-                "model config has use_bidirectional_attention=False (or unset); a diffusion LM needs True "
-                "(bicache then runs every layer with a bidirectional mask)"
+                "model config has use_bidirectional_attention=False (or unset); a diffusion LM needs True: "
+                "set config.use_bidirectional_attention = True (bicache then runs every layer bidirectionally)"
             )
         self.layers = decoder_layers(model)
         if cfg.vocab_size < len(vocab):
