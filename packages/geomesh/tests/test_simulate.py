@@ -1,7 +1,17 @@
 import pytest
 
 import hwtopo
-from geomesh.simulate import SCHEMES, scaling, scheme_of, sign_payload_bytes, simulate, validate
+from geomesh.simulate import (
+    SCHEMES,
+    WireOverhead,
+    fit_overhead,
+    messages_per_sync,
+    scaling,
+    scheme_of,
+    sign_payload_bytes,
+    simulate,
+    validate,
+)
 from geomesh.wan import WanEmulator
 
 N = 107_000
@@ -45,3 +55,21 @@ def test_validate_reports_relative_errors_and_scheme_names():
         simulate(c, 3, N, "tree")
     with pytest.raises(ValueError, match="workers: 0 must be a positive integer"):
         simulate(c, 0, N, "ring-fp32")
+
+
+def test_wire_overhead_is_fitted_per_byte_and_per_message():
+    c = hwtopo.load("geo-3region")
+    true = WireOverhead(per_byte=0.05, per_message=500.0)
+    runs = {sc: simulate(c, 3, N, sc, overhead=true) for sc in ("allgather-sign", "gather-fp32", "ring-fp32")}
+    measured = {sc: {"workers": 3, "wire_bytes": r.wire_bytes_per_worker} for sc, r in runs.items()}
+    got = fit_overhead(N, measured)
+    assert got.per_byte == pytest.approx(0.05) and got.per_message == pytest.approx(500.0)
+    # 2 meta messages and the ring's 4 steps
+    assert messages_per_sync("ring-fp32", 3) == 6 and messages_per_sync("allgather-sign", 3) == 4
+    assert runs["ring-fp32"].wire_bytes_per_worker == pytest.approx(
+        runs["ring-fp32"].traffic_bytes_per_worker * 1.05 + 6 * 500.0
+    )
+    # one run: the whole excess is per message; no measured bytes: no overhead
+    one = fit_overhead(N, {"allgather-sign": measured["allgather-sign"]})
+    assert one.per_byte == 0 and one.per_message > 0
+    assert fit_overhead(N, {"allgather-sign": {"workers": 3, "wire_bytes": None}}) == WireOverhead()

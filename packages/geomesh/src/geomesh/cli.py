@@ -125,6 +125,7 @@ def _bench(cfg, quiet: bool) -> dict:
         "headline": res["headline"],
         "repeats": res.get("repeats", []),
         "bw_bound": res["bw_bound"],
+        "simulation": res["simulation"],
         "emulated": res["emulated"],
     }
 

@@ -286,9 +286,8 @@ class DiLoCo:
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
         if self.sign_reduce is not None:
-            t0 = time.perf_counter()
             agg = [a.to(d.device) for a, d in zip(self.sign_reduce.reduce(deltas, self.tokens), deltas)]
-            self._collective_s += time.perf_counter() - t0
+            self._collective_s += self.sign_reduce.collective_s
             return agg, self.sign_reduce.payload_bytes, self.sign_reduce.wire_bytes()
         if self.compressor is not None:  # compression == "sign"
             buf = self.compressor.compress(deltas, self.tokens)

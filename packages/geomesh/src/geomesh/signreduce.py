@@ -64,6 +64,7 @@ class SignReduceScatter:
         a, b = self.bounds[rank]
         self.server_residual = torch.zeros(b - a)
         self.payload_bytes = sum(c.nbytes for c in self.codecs)
+        self.collective_s = 0.0  # seconds of the last ``reduce`` spent in its two collectives (not coding)
 
     def wire_bytes(self) -> float:
         """What this worker sends per sync: n-1 shard codings, then n-1 copies of its coded mean shard."""
@@ -103,12 +104,14 @@ class SignReduceScatter:
     def reduce(self, tensors: Sequence[torch.Tensor], tokens: int) -> list[torch.Tensor]:
         """The token-weighted mean of all workers' sign-coded ``tensors`` (float32, identical everywhere)."""
         send = self._code_shards(tensors, tokens)
+        self.collective_s = 0.0
         if self.world > 1:
             got = torch.empty_like(send)
             t0 = time.perf_counter()
             dist.all_to_all_single(got, send, group=self.group)
             if self.wan is not None:
                 self.wan.wait("reduce_scatter", self.world * self.slot, t0)
+            self.collective_s += time.perf_counter() - t0
         else:
             got = send
         mine = self._mean_of_my_shard(got)
@@ -118,6 +121,7 @@ class SignReduceScatter:
             dist.all_gather(shards, mine, group=self.group)
             if self.wan is not None:
                 self.wan.wait("all_gather", self.slot, t0)
+            self.collective_s += time.perf_counter() - t0
         else:
             shards = [mine]
         flat = torch.cat([c.decode_coded(s[: c.nbytes].clone())[0] for c, s in zip(self.codecs, shards)])
