@@ -261,7 +261,7 @@ def _plots(out: Path, ev: dict) -> list[str]:
     ]
     lim = [min(1e3 * p["true"] for p in pts) * 0.8, max(1e3 * p["true"] for p in pts) * 1.2]
     labels = {"xlabel": "measured step CPU time (ms)", "ylabel": "predicted (ms)"}
-    _scatter(plt, out / "time_scatter.png", series, lim, labels | {"title": "time: held-out families (measured)"})
+    _scatter(plt, out / "time_scatter.png", series, lim, labels | {"title": "time: held-out architectures"})
     mp, mib = ev["memory"]["points"], 2.0**20
     series = [
         ([p["true"] / mib for p in sel], [p["pred"] / mib for p in sel], {"label": f"{mod} (factorized)", "s": 18})
@@ -271,11 +271,11 @@ def _plots(out: Path, ev: dict) -> list[str]:
     style = {"marker": "x", "s": 14, "c": "grey", "label": "accelerate-style"}
     series.append(([p["true"] / mib for p in mp], [p["accelerate_style"] / mib for p in mp], style))
     lim = [min(p["true"] for p in mp) / mib * 0.5, max(p["true"] for p in mp) / mib * 1.2]
-    labels = {"xlabel": "MemTracker peak (MiB)", "ylabel": "predicted (MiB)"}
+    labels = {"xlabel": "measured peak RSS (MiB)", "ylabel": "predicted (MiB)"}
     _scatter(plt, out / "memory_scatter.png", series, lim, labels | {"title": "memory: predicted vs measured peak"})
     return [
         "time_scatter.png: predicted vs measured step time, each family held out",
-        "memory_scatter.png: factorized and accelerate-style predictions vs MemTracker peak",
+        "memory_scatter.png: real-peak and accelerate-style predictions vs measured peak RSS",
     ]
 
 
@@ -296,18 +296,22 @@ def cmd_bench(a) -> int:
 
         save_rows(save_path, ev["rows"], {"sysprdict": __version__})
     results = {
-        "time_precision_aware": dict(ev["timing"]["aware"]),
-        "time_precision_blind": ev["timing"]["blind"],
-        "time_analytical_flops": ev["timing"]["analytical"],
-        "memory_factorized": {k: v for k, v in ev["memory"].items() if k != "points"},
-        "oom_guard": ev["oom_guard"],
+        "time_strict_precision_aware": dict(ev["timing"]["aware"]),
+        "time_strict_precision_blind": ev["timing"]["blind"],
+        "time_strict_analytical_flops": ev["timing"]["analytical"],
+        "time_size_extrapolation": {k: ev["timing_size_extrapolation"][k] for k in ("aware", "blind", "analytical")},
+        "time_family_holdout_shared_components": {
+            k: ev["timing_family_holdout_shared_components"][k] for k in ("aware", "blind", "analytical")
+        },
+        "memory_rss": {k: v for k, v in ev["memory"].items() if k != "points"},
+        "memory_rss_points": ev["memory"]["points"],
+        "oom_guard_rss": ev["oom_guard"],
     }
-    if "data_parallel" in ev["timing"]:
-        results["time_data_parallel"] = ev["timing"]["data_parallel"]
     config = {
         **ev["config"],
-        "note": "measured on this machine (a shared 2-core CPU); time target is the "
-        "single-thread step CPU time; memory ground truth is MemTracker's peak",
+        "note": "measured on this machine (a shared 2-core CPU), one process per configuration; memory ground "
+        "truth is the process's peak RSS (VmHWM) above its RSS before the model was built; time target is "
+        "the median single-thread step CPU time; held-out architectures share no component with training",
     }
     print(console.table(_headline_rows(ev["headline"]), ["headline", "value"]))
     if "data_parallel" in ev["timing"]:
@@ -328,7 +332,6 @@ def _demo_tables(ev: dict) -> list[tuple[list[str], list[list]]]:
         [p["model"], p["precision"], p["batch"], fmt(p["true"]), fmt(p["pred"])]
         + [p["pred"] / p["true"] - 1, p["accelerate_style"] / p["true"] - 1]
         for p in ev["memory"]["points"]
-        if p["modality"] == "multimodal"
     ]
     grows = [
         [c["model"], fmt(c["limit_bytes"]), c["batch"], fmt(c["predicted_peak_bytes"])]
@@ -340,7 +343,7 @@ def _demo_tables(ev: dict) -> list[tuple[list[str], list[list]]]:
         (["headline", "value"], _headline_rows(ev["headline"])),
         (["held-out family", *mapes], trows),
         (["precision", *mapes], prows),
-        (["multimodal model", "precision", "batch", "measured", "predicted", "error", "accelerate-style error"], mrows),
+        (["held-out model", "precision", "batch", "peak RSS", "predicted", "error", "accelerate-style error"], mrows),
         (["model", "limit", "fitted batch", "predicted peak", "measured peak", "guard"], grows),
     ]
 
@@ -359,8 +362,9 @@ def cmd_demo(a) -> int:
     report = [
         "# sysprdict demo (measured on this machine, not emulated)",
         "",
-        f"Profiled {len(ev['rows'])} real training steps; time = single-thread step CPU time; memory ground "
-        "truth = MemTracker peak. Time predictors are evaluated with each model family held out.",
+        f"Measured {len(ev['rows'])} training configurations, one process each; time = median single-thread "
+        "step CPU time; memory ground truth = the process's peak RSS above its RSS before the model was built. "
+        "Predictors are trained on families that share no component with the held-out architectures.",
         "",
         *(t + "\n" for t in tables),
         *[f"- {p}" for p in plots],

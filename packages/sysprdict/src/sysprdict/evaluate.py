@@ -1,33 +1,50 @@
 """The side-by-side evaluation behind `sysprdict bench` and `sysprdict demo`.
 
-1. Profile a grid of real training steps (or read a dataset file).
-2. Time: hold out each model family; precision-aware vs precision-blind vs analytical FLOPs-only.
-3. Memory: the factorized predictor vs the accelerate-style estimate (params/grads/optimizer only)
-   against MemTracker's measured peak, on multimodal models (the predictor is analytical: it never
-   saw these models) and on all models.
-4. OoM guard: the largest batch predicted to fit a limit is then run for real; a measured peak above
-   the limit is a violation.
+1. Measure every configuration in its own process (`groundtruth`: real peak RSS, median step
+   time, one thread), or read a dataset file.  Roles: the training families (those sharing no
+   component with a held-out architecture, `split.strict_split`) at small sizes, some of them at
+   the larger size, and the held-out architectures at a small and the larger size.
+2. Time, leave-architecture-out: trained on the training families, reported on the held-out
+   architectures; size extrapolation: trained on the small sizes, reported on the larger one;
+   precision-aware vs precision-blind vs analytical FLOPs-only.
+3. Memory: the runtime overhead fitted on the training families' real peaks, the held-out
+   architectures' real peaks predicted (tensors + runtime), beside tensors-only and
+   accelerate-style (params/grads/optimizer only) estimates.
+4. OoM guard: the largest batch predicted to fit a limit is then run for real in a fresh process; a
+   real peak above the limit is a violation.
+
+The tensor-accounting self-check (predictor vs MemTracker) and the family hold-out among zoo
+families (which share components) are reported as diagnostics under names that say so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
 
-import numpy as np
-
 import hwtopo
 
-from .memory import TrainSetup, accelerate_style, predict_memory
-from .profile import GridPoint, default_grid, profile_grid
+from .memory import TrainSetup, accelerate_style, predict_memory, with_overhead
+from .names import HELDOUT_FAMILIES, MODALITY, parse_model_name
 from .timepred import boosting_backend, calibrate_experts, decomposition_for, evaluate_holdout_families, mape
 from .train import measure_training
 from .zoo import Shape, build
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GUARD_CASES", "evaluate_memory", "evaluate_oom_guard", "run_evaluation"]
+__all__ = [
+    "GUARD_CASES",
+    "RSS_GUARD_CASES",
+    "evaluate_memory",
+    "evaluate_memory_rss",
+    "evaluate_oom_guard",
+    "evaluate_oom_guard_rss",
+    "harness_plan",
+    "measure_plan",
+    "run_evaluation",
+]
 
 STEPS, ROUNDS = 4, 4
 """Timed steps per point in each of the interleaved timing passes over the grid (min CPU time kept)."""
@@ -101,56 +118,221 @@ def evaluate_oom_guard(cases=GUARD_CASES, seq_len: int = 32, margin: float = 0.1
     return {"cases": out, "violations": sum(c["violation"] for c in out), "margin": margin}
 
 
+SIZE_EXTRAP_FAMILIES = ("llama", "gpt2", "vit")
+"""Training families also measured at the extrapolation size (the size-extrapolation test set)."""
+XL = {"size": "xl", "batch": 4, "seq_len": 128, "image_size": 96}
+"""The larger test size: hidden 256, 4 layers, batch 4, 128 text tokens, 96-pixel images (144
+patches): above every training size in width, batch and tokens."""
+RSS_GUARD_CASES = [("gpt-neox-m", "64MiB"), ("dinov2-m", "56MiB"), ("opt-m", "72MiB"), ("llava-dinov2-phi-m", "96MiB")]
+"""OoM-guard cases on held-out architectures (limits set before any measurement)."""
+GUARD_SEQ = 128
+
+
+def harness_plan(quick: bool = True, train_families: list[str] | None = None) -> list[dict]:
+    """The configurations the bench measures, one process each, with their role: "train" (the
+    component-disjoint training families at the zoo's small sizes), "extrap" (some training
+    families at the larger size: the size-extrapolation test, and memory training), "heldout"
+    (the held-out architectures at a small and the larger size)."""
+    from .split import strict_split
+
+    fams = train_families or strict_split()[0]
+    precs = ["fp32", "bf16", "fp16"] if quick else ["fp32", "bf16", "fp16", "mixed"]
+    small = ["s", "m"] if quick else ["s", "m", "l"]
+    plan: list[dict] = []
+
+    def add(role: str, fam: str, size: str, batch: int, seq: int, image: int) -> None:
+        for p in precs:
+            opt = "sgd" if len(plan) % 3 == 0 else "adamw"
+            plan.append(
+                {"role": role, "model": f"{fam}-{size}", "batch": batch, "seq_len": seq, "image_size": image}
+                | {"precision": p, "optimizer": opt}
+            )
+
+    for fam in fams:
+        for size in small:
+            add("train", fam, size, 2, 32 if size == "s" else 48, 32)
+    for fam in SIZE_EXTRAP_FAMILIES:
+        add("extrap", fam, XL["size"], XL["batch"], XL["seq_len"], XL["image_size"])
+    for fam in HELDOUT_FAMILIES:
+        add("heldout", fam, "m", 2, 48, 32)
+        add("heldout", fam, XL["size"], XL["batch"], XL["seq_len"], XL["image_size"])
+    return plan
+
+
+def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2) -> list[dict]:
+    """Measure every planned configuration in its own process (`groundtruth`) into dataset rows."""
+    import platform
+
+    import torch
+
+    from hwtopo import console
+
+    from .groundtruth import measure
+
+    rows = []
+    bar = console.progress(total=len(plan), desc="ground truth", quiet=not progress)
+    for c in plan:
+        kw = {k: c[k] for k in ("model", "batch", "seq_len", "image_size", "precision", "optimizer")}
+        m = measure("sysprdict.groundtruth:training_step", kw, steps=steps, diagnostic=c["role"] == "train")
+        family, size = parse_model_name(c["model"])
+        rows.append(
+            {
+                **c,
+                "checkpointing": False,
+                "world_size": 1,
+                "family": family,
+                "size": size,
+                "modality": MODALITY[family],
+                "step_time_s": m.step_time_s,
+                "step_cpu_s": m.step_cpu_s,
+                "step_times_s": m.step_times_s,
+                "rss_peak_bytes": m.cpu_peak_bytes,
+                "peak_bytes": m.tensor_accounting_bytes or 0,
+                "threads": m.threads,
+                "host": platform.node(),
+                "torch": torch.__version__,
+                "emulated": False,
+            }
+        )
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+def evaluate_memory_rss(rows: list[dict]) -> dict:
+    """Fit the runtime overhead on the training families' rows, then predict the real (RSS) peak of
+    the held-out architectures' rows; beside it the tensors-only and accelerate-style estimates."""
+    from .overhead import fit_overhead
+
+    def tensor(r):
+        d = decomposition_for(r)
+        return d, predict_memory(d, TrainSetup(r["optimizer"]))
+
+    fit_rows = [r for r in rows if r["role"] != "heldout"]
+    fitted = [tensor(r) for r in fit_rows]
+    ov = fit_overhead(
+        [d for d, _ in fitted], [p.peak_bytes for _, p in fitted], [r["rss_peak_bytes"] for r in fit_rows]
+    )
+    pts = []
+    for r in (r for r in rows if r["role"] == "heldout"):
+        d, p = tensor(r)
+        real = with_overhead(p, d, ov)
+        pts.append(
+            {
+                **{k: r[k] for k in ("model", "family", "size", "modality", "precision", "batch")},
+                "true": r["rss_peak_bytes"],
+                "pred": real.peak_bytes,
+                "tensors_only": p.peak_bytes,
+                "accelerate_style": accelerate_style(d, TrainSetup(r["optimizer"])),
+            }
+        )
+
+    def _m(sel, key="pred"):
+        return mape([p[key] for p in sel], [p["true"] for p in sel])
+
+    return {
+        "mape_rss": _m(pts),
+        "mape_rss_tensors_only": _m(pts, "tensors_only"),
+        "mape_rss_accelerate_style": _m(pts, "accelerate_style"),
+        "per_family": {f: _m([p for p in pts if p["family"] == f]) for f in sorted({p["family"] for p in pts})},
+        "per_size": {s: _m([p for p in pts if p["size"] == s]) for s in sorted({p["size"] for p in pts})},
+        "overhead": dataclasses.asdict(ov),
+        "points": pts,
+        "n_fit": len(fit_rows),
+        "ground_truth": "peak RSS (VmHWM after clear_refs) minus RSS before the model was built, one process each",
+    }, ov
+
+
+def evaluate_oom_guard_rss(overhead, cases=RSS_GUARD_CASES, seq_len: int = GUARD_SEQ) -> dict:
+    """Fit each held-out model into its limit with the real-peak predictor (margin: the overhead's
+    own), then train it at that batch in a fresh process and compare its real peak to the limit."""
+    from .fit import largest_batch
+    from .groundtruth import measure
+
+    out = []
+    for name, limit in cases:
+        fit = largest_batch(name, limit, seq_len=seq_len, margin=None, overhead=overhead, checkpointing=False)
+        measured = 0
+        if fit.fits:
+            kw = {"model": name, "batch": fit.batch, "seq_len": seq_len, "precision": fit.precision}
+            measured = measure("sysprdict.groundtruth:training_step", kw | {"optimizer": fit.optimizer}).cpu_peak_bytes
+        out.append(
+            {
+                **fit.as_dict(),
+                "measured_peak_bytes": measured,
+                "violation": bool(fit.fits and measured > fit.limit_bytes),
+                "pred_error": (fit.predicted_peak_bytes / measured - 1) if measured else None,
+            }
+        )
+    return {"cases": out, "violations": sum(c["violation"] for c in out), "margin": overhead.margin}
+
+
+def _tensor_accounting(rows: list[dict]) -> float:
+    """The old self-check, kept as a diagnostic: the tensor predictor vs MemTracker's tensor peak."""
+    sel = [r for r in rows if r.get("peak_bytes")]
+    pred = [predict_memory(decomposition_for(r), TrainSetup(r["optimizer"])).peak_bytes for r in sel]
+    return mape(pred, [r["peak_bytes"] for r in sel])
+
+
 def run_evaluation(
-    quick: bool = True, rows: list[dict] | None = None, progress: bool = True, points: list[GridPoint] | None = None
+    quick: bool = True, rows: list[dict] | None = None, progress: bool = True, points: list[dict] | None = None
 ) -> dict:
-    """Everything `bench` reports; `rows` skips profiling (a dataset read from a file)."""
+    """Everything `bench` reports; `rows` skips measuring (a dataset read from a file)."""
+    from .timepred import evaluate_split
+
     t0 = time.perf_counter()
     if rows is None:
-        rows = profile_grid(points or default_grid(quick), steps=STEPS, progress=progress, rounds=ROUNDS)
-    t_profile = time.perf_counter() - t0
+        rows = measure_plan(points or harness_plan(quick), progress=progress)
+    if not any(r.get("role") == "heldout" for r in rows):
+        raise ValueError("rows: no held-out rows (role 'heldout'); save a dataset with `bench --save-dataset`")
+    t_measure = time.perf_counter() - t0
     mm = hwtopo.matmul_flops(256, threads=1, seconds=0.3)
     experts_cost = calibrate_experts()
+    train = [r for r in rows if r["role"] == "train"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        timing = evaluate_holdout_families(rows, mm.flops)
-    memory = evaluate_memory(rows)
-    guard = evaluate_oom_guard(GUARD_CASES[:3] if quick else GUARD_CASES)
+        strict = evaluate_split(
+            [r for r in rows if r["role"] != "heldout"], [r for r in rows if r["role"] == "heldout"], mm.flops
+        )
+        extrap = evaluate_split(train, [r for r in rows if r["role"] == "extrap"], mm.flops)
+        leaky = evaluate_holdout_families(train, mm.flops)
+    memory, ov = evaluate_memory_rss(rows)
+    guard = evaluate_oom_guard_rss(ov, RSS_GUARD_CASES[:3] if quick else RSS_GUARD_CASES)
     headline = {
-        "time_mape": timing["aware"]["mape"],
-        "time_mape_precision_blind": timing["blind"]["mape"],
-        "time_mape_analytical_flops": timing["analytical"]["mape"],
-        "mem_mape": memory["mape_multimodal"],
-        "mem_mape_accelerate_style": memory["mape_multimodal_accelerate_style"],
-        "mem_mape_all_models": memory["mape_all"],
-        "oom_guard_violations": guard["violations"],
+        "mem_mape_rss": memory["mape_rss"],
+        "mem_mape_rss_tensors_only": memory["mape_rss_tensors_only"],
+        "mem_mape_rss_accelerate_style": memory["mape_rss_accelerate_style"],
+        "oom_guard_violations_rss": guard["violations"],
+        "time_mape_strict": strict["aware"]["mape"],
+        "time_mape_precision_blind_strict": strict["blind"]["mape"],
+        "time_blind_over_aware_strict": strict["blind"]["mape"] / max(strict["aware"]["mape"], 1e-12),
+        "time_mape_analytical_flops_strict": strict["analytical"]["mape"],
+        "time_mape_size_extrapolation": extrap["aware"]["mape"],
+        "time_mape_family_holdout_shared_components": leaky["aware"]["mape"],
+        "mem_mape_tensor_accounting": _tensor_accounting(train),
     }
-    single = [r for r in rows if r["world_size"] == 1]
-    ratios = [r["step_cpu_s"] for r in single if r["precision"] == "fp16"]
-    fp32 = {(r["model"], r["batch"]): r["step_cpu_s"] for r in single if r["precision"] == "fp32"}
-    slow = [
-        r["step_cpu_s"] / fp32[(r["model"], r["batch"])]
-        for r in single
-        if r["precision"] == "fp16" and (r["model"], r["batch"]) in fp32
-    ]
     return {
         "rows": rows,
-        "timing": timing,
+        "timing": strict,
+        "timing_size_extrapolation": extrap,
+        "timing_family_holdout_shared_components": leaky,
         "memory": memory,
         "oom_guard": guard,
         "headline": headline,
         "config": {
             "quick": quick,
-            "grid_points": len(rows),
-            "families": sorted({r["family"] for r in rows}),
+            "configurations": len(rows),
+            "train_families": strict["train_families"],
+            "heldout_families": sorted({r["family"] for r in rows if r["role"] == "heldout"}),
+            "size_extrapolation": {"train_sizes": sorted({r["size"] for r in train}), "test": XL},
             "precisions": sorted({r["precision"] for r in rows}),
-            "time_target": timing["target"],
-            "timing": f"min process CPU time over {ROUNDS} interleaved passes x {STEPS} steps per point",
+            "time_target": strict["target"],
+            "timing": "median process CPU time of the timed steps after one warm-up step, 1 thread, one process "
+            "per configuration",
             "boosting_backend": boosting_backend(),
             "matmul_flops_per_s": mm.flops,
             "experts_matmul_cost_measured": experts_cost,
-            "fp16_autocast_slowdown_median": float(np.median(slow)) if slow and ratios else None,
-            "profile_wall_s": t_profile,
-            "eval_wall_s": time.perf_counter() - t0 - t_profile,
+            "measure_wall_s": t_measure,
+            "eval_wall_s": time.perf_counter() - t0 - t_measure,
         },
     }

@@ -13,7 +13,7 @@ import logging
 import hwtopo
 
 from .layers import decompose
-from .memory import MemoryPrediction, TrainSetup, predict_memory
+from .memory import MemoryPrediction, TrainSetup, predict_memory, with_overhead
 from .zoo import Shape, ZooModel, build
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,11 @@ def _limit(memory: float | str) -> float:
 
 
 def _predict(
-    zm: ZooModel, b: int, seq_len: int, image_size: int, precision: str, setup: TrainSetup
+    zm: ZooModel, b: int, seq_len: int, image_size: int, precision: str, setup: TrainSetup, overhead=None
 ) -> MemoryPrediction:
-    return predict_memory(decompose(zm, Shape(b, seq_len, image_size), precision), setup)
+    d = decompose(zm, Shape(b, seq_len, image_size), precision)
+    pred = predict_memory(d, setup)
+    return with_overhead(pred, d, overhead) if overhead is not None else pred
 
 
 def check_fits(
@@ -83,12 +85,14 @@ def check_fits(
     zero_stage: int = 0,
     world_size: int = 1,
     margin: float = 0.1,
+    overhead=None,
 ) -> MemoryPrediction:
-    """Raise OutOfMemoryPredicted if the configuration's predicted peak (+margin) exceeds `memory`."""
+    """Raise OutOfMemoryPredicted if the configuration's predicted peak (+margin) exceeds `memory`
+    (the real peak, tensors + runtime, with a fitted `overhead.RuntimeOverhead`)."""
     zm = build(model, image_size=image_size) if isinstance(model, str) else model
     limit = _limit(memory)
     setup = TrainSetup(optimizer, checkpointing, zero_stage, world_size)
-    pred = _predict(zm, batch, seq_len, image_size, precision, setup)
+    pred = _predict(zm, batch, seq_len, image_size, precision, setup, overhead)
     if pred.peak_bytes * (1 + margin) > limit:
         raise OutOfMemoryPredicted(
             f"{zm.name} batch {batch}: predicted peak {hwtopo.format_bytes(pred.peak_bytes)} (+{margin:.0%} margin) "
@@ -107,11 +111,18 @@ def largest_batch(
     checkpointing: bool | None = None,
     zero_stage: int = 0,
     world_size: int = 1,
-    margin: float = 0.1,
+    margin: float | None = 0.1,
     max_batch: int = 1 << 16,
+    overhead=None,
 ) -> FitResult:
     """The largest batch whose predicted peak x (1 + margin) fits `memory`.  With
-    `checkpointing=None` gradient checkpointing is tried when nothing fits without it."""
+    `checkpointing=None` gradient checkpointing is tried when nothing fits without it.  With a
+    fitted `overhead.RuntimeOverhead` the peak is the process's real peak (tensors + runtime), and
+    `margin=None` takes the overhead's own margin (its largest under-prediction in training)."""
+    if margin is None:
+        if overhead is None:
+            raise ValueError("margin: None is only valid with a fitted overhead (its own margin)")
+        margin = overhead.margin
     if margin < 0:
         raise ValueError(f"margin: {margin!r} must be >= 0")
     zm = build(model, image_size=image_size) if isinstance(model, str) else model
@@ -123,7 +134,7 @@ def largest_batch(
         setup = TrainSetup(optimizer, ck, zero_stage, world_size)
 
         def peak(b: int, setup=setup) -> MemoryPrediction:
-            return _predict(zm, b, seq_len, image_size, precision, setup)
+            return _predict(zm, b, seq_len, image_size, precision, setup, overhead)
 
         p1 = peak(1)
         if p1.peak_bytes > budget:

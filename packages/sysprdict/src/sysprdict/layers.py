@@ -146,7 +146,7 @@ _KIND_PATTERNS = [
     ("norm", re.compile(r"Norm(2d)?$|RMSNorm|LayerNorm|GroupNorm|BatchNorm")),
     (
         "activation",
-        re.compile(r"GELU|SiLU|ReLU|Tanh|Sigmoid|Activation$|QuickGELU|Mish|Softmax$|^Identity$"),
+        re.compile(r"GELU|SiLU|ReLU|Tanh|Sigmoid|Activation$|QuickGELU|Mish|Softmax$|^Identity$|LayerScale$"),
     ),
     ("dropout", re.compile(r"Dropout")),
     (

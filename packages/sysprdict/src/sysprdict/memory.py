@@ -28,7 +28,14 @@ from .layers import Decomposition, LayerRecord
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPTIMIZER_STATES", "MemoryPrediction", "TrainSetup", "accelerate_style", "predict_memory"]
+__all__ = [
+    "OPTIMIZER_STATES",
+    "MemoryPrediction",
+    "TrainSetup",
+    "accelerate_style",
+    "predict_memory",
+    "with_overhead",
+]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0}
 STEP_SCALAR_BYTES = 4  # AdamW keeps a float32 `step` tensor per parameter tensor
@@ -61,9 +68,15 @@ class MemoryPrediction:
     factors: dict[str, float]
     timeline: list[tuple[str, float]]
     per_layer: list[dict]
+    tensor_peak_bytes: float | None = None
+    """The tensors' own peak when `peak_bytes` includes the runtime overhead (`with_overhead`)."""
+    runtime: dict | None = None
 
     def as_dict(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "peak_event": self.peak_event, "factors": self.factors}
+        out = {"peak_bytes": self.peak_bytes, "peak_event": self.peak_event, "factors": self.factors}
+        if self.tensor_peak_bytes is not None:
+            out |= {"tensor_peak_bytes": self.tensor_peak_bytes, "runtime": self.runtime}
+        return out
 
 
 def _state_count(setup: TrainSetup) -> int:
@@ -171,3 +184,10 @@ def accelerate_style(d: Decomposition, setup: TrainSetup | None = None) -> float
     setup = setup or TrainSetup()
     p = float(d.param_bytes)
     return p + p + _state_count(setup) * p
+
+
+def with_overhead(pred: MemoryPrediction, d: Decomposition, overhead) -> MemoryPrediction:
+    """`pred` (the tensors' peak) raised to the process's real peak by a fitted
+    `overhead.RuntimeOverhead`: framework baseline, allocator caching, expert-matmul workspace."""
+    parts = overhead.predict(d, pred.peak_bytes)
+    return dataclasses.replace(pred, peak_bytes=parts["total"], tensor_peak_bytes=pred.peak_bytes, runtime=parts)

@@ -81,8 +81,14 @@ class _RssSampler(threading.Thread):
         return max(0, self.peak - self.base)
 
 
-def _step(zm: ZooModel, batch: dict, opt, scaler, autocast_dtype) -> tuple[object, torch.Tensor]:
-    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else torch.autocast("cpu", enabled=False)
+def _step(
+    zm: ZooModel, batch: dict, opt, scaler, autocast_dtype, device_type: str = "cpu"
+) -> tuple[object, torch.Tensor]:
+    ctx = (
+        torch.autocast(device_type, dtype=autocast_dtype)
+        if autocast_dtype
+        else torch.autocast(device_type, enabled=False)
+    )
     with ctx:
         out = zm.module(**batch)
     loss = out.loss

@@ -15,9 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .names import FAMILIES, MODALITY, SIZES, model_names, parse_model_name
+from .names import FAMILIES, HELDOUT_FAMILIES, MODALITY, SIZES, model_names, parse_model_name
 
-__all__ = ["FAMILIES", "MODALITY", "Shape", "ZooModel", "build", "model_names", "parse_model_name"]
+__all__ = [
+    "FAMILIES",
+    "HELDOUT_FAMILIES",
+    "MODALITY",
+    "Shape",
+    "ZooModel",
+    "build",
+    "components",
+    "model_names",
+    "parse_model_name",
+]
 
 VOCAB = 512
 IMAGE_TOKEN = VOCAB - 1
@@ -183,13 +193,18 @@ class ZooModel:
     modality: str
     module: nn.Module
     image_size: int
+    vocab: int = VOCAB
+    num_classes: int = NUM_CLASSES
+    patch: int = 0
+    """Vision patch side in pixels (0: the zoo's own, `_patch(image_size)`)."""
+    image_token: int = IMAGE_TOKEN
 
     def image_tokens(self) -> int:
         if self.modality == "text":
             return 0
         if self.family == "qwen2-vl":  # patches merged 2x2 into one language token
             return (self.image_size // QVL_PATCH) ** 2 // QVL_MERGE**2
-        p = _patch(self.image_size)
+        p = self.patch or _patch(self.image_size)
         return (self.image_size // p) ** 2
 
     def num_params(self) -> int:
@@ -200,15 +215,16 @@ class ZooModel:
         g = torch.Generator().manual_seed(seed)
         if self.modality == "vision":
             px = torch.randn(shape.batch, 3, self.image_size, self.image_size, generator=g).to(dtype)
-            labels = torch.randint(0, NUM_CLASSES, (shape.batch,), generator=g)
+            labels = torch.randint(0, self.num_classes, (shape.batch,), generator=g)
             return {"pixel_values": px, "labels": labels}
-        ids = torch.randint(0, VOCAB - 1, (shape.batch, shape.seq_len), generator=g)
+        # text ids stay below the zoo's reserved ids, and below the model's own vocabulary
+        ids = torch.randint(0, min(self.vocab, VOCAB) - 1, (shape.batch, shape.seq_len), generator=g)
         if self.modality == "text":
             return {"input_ids": ids, "labels": ids.clone()}
         if self.family == "qwen2-vl":
             return self._qwen2_vl_batch(shape, dtype, g)
         n_img = self.image_tokens()
-        ids = torch.cat([torch.full((shape.batch, n_img), IMAGE_TOKEN), ids], dim=1)
+        ids = torch.cat([torch.full((shape.batch, n_img), self.image_token), ids], dim=1)
         labels = ids.clone()
         labels[:, :n_img] = -100
         px = torch.randn(shape.batch, 3, self.image_size, self.image_size, generator=g).to(dtype)
@@ -285,14 +301,74 @@ def _llava_stages(m: nn.Module, batch: dict, n_img: int) -> list[tuple[str, Call
     return [("vision", vision), ("projector", projector), ("language", language)]
 
 
+def _heldout_module(family: str, size: str, image_size: int) -> nn.Module:
+    """A held-out architecture (`HELDOUT_FAMILIES`): GPT-NeoX, OPT, DINOv2, or a LLaVA-shaped
+    DINOv2 vision tower + Phi decoder, at a zoo size."""
+    import transformers as T
+
+    h, i, n, a = SIZES[size]
+    text = dict(vocab_size=VOCAB, hidden_size=h, num_hidden_layers=n, num_attention_heads=a)
+    if family == "gpt-neox":
+        cfg = T.GPTNeoXConfig(**text, intermediate_size=i, max_position_embeddings=2048)
+        cfg._attn_implementation = "sdpa"
+        return T.GPTNeoXForCausalLM(cfg)
+    if family == "opt":
+        cfg = T.OPTConfig(**text, ffn_dim=i, word_embed_proj_dim=h, max_position_embeddings=2048)
+        cfg._attn_implementation = "sdpa"
+        return T.OPTForCausalLM(cfg)
+    vision = T.Dinov2Config(
+        hidden_size=h if family == "dinov2" else SIZES["xs" if size in ("xs", "s") else "s"][0],
+        num_hidden_layers=n if family == "dinov2" else 2,
+        num_attention_heads=a if family == "dinov2" else 2,
+        mlp_ratio=i // h,
+        image_size=image_size,
+        patch_size=_patch(image_size),
+        num_labels=NUM_CLASSES,
+    )
+    if family == "dinov2":
+        return T.Dinov2ForImageClassification(vision)
+    phi = T.PhiConfig(**text, intermediate_size=i, max_position_embeddings=2048)
+    return _llava(vision, phi, "default")
+
+
+def _llava(vision, text, strategy: str) -> nn.Module:
+    """A LLaVA-shaped model: vision tower, two-layer GELU projector, decoder; image tokens first."""
+    import transformers as T
+
+    cfg = T.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy=strategy,
+    )
+    return T.LlavaForConditionalGeneration(cfg)
+
+
+def components(module: nn.Module) -> set[str]:
+    """The architecture components of a model: every module class transformers defines for one
+    model family (decoder layers, attention, vision embeddings, projectors, wrappers), by qualified
+    name.  Generic modules (nn.Linear, activations) are shared by every architecture and not
+    components."""
+    return {
+        f"{type(m).__module__}.{type(m).__qualname__}"
+        for m in module.modules()
+        if type(m).__module__.startswith("transformers.models.")
+    }
+
+
 def build(name: str, image_size: int = 32, seed: int = 0) -> ZooModel:
-    """Build the tiny model `name` (e.g. 'llama-s', 'llava-clip-xs') with random weights."""
+    """Build the tiny model `name` (e.g. 'llama-s', 'llava-clip-xs', or a held-out architecture such
+    as 'gpt-neox-xl') with random weights."""
     import transformers as T
 
     family, size = parse_model_name(name)
     torch.manual_seed(seed)
     modality = MODALITY[family]
-    if modality == "text":
+    if family in HELDOUT_FAMILIES:
+        module = _heldout_module(family, size, image_size)
+    elif modality == "text":
         cfg = _text_config(family, size)
         cfg._attn_implementation = "sdpa"
         cls = {
@@ -315,14 +391,6 @@ def build(name: str, image_size: int = 32, seed: int = 0) -> ZooModel:
         kind = family.split("-")[1]
         vc = _vision_config(kind, "xs" if size in ("xs", "s") else "s", image_size)
         tc = _text_config("llama" if kind == "clip" else "qwen2", size)
-        cfg = T.LlavaConfig(
-            vision_config=vc,
-            text_config=tc,
-            image_token_index=IMAGE_TOKEN,
-            projector_hidden_act="gelu",
-            vision_feature_layer=-1,
-            vision_feature_select_strategy="default" if kind == "clip" else "full",
-        )
-        module = T.LlavaForConditionalGeneration(cfg)
+        module = _llava(vc, tc, "default" if kind == "clip" else "full")
     module.train()
     return ZooModel(name, family, size, modality, module, image_size)
