@@ -338,3 +338,37 @@ def library_baselines(rank, world, cfg_dict):
         p = PipeliningTrainer(cfg, [1.0] * world, schedule)
         out[schedule] = [p.step()["loss"] for _ in range(cfg.steps)] + [p.evaluate()]
     return out
+
+
+def overlap_parity(rank, world, sizes):
+    """A column layer's weight gradient, deferred to the all-reduce it overlaps, against autograd's."""
+    from xronos import layers
+
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(8, sum(sizes)), nn.Linear(sum(sizes), 4)
+    col = ColumnParallelLinear.from_linear(fc1, sizes, rank)
+    row = RowParallelLinear.from_linear(fc2, sizes, rank)
+    x = torch.randn(3, 8, requires_grad=True)
+    flushes = []  # how many weight gradients were waiting at each flush
+    flush = layers._flush_weight_grads
+
+    def spy():
+        flushes.append((len(layers._DEFERRED_WGRAD), layers.COMM.calls))
+        flush()
+
+    layers._flush_weight_grads = spy
+    layers.COMM.reset()
+    y = row(torch.relu(col(x)))
+    calls_after_forward = layers.COMM.calls
+    y.pow(2).sum().backward()
+    # the same weight gradient from plain autograd on the full layers, cut to this rank's rows
+    (fc2(torch.relu(fc1(x.detach()))).pow(2).sum()).backward()
+    o = sum(sizes[:rank])
+    return {
+        "flushes": flushes,
+        "calls_after_forward": calls_after_forward,
+        "left_after_backward": len(layers._DEFERRED_WGRAD),
+        "w_grad": col.weight.grad,
+        "w_grad_ref": fc1.weight.grad[o : o + sizes[rank]],
+        "dx": x.grad,
+    }

@@ -102,3 +102,16 @@ def test_vocab_parallel_embedding_head_and_loss_match_single_process():
         torch.testing.assert_close(r["head_g"], head.weight.grad, rtol=1e-5, atol=1e-6)
         assert r["vocab_sizes"][0] > r["vocab_sizes"][1] and sum(r["vocab_sizes"]) == 256
         assert r["train_losses"] + r["after_reshard"] == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_weight_gradients_overlap_the_input_gradient_all_reduce():
+    from dist_helpers import overlap_parity
+
+    res = spawn(overlap_parity, 2, ([6, 10],), timeout_s=120)
+    for r in res:
+        # the column weight's GEMM waited for the input-gradient all-reduce, launched before it and
+        # not yet recorded (recorded when its wait ends), and ran before backward returned
+        assert r["flushes"][0] == (1, r["calls_after_forward"])
+        assert r["left_after_backward"] == 0
+        assert torch.allclose(r["w_grad"], r["w_grad_ref"], atol=1e-6)
+    assert torch.equal(res[0]["dx"], res[1]["dx"])  # the all-reduced input gradient

@@ -60,11 +60,13 @@ class CommStats:
         self.seconds = 0.0
         self.calls = 0
         self.bytes = 0
+        self.overlapped_s = 0.0  # weight-gradient compute that ran while an all-reduce was in flight
         self.syncs: list[tuple[str, int, float, float, str]] = []
         self.events: list[tuple[float, float]] | None = None  # (start, end) when recording a timeline
 
     def reset(self) -> None:
         self.seconds, self.calls, self.bytes = 0.0, 0, 0
+        self.overlapped_s = 0.0
         self.syncs = []
         if self.events is not None:
             self.events = []
@@ -97,6 +99,45 @@ def all_reduce(t: torch.Tensor, group=None, op=None, tag: str = "") -> torch.Ten
     return t
 
 
+# Weight gradients of column-parallel layers whose computation waits for the next input-gradient
+# all-reduce: (weight, grad_output, input). Autograd runs a block's column layers' backward before the
+# block input's all-reduce (copy_to_tp), so their weight-gradient GEMMs can run while it is in flight,
+# as Megatron overlaps them. CPU autograd runs on the thread that called backward(): one list suffices.
+_DEFERRED_WGRAD: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+
+
+def _flush_weight_grads() -> None:
+    """Compute and accumulate every deferred weight gradient (``grad += g^T x``)."""
+    while _DEFERRED_WGRAD:
+        weight, g, x = _DEFERRED_WGRAD.pop()
+        dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        if weight.grad is None:
+            weight.grad = dw
+        else:
+            weight.grad.add_(dw)
+
+
+class _DeferredWgradLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient is queued for :func:`_flush_weight_grads`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        grad_x = g @ weight if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            if not _DEFERRED_WGRAD:  # whatever no all-reduce picked up is computed when backward ends
+                torch.autograd.Variable._execution_engine.queue_callback(_flush_weight_grads)
+            _DEFERRED_WGRAD.append((weight, g, x))
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_b
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tag):
@@ -105,7 +146,21 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return all_reduce(g.contiguous().clone(), ctx.group, tag=ctx.tag), None, None
+        g = g.contiguous().clone()
+        if not _DEFERRED_WGRAD:
+            return all_reduce(g, ctx.group, tag=ctx.tag), None, None
+        sync_point()  # emulated compute before the all-reduce is paid before it starts
+        t_start = time.perf_counter()
+        work = dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
+        _flush_weight_grads()  # the weight-gradient GEMMs run while the all-reduce is in flight
+        sync_point()  # and are paid before the wait, which alone is communication
+        t0 = time.perf_counter()
+        work.wait()
+        t1 = time.perf_counter()
+        COMM.record("ar", -1, t0, t1, g.numel() * g.element_size(), ctx.tag)
+        COMM.overlapped_s += t0 - t_start
+        resume_point()
+        return g, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -238,7 +293,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sync_input_grad:
             x = copy_to_tp(x, self.group, self.tag)
-        y = F.linear(x, self.weight, self.bias)
+        if self.weight.requires_grad and _active(self.group) and torch.is_grad_enabled():
+            # the weight gradient waits for the input-gradient all-reduce, to overlap it
+            y = _DeferredWgradLinear.apply(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if self.lora_A is not None and self.lora_B is not None:
             y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale
         return y
