@@ -133,3 +133,25 @@ def test_http_get_streams_a_chunk_read_from_an_ssd_byte_exact(tmp_path):
             assert torch.equal(client.get_chunk(key(i)), chunk_of(i))
         assert client.get_chunk(key(7)) is None
         assert pool.pinned() == set()
+
+
+def test_chunk_read_bench_reads_cold_files_and_checks_bytes(tmp_path):
+    from kvpool.iobench import chunk_read_bandwidth
+
+    r = chunk_read_bandwidth(LAY, tmp_path / "w", chunks=3, reps=2, seed=5)
+    assert r["torch_load_resident_bytes_after_drop"] == 0
+    assert set(r["bytes_per_s_median"]) >= {"get_chunk", "read_chunk", "torch_load"}
+    assert r["get_chunk_bw_ratio_vs_torch_load"] > 0 and len(r["seconds"]["torch_load"]) == 2
+    assert list((tmp_path / "w").glob("*.pt")) == []
+
+
+def test_syscall_timer_counts_metadata_calls_and_restores_os(tmp_path):
+    from kvpool.iobench import _SyscallTimer
+
+    real_stat = os.stat
+    with _SyscallTimer() as sc:
+        os.stat(tmp_path)
+        with open(tmp_path / "f", "w"):
+            pass
+    assert sc.calls == 2 and sc.seconds > 0
+    assert os.stat is real_stat

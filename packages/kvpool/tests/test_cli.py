@@ -19,6 +19,8 @@ def test_bench_json_has_the_headline_keys(tmp_path, capsys):
             "2",
             "--reps",
             "1",
+            "--small-chunks",
+            "64",
             "--json",
             str(out),
             "--workdir",
@@ -28,14 +30,24 @@ def test_bench_json_has_the_headline_keys(tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     for key in (
-        "ttft_ratio_vs_serial",
-        "ttft_ratio_vs_recompute",
-        "retrieval_bw_ratio_vs_serial",
+        "ttft_ratio_vs_best_equal_bw",
+        "ttft_ratio_vs_best_equal_bw_raw",
+        "get_chunk_bw_ratio_vs_torch_load",
+        "ttft_ratio_vs_serial_one_disk_emulated",
         "page_cache_bytes_passthrough",
-        "blocked_io_ratio_vs_serial",
-        "fs_time_frac_serial",
+        "emulated_run_valid",
+        "fs_time_ratio_vs_files_small_chunks",
     ):
-        assert key in res["headline"]
+        assert key in res["headline"] and key in res["headline_labels"]
+    assert "emulated" in res["headline_labels"]["ttft_ratio_vs_best_equal_bw"]
+    emu = res["results"]["emulated"]
+    assert set(emu["baselines"]) == {"serial_one_disk", "serial_all_disks", "buffered_all_disks", "layerwise_all_disks"}
+    assert emu["baselines"]["serial_all_disks"]["disks"] == res["config"]["ssds"]
+    assert emu["best_equal_bw_baseline"] != "serial_one_disk"
+    assert emu["emulation_check"]["emulated"] and emu["emulation_check"]["devices"]
+    small = res["results"]["small_chunks"]
+    assert small["files"] == 64 and small["median"]["kvpool_calls"] == 0 and small["median"]["files_calls"] > 0
+    assert "virtio" in res["notes"]["why_not_84pct_in_filesystem"]
     assert res["package"] == "kvpool" and res["emulated"]["devices"]
     assert res["results"]["emulated"]["max_abs_logit_diff_vs_recompute"] < 1e-4
     assert res["results"]["raw"]["emulation"] is False
@@ -45,10 +57,13 @@ def test_bench_json_has_the_headline_keys(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_writes_report_and_plot(tmp_path):
-    rc = main(["--quiet", "demo", "--out", str(tmp_path / "d"), "--tokens", "288", "--layers", "2", "--reps", "1"])
+    rc = main(
+        ["--quiet", "demo", "--out", str(tmp_path / "d"), "--tokens", "288", "--layers", "2", "--reps", "1"]
+        + ["--small-chunks", "0"]
+    )
     assert rc == 0
     report = (tmp_path / "d" / "report.md").read_text()
-    assert "emulated" in report and "ttft_ratio_vs_serial" in report
+    assert "emulated" in report and "ttft_ratio_vs_best_equal_bw" in report
     assert (tmp_path / "d" / "bandwidth.png").stat().st_size > 0
 
 

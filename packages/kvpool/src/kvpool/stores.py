@@ -149,34 +149,67 @@ class Throttling(Protocol):
     def describe(self) -> dict: ...
 
 
+BURST_BYTES = 64 << 10
+
+
 class Throttle:
-    """An emulated bandwidth cap: an operation takes at least ``nbytes / rate`` (token bucket)."""
+    """An emulated bandwidth cap: an operation takes at least ``nbytes / rate`` (token bucket).
+
+    It also measures what the emulated device achieved: bytes read over the wall time during
+    which at least one read was under way (overlapping reads counted once), so a cap the real
+    disk cannot keep up with shows as an achieved rate below it, and burst credit as one above.
+    """
 
     def __init__(self, read_bytes_per_s: float | None, write_bytes_per_s: float | None = None):
-        self.read = TokenBucket(read_bytes_per_s, burst_bytes=1 << 20) if read_bytes_per_s else None
-        self.write = TokenBucket(write_bytes_per_s, burst_bytes=1 << 20) if write_bytes_per_s else None
+        # a small burst: a real SSD banks no credit while idle, so a reader that pauses between
+        # reads (serialized tiers visiting disks in turn) must not get its next MiB for free
+        self.read = TokenBucket(read_bytes_per_s, burst_bytes=BURST_BYTES) if read_bytes_per_s else None
+        self.write = TokenBucket(write_bytes_per_s, burst_bytes=BURST_BYTES) if write_bytes_per_s else None
         self.read_bytes_per_s = read_bytes_per_s
         self.write_bytes_per_s = write_bytes_per_s
+        self._acct = threading.Lock()
+        self._bytes, self._busy, self._last_end = 0, 0.0, 0.0
 
     @staticmethod
-    def _wait(bucket: TokenBucket | None, nbytes: int, started: float) -> None:
+    def _wait(bucket: TokenBucket | None, nbytes: int, started: float) -> float:
+        """Sleep until the bucket lets ``nbytes`` through; returns when the device finished them."""
+        now = time.perf_counter()
         if bucket is None:
-            return
-        due = bucket.reserve(nbytes) - (time.perf_counter() - started)
+            return now
+        due = bucket.reserve(nbytes) - (now - started)
         if due > 0:
             time.sleep(due)
+        return now + max(0.0, due)
 
     def after_read(self, nbytes: int, started: float) -> None:
-        self._wait(self.read, nbytes, started)
+        done = self._wait(self.read, nbytes, started)
+        with self._acct:
+            # busy time: the union of the reads' [started, done) intervals. ``done`` is when the
+            # emulated device delivered the bytes (real I/O time or the cap, whichever is longer),
+            # not when the reader got the CPU back: scheduling delays are the reader's, not the disk's
+            self._busy += max(0.0, done - max(started, self._last_end))
+            self._last_end = max(self._last_end, done)
+            self._bytes += nbytes
 
     def after_write(self, nbytes: int, started: float) -> None:
         self._wait(self.write, nbytes, started)
+
+    def reset_achieved(self) -> None:
+        """Start measuring the achieved read rate afresh (e.g. after a calibration pass)."""
+        with self._acct:
+            self._bytes, self._busy, self._last_end = 0, 0.0, 0.0
+
+    def achieved(self) -> dict:
+        with self._acct:
+            rate = self._bytes / self._busy if self._busy > 0 else None
+            return {"read_bytes": self._bytes, "read_busy_s": self._busy, "achieved_read_bytes_per_s": rate}
 
     def describe(self) -> dict:
         return {
             "emulated": True,
             "read_bandwidth_bytes_per_s": self.read_bytes_per_s,
             "write_bandwidth_bytes_per_s": self.write_bytes_per_s,
+            **self.achieved(),
         }
 
 
