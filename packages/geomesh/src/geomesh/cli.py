@@ -223,9 +223,12 @@ def _run_args(p) -> None:
     p.add_argument(
         "--seeds",
         type=console.positive_int("--seeds", 100),
-        help="seeds of the GeoMesh vs DiLoCo-fp32 comparison; the perplexity gap is their mean (3 with --quick)",
+        help="seeds of the GeoMesh vs DiLoCo-fp32 comparison; held-out seeds from 100 (2 with --quick)",
     )
-    p.add_argument("--methods", help="comma list of geomesh,diloco-fp32,diloco-fp16,ddp,async")
+    p.add_argument(
+        "--methods",
+        help="comma list of geomesh,diloco-fp32,diloco-fp16,ddp,async (ablations: geomesh-fp32, diloco-sign, geomesh-rs)",
+    )
     p.add_argument(
         "--wan",
         default="auto",
@@ -238,7 +241,7 @@ def _run_args(p) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap, sub = console.parser("geomesh", "Workload-balanced, sign-compressed geo-distributed training.", __version__)
     b = console.command(sub, "bench", "GeoMesh and the baselines side by side in one run")
-    b.add_argument("--quick", action="store_true", help="the short configuration (under 3 minutes on 2 cores)")
+    b.add_argument("--quick", action="store_true", help="the short configuration: 9 runs, about 5 minutes on 2 cores")
     b.add_argument("--json", metavar="PATH", help="write the result JSON here")
     _run_args(b)
     d = console.command(sub, "demo", "run the quick bench, print the table, write report.md and a plot")
