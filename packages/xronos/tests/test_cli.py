@@ -40,6 +40,8 @@ BAD_INPUT = [
     ("bench --steps 99999999999", "--steps"),
     ("bench --lr nan", "--lr"),
     ("bench --quick --json {tmp}/no/r.json", "--json"),
+    ("bench --quick --seeds 1,x", "--seeds"),
+    ("bench --quick --seeds 1,1", "--seeds"),
     ("demo --steps 0 --quiet", "--steps"),
     ("demo --out {tmp}/a/b", "--out"),
     ("train --data /nonexistent/file.txt --steps 1", "--data"),
@@ -130,3 +132,35 @@ def test_version_and_common_options_in_either_place(capsys):
     assert main(["--version"]) == 0
     assert f"xronos {__import__('xronos').__version__}" in capsys.readouterr().out
     assert main(["--quiet", "partition"]) == 0 and main(["partition", "--debug"]) == 0
+
+
+def test_bench_reports_held_out_seeds_and_their_spread(tmp_path, monkeypatch):
+    import json
+
+    import xronos.cli as cli
+    from xronos.bench import DEVELOPMENT_SEEDS, combine_seeds
+
+    seen = []
+
+    def fake_run(args, cfg, speeds, variants):
+        seen.append(cfg.seed)
+        head = {"emulation_valid": cfg.seed != 3, "step_time_ratio_vs_tp": 0.9 + 0.1 * cfg.seed / 2}
+        summary = {"machine_load": {"emulated": "cgroup", "cpu_share": 1.0}}
+        return [{"profile": {}}], summary, head, 1.0
+
+    monkeypatch.setattr(cli, "_run_compare", fake_run)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--json", str(out), "--quiet"]) == 0
+    assert seen == [1, 2, 3] and not set(seen) & set(DEVELOPMENT_SEEDS)  # held out by default
+    doc = json.loads(out.read_text())
+    assert doc["config"]["seeds"]["reported"] == [1, 2, 3] and doc["config"]["seeds"]["held_out"] is True
+    head = doc["headline"]
+    assert head["emulation_valid"] is False  # one invalid seed makes the whole run invalid
+    assert head["step_time_ratio_vs_tp"] == 1.0 and head["spread"]["step_time_ratio_vs_tp"] == pytest.approx(
+        [0.95, 1.05]
+    )
+    assert head["flips_with_seed"] == ["step_time_ratio_vs_tp"]
+    seen.clear()
+    assert main(["bench", "--quick", "--seeds", "0", "--quiet"]) == 0
+    assert seen == [0]
+    assert combine_seeds({5: {"x": 1.0}}) == {"x": 1.0, "seeds": [5]}
