@@ -1,4 +1,4 @@
-"""`sysprdict` command line: profile, predict, fit, demo, bench, blockchain-demo, blockchain-bench.
+"""`sysprdict` command line: profile, predict, calibrate, fit, demo, bench, blockchain-demo, blockchain-bench.
 
 Every argument is checked, and every output path found writable, before torch is imported or any
 work starts; the exit codes and common options are hwtopo.console's.
@@ -38,6 +38,22 @@ def _model(text: str) -> str:
         parse_model_name(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _model_or_dir(text: str) -> str:
+    """argparse type of --model: a local transformers model directory or a zoo model name."""
+    p = Path(text)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise argparse.ArgumentTypeError(f"--model {text!r}: the directory has no config.json")
+        return text
+    try:
+        parse_model_name(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--model {text!r} is neither a local model directory (with config.json) nor a zoo model FAMILY-SIZE"
+        ) from None
     return text
 
 
@@ -173,36 +189,62 @@ def _step_time(a, d) -> float:
     return tp.predict_step(d, a.world_size, bandwidth_bytes_per_s=a.bandwidth, optimizer=a.optimizer)
 
 
-def cmd_predict(a) -> int:
-    _one_thread()
-    from .layers import decompose
-    from .memory import TrainSetup, accelerate_style, predict_memory
-    from .zoo import Shape, build
+def _predict_out(a, model: str) -> tuple[dict, object, object]:
+    """The decomposition, memory prediction (real peak with --calibration) and JSON of `predict`."""
+    from .api import _decompose, predict_memory
+    from .memory import TrainSetup, accelerate_style
 
-    zm = build(a.model, image_size=a.image_size)
-    d = decompose(zm, Shape(a.batch, a.seq_len, a.image_size), a.precision)
+    d = _decompose(model, a.batch, a.seq_len, a.image_size, a.precision)
     setup = TrainSetup(a.optimizer, a.checkpointing, a.zero_stage, a.world_size)
-    pred = predict_memory(d, setup)
+    pred = predict_memory(d, setup, overhead=a.calibration)
     out = {
-        "model": a.model,
+        "model": model,
         "decomposition": d.summary(),
         "memory": pred.as_dict(),
         "accelerate_style_bytes": accelerate_style(d, setup),
     }
     if a.dataset:
         out["step_time_s"] = _step_time(a, d)
+    return out, d, pred
+
+
+def cmd_predict(a) -> int:
+    model = a.model_path or a.model
+    if not model:
+        raise console.UsageError("predict: give a model, as --model DIR (a local transformers model) or a zoo name")
+    if a.model_path and a.model:
+        raise console.UsageError(f"predict: give the model once, not both {a.model!r} and --model {a.model_path!r}")
+    _one_thread()
+    out, d, pred = _predict_out(a, model)
     if a.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
-    print(console.table([[k, hwtopo.format_bytes(v)] for k, v in pred.factors.items()], ["factor", "bytes"]))
+    rows = [[k, hwtopo.format_bytes(v)] for k, v in pred.factors.items()]
+    rows += [[f"runtime: {k}", hwtopo.format_bytes(v)] for k, v in (pred.runtime or {}).items() if k != "total"]
+    print(console.table(rows, ["factor", "bytes"]))
+    what = "real peak (tensors + runtime)" if pred.runtime else "tensor peak (no --calibration: runtime not included)"
     print(
-        f"predicted peak {hwtopo.format_bytes(pred.peak_bytes)} at {pred.peak_event}; "
+        f"predicted {what} {hwtopo.format_bytes(pred.peak_bytes)} at {pred.peak_event}; "
         f"accelerate-style estimate {hwtopo.format_bytes(out['accelerate_style_bytes'])}"
     )
-    if d.unknown:
-        print(f"unknown layer kinds: {dict(d.unknown)}")
     if "step_time_s" in out:
         print(f"predicted step time {out['step_time_s'] * 1e3:.1f} ms")
+    return 0
+
+
+def cmd_calibrate(a) -> int:
+    out = console.output_file(a.out, "--out")
+    _one_thread()
+    from .evaluate import fit_runtime_overhead
+
+    ov = fit_runtime_overhead(quick=a.quick, progress=not a.quiet)
+    ov.save(out)
+    print(
+        f"runtime overhead from {ov.n_fit} configurations: baseline "
+        + ", ".join(f"{k} {hwtopo.format_bytes(v)}" for k, v in ov.baseline.items())
+        + f"; allocator x{ov.tensor_factor:.3f} of the tensors; margin {ov.margin:.0%}"
+    )
+    print(f"wrote {out}")
     return 0
 
 
@@ -400,14 +442,19 @@ def cmd_blockchain_demo(a) -> int:
 
 
 def _shape_args(p: argparse.ArgumentParser, default: int | None, note: str = "") -> None:
-    """--seq-len and --image-size; ``default`` None marks them as given only with --models."""
+    """--seq-len (or --seq) and --image-size; ``default`` None marks them as given only with --models."""
     tokens, side = console.positive_int("--seq-len", MAX_TOKENS), console.positive_int("--image-size", MAX_IMAGE)
-    p.add_argument("--seq-len", type=tokens, default=default, help=f"{note}text tokens per sample")
+    p.add_argument("--seq-len", "--seq", type=tokens, default=default, help=f"{note}text tokens per sample")
     p.add_argument("--image-size", type=side, default=default and 32, help=f"{note}image side in pixels")
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=_model, help="a zoo model FAMILY-SIZE, e.g. llama-s, llava-clip-m")
+def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument(
+        "model",
+        type=_model,
+        nargs="?" if optional else None,
+        help="a zoo model FAMILY-SIZE, e.g. llama-s, llava-clip-m" + (" (or --model)" if optional else ""),
+    )
     _shape_args(p, 64)
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="training precision")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer whose states count")
@@ -471,13 +518,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap, sub = console.parser("sysprdict", DESCRIPTION, __version__)
     _profile_parser(sub)
     p = console.command(sub, "predict", "decompose a model and predict its training memory (and time)")
-    _model_args(p)
+    _model_args(p, optional=True)
+    p.add_argument(
+        "--model",
+        dest="model_path",
+        type=_model_or_dir,
+        help="a local transformers model directory (config.json; built on the meta device, nothing allocated) "
+        "or a zoo model",
+    )
+    p.set_defaults(image_size=None)  # a model directory's own image size unless given
     p.add_argument(
         "--batch", type=console.positive_int("--batch", MAX_BATCH), default=4, help="samples per step and rank"
     )
     p.add_argument("--dataset", type=_existing("--dataset"), help="a profile dataset to train the time predictor on")
+    p.add_argument(
+        "--calibration",
+        type=_existing("--calibration"),
+        help="a runtime-overhead file from `sysprdict calibrate`: predict the real peak, not only the tensors",
+    )
     p.add_argument("--bandwidth", type=_bandwidth, default="1GB/s", help="all-reduce bandwidth for world-size > 1")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = console.command(sub, "calibrate", "measure training configurations and fit the runtime memory overhead")
+    p.add_argument(
+        "--out", default="sysprdict-overhead.json", help="where to write it (default sysprdict-overhead.json)"
+    )
+    p.add_argument("--quick", action="store_true", help="the small set of configurations")
 
     p = console.command(sub, "fit", "OoM guard: the largest batch predicted to fit a memory limit")
     p.add_argument(
@@ -527,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
 HANDLERS = {
     "profile": cmd_profile,
     "predict": cmd_predict,
+    "calibrate": cmd_calibrate,
     "fit": cmd_fit,
     "demo": cmd_demo,
     "bench": cmd_bench,

@@ -41,6 +41,8 @@ __all__ = [
     "evaluate_memory_rss",
     "evaluate_oom_guard",
     "evaluate_oom_guard_rss",
+    "fit_runtime_overhead",
+    "overhead_from_rows",
     "harness_plan",
     "measure_plan",
     "run_evaluation",
@@ -199,23 +201,34 @@ def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2) -> lis
     return rows
 
 
-def evaluate_memory_rss(rows: list[dict]) -> dict:
-    """Fit the runtime overhead on the training families' rows, then predict the real (RSS) peak of
-    the held-out architectures' rows; beside it the tensors-only and accelerate-style estimates."""
+def _tensor_peak(r: dict):
+    d = decomposition_for(r)
+    return d, predict_memory(d, TrainSetup(r["optimizer"]))
+
+
+def overhead_from_rows(rows: list[dict]):
+    """Fit `overhead.RuntimeOverhead` on measured rows (their real peaks, `rss_peak_bytes`)."""
     from .overhead import fit_overhead
 
-    def tensor(r):
-        d = decomposition_for(r)
-        return d, predict_memory(d, TrainSetup(r["optimizer"]))
+    fitted = [_tensor_peak(r) for r in rows]
+    return fit_overhead([d for d, _ in fitted], [p.peak_bytes for _, p in fitted], [r["rss_peak_bytes"] for r in rows])
 
+
+def fit_runtime_overhead(quick: bool = True, progress: bool = True):
+    """Measure the training configurations of the bench (one process each) on this machine and fit
+    the runtime overhead on them (`sysprdict calibrate`)."""
+    plan = [c for c in harness_plan(quick) if c["role"] != "heldout"]
+    return overhead_from_rows(measure_plan(plan, progress=progress))
+
+
+def evaluate_memory_rss(rows: list[dict]) -> tuple[dict, object]:
+    """Fit the runtime overhead on the training families' rows, then predict the real (RSS) peak of
+    the held-out architectures' rows; beside it the tensors-only and accelerate-style estimates."""
     fit_rows = [r for r in rows if r["role"] != "heldout"]
-    fitted = [tensor(r) for r in fit_rows]
-    ov = fit_overhead(
-        [d for d, _ in fitted], [p.peak_bytes for _, p in fitted], [r["rss_peak_bytes"] for r in fit_rows]
-    )
+    ov = overhead_from_rows(fit_rows)
     pts = []
     for r in (r for r in rows if r["role"] == "heldout"):
-        d, p = tensor(r)
+        d, p = _tensor_peak(r)
         real = with_overhead(p, d, ov)
         pts.append(
             {

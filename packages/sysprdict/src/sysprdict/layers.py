@@ -736,6 +736,12 @@ def _fake_copy(module: nn.Module, fm, dtype: torch.dtype = torch.float32) -> nn.
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) in memo:
             continue
+        if t.is_meta:  # built on the meta device (a large config): a fake CPU tensor, still no storage
+            want = dtype if t.is_floating_point() else t.dtype
+            with fm:
+                f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=want, device="cpu")
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+            continue
         if not t.is_floating_point() and not isinstance(t, nn.Parameter):
             memo[id(t)] = t.clone()  # integer buffers (indices, offsets) stay real: control flow reads them
             continue
