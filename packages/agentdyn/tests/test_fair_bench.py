@@ -122,3 +122,69 @@ class _Held:
     async def __aexit__(self, *exc):
         for s in self.slots:
             await s.__aexit__(None, None, None)
+
+
+def _store():
+    from agentdyn.profiles import ProfileStore
+
+    tool = {"n": 1, "n_alone": 1, "cpu_pressure": 0.0}
+    return ProfileStore.from_dict(
+        {
+            "tools": {
+                "coding/run_tests": {**tool, "cpu_s": 6.0, "wall_s": 6.1},
+                "rag_qa/rag_index": {**tool, "cpu_s": 0.9, "wall_s": 1.0},
+                "web_search/web_search": {**tool, "cpu_s": 0.3, "wall_s": 1.0},
+            },
+            "requests": {"coding": 1, "rag_qa": 1, "web_search": 1},
+        }
+    )
+
+
+def test_cpu_aware_policy_pins_a_class_only_while_our_demand_exceeds_the_cores():
+    from agentdyn.scheduler import CpuAwarePolicy
+
+    pol = CpuAwarePolicy(_store(), [0, 1])
+    pinned = pol.allocator.group_for("coding")
+
+    async def place(extra_load):
+        pol.admission.load["shared"] += extra_load  # demand other runs of ours already hold
+        try:
+            async with pol.tool_slot("r1", "coding", "run_tests") as g:
+                return g
+        finally:
+            pol.admission.load["shared"] -= extra_load
+
+    try:
+        assert pinned is not None and pinned.cpus  # the plan gives coding a core set
+        alone = asyncio.run(place(0.0))
+        assert alone is not pinned and alone.cpus is None and alone.threads == pinned.threads
+        crowded = asyncio.run(place(5.0))
+        assert crowded is pinned
+        d = pol.describe()
+        assert d["pinned_runs"] == 1 and d["unpinned_runs"] == 1
+    finally:
+        pol.close()
+    # one core: the plan's quota and weights always apply
+    one = CpuAwarePolicy(_store(), [0])
+    try:
+        g = asyncio.run(_slot(one, "web_search", "web_search"))
+        assert g is one.allocator.group_for("web_search")
+    finally:
+        one.close()
+
+
+async def _slot(pol, task_type, tool):
+    async with pol.tool_slot("r1", task_type, tool) as g:
+        return g
+
+
+def test_host_check_flags_a_host_whose_neighbours_stall_runs_made_alone():
+    from agentdyn.bench import QUIET_RUN_QUEUE_SHARE, host_check
+
+    store = _store()
+    h = host_check(store, {"cpu_some_mean": 0.1})
+    assert h["quiet"] is True and h["alone_run_queue_share"] == 0.0
+    for p in store.tools.values():
+        p.cpu_pressure = 0.8  # 80 % of each run alone spent waiting for a core
+    h = host_check(store, {"cpu_some_mean": 1.0})
+    assert h["quiet"] is False and h["alone_run_queue_share"] > QUIET_RUN_QUEUE_SHARE

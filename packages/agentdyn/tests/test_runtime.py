@@ -156,6 +156,8 @@ def test_bench_pipeline_reports_headline_keys():
     assert opt["admission"]["source"] == "learned"
     assert opt["admission_stats"]["admitted"] == 7  # every tool call (5 coding + 2 web) was admitted
     assert opt["allocation"]["plan"]["classes"]["coding"]["kind"] == "cpu"
+    assert opt["pinned_runs"] + opt["unpinned_runs"] == 7  # each call placed, pinned or not
+    assert isinstance(h["host_quiet"], bool) and out["host"]["quiet"] == h["host_quiet"]
     # the fair baselines' tools were told the thread counts the CPU-aware plan gives each class
     plan = {t: c["threads"] for t, c in opt["allocation"]["plan"]["classes"].items()}
     for v in ("fair", "fair_semaphore", "cgroup_split"):

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 # the bench reports only seeds outside them, and says so in its JSON.
 DEV_SEEDS = (0, 1, 2)
 HELDOUT_SEEDS = (101, 102, 103)
+# a run made alone that waits in the run queue more than this share of its time measures other
+# tenants, not the policies: the JSON marks such a host as not quiet (``host.quiet``)
+QUIET_RUN_QUEUE_SHARE = 0.25
 # offered CPU load (cores the in-flight requests would keep busy alone / usable cores)
 LOADS = (("fit", 0.8), ("oversubscribed", 2.0))
 VARIANTS = (*FAIR_BASELINES, "optimized")
@@ -261,6 +266,22 @@ async def _escape_attempts(out: dict, progress=None) -> int | None:
     return sum(v is not None for v in attempts.values())
 
 
+def host_check(store: ProfileStore, pressure: dict) -> dict:
+    """How much other tenants took while calibration ran each request alone: the run-queue share of
+    its tool runs (CPU-weighted) and PSI ``cpu some``; ``quiet`` when the share is at most
+    ``QUIET_RUN_QUEUE_SHARE`` (otherwise latencies mostly measure the neighbours)."""
+    ps = [p for p in store.tools.values() if p.n_alone]
+    w = sum(p.cpu_s for p in ps)
+    share = sum(p.cpu_pressure * p.cpu_s for p in ps) / w if w > 0 else 0.0
+    return {
+        "alone_run_queue_share": share,
+        "alone_cpu_some_mean": pressure.get("cpu_some_mean"),
+        "loadavg_1min": os.getloadavg()[0],
+        "quiet": share <= QUIET_RUN_QUEUE_SHARE,
+        "quiet_threshold": QUIET_RUN_QUEUE_SHARE,
+    }
+
+
 def _merge(rs: list[tuple[int, dict]], cpu_task: str) -> dict:
     """One variant at one load over its seeds: the pooled summary plus each seed's means."""
     merged = {
@@ -369,9 +390,6 @@ async def check_service(cfg: WorkloadConfig, store: ProfileStore, concurrency: i
     """``servicecheck.lost_requests`` at twice ``concurrency`` with 20 % malformed requests, against
     ``agentdyn serve`` with the CPU-aware policy on ``store``'s profiles and the bench's emulated LLM;
     the valid requests are the bench's task types and inputs in turn."""
-    import os
-    import tempfile
-
     from .servicecheck import lost_requests
 
     n = 2 * concurrency
@@ -422,8 +440,10 @@ async def bench(
         ) as h:
             if progress:
                 progress("calibrating (each task type alone)")
+            t0 = time.monotonic()
             store = await calibrate(h, cfg, sampler)
             out["profiles"] = store.to_dict()
+            out["host"] = host_check(store, sampler.summary(since=t0))
             cpu_task = _cpu_task(store)
             runs = await _run_loads(h, cfg, store, variants, repeats, progress, out)
             out["watcher_overhead"] = h.runtime.watcher.overhead()
@@ -433,6 +453,7 @@ async def bench(
         out["results"].setdefault(load, {})[v] = _merge(rs, cpu_task)
     await asyncio.sleep(0.2)
     head = _headline(out, cpu_task)
+    head["host_quiet"] = out["host"]["quiet"]
     head["zombie_processes"] = len(zombie_children())
     head["sandbox_escapes"] = await _escape_attempts(out, progress)
     out["headline"] = head

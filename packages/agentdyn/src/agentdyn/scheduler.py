@@ -164,6 +164,8 @@ class CpuAwarePolicy(Policy):
         self.admission = CpuAdmission(
             self.admission_policy, plan.capacity, pressure=(sampler.latest if sampler is not None else None)
         )
+        self._unpinned: dict[str, CpuGroup] = {}  # per class: its thread count, no core set
+        self.pinned_runs = self.unpinned_runs = 0
 
     def intensity(self, task_type: str, tool: str) -> float:
         p = self.profiles.get(task_type, tool)
@@ -182,7 +184,22 @@ class CpuAwarePolicy(Policy):
         # the share of a core a run got alone (run-queue stall from other tenants discounted)
         avail = max(1 / 3, 1.0 - p.cpu_pressure) if p is not None and p.n_alone else 1.0
         async with self.admission.admit(request_id, f"{task_type}/{tool}", cs, inten, cost, inten * avail):
-            yield group
+            yield self._placement(task_type, group)
+
+    def _placement(self, task_type: str, pinned: CpuGroup | None) -> CpuGroup | None:
+        """The class's pinned group only while the demand we admitted exceeds the cores. Below that a
+        partition protects nothing and only keeps the kernel from moving a run to whichever core
+        frees first (on a host other tenants load, that adds run-queue wait); the class's thread
+        count applies either way. One core: the plan's quota and weights always apply."""
+        if pinned is None or len(self.cores) < 2 or sum(self.admission.load.values()) > len(self.cores):
+            self.pinned_runs += pinned is not None
+            return pinned
+        g = self._unpinned.get(task_type)
+        if g is None:
+            g = CpuGroup(f"free-{task_type}", threads=pinned.threads)
+            self._unpinned[task_type] = g
+        self.unpinned_runs += 1
+        return g
 
     def observe(self, task_type: str, tool: str, usage: Usage) -> None:
         self.profiles.observe(task_type, tool, usage, alone=False)
@@ -193,10 +210,14 @@ class CpuAwarePolicy(Policy):
             "admission": self.admission_policy.to_dict() if self.use_admission else None,
             "allocation": self.allocator.describe() if self.use_allocation else None,
             "admission_stats": self.admission.stats(),
+            "pinned_runs": self.pinned_runs,
+            "unpinned_runs": self.unpinned_runs,
         }
 
     def close(self) -> None:
         self.allocator.close()
+        for g in self._unpinned.values():
+            g.close()
 
 
 POLICIES = ("native", "static", "optimized")
