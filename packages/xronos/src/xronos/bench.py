@@ -428,6 +428,15 @@ def _summarize_distributed(results: list[dict], name: str, skip: int) -> dict:
     if name.startswith("pp"):
         out["layers_per_stage"] = results[0]["pp_layers"]
         out["micro_batches"] = _micro_batches(name, None)
+    if name == "dtensor" or name.startswith("ppl-"):
+        # the libraries' collectives are not timed: no idle, stall or compute split to report
+        for key in ("idle_ratio_per_rank", "idle_ratio", "transfer_ratio_per_rank", "not_computing_ratio_per_rank"):
+            out.pop(key, None)
+        for key in ("compute_stall_ratio", "compute_s_per_rank"):
+            out.pop(key, None)
+        out["library"] = "torch.distributed.tensor (DTensor)" if name == "dtensor" else "torch.distributed.pipelining"
+        if name.startswith("ppl-"):
+            out["schedule"] = name.split("-")[1]
     if name == "tp":  # equal work per rank: the speeds the emulation actually achieved under load
         out["achieved_relative_speeds"] = [min(compute) / c for c in compute]
     return out

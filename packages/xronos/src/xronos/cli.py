@@ -170,6 +170,10 @@ def _rows(summary: dict) -> list[dict]:
             shards = f"layers {s['layers_per_stage']}" + (
                 f", {s['micro_batches']} micro-batches" if s.get("micro_batches") else ""
             )
+            if "schedule" in s:
+                shards += f", pipelining {s['schedule']}"
+        elif name == "dtensor":
+            shards = "DTensor even TP (parallelize_module)"
         else:
             shards = "1 process, full model"
         rows.append(
