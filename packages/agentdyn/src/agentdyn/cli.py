@@ -275,14 +275,14 @@ def cmd_llm_emulator(args) -> int:
     return asyncio.run(go())
 
 
-def _workload(args, default_per_type: int | None = None):
+def _workload(args, one_seed: bool = False):
     from .bench import HELDOUT_SEEDS, WorkloadConfig
     from .emulator import EmulatorConfig
 
-    seeds = getattr(args, "seeds", None) or (HELDOUT_SEEDS[:1] if args.quick else HELDOUT_SEEDS)
+    seeds = getattr(args, "seeds", None) or (HELDOUT_SEEDS[:1] if args.quick or one_seed else HELDOUT_SEEDS)
     try:
         return WorkloadConfig(
-            per_type=args.per_type or default_per_type,
+            per_type=args.per_type,
             coding_work=args.coding_work,
             seed=args.seed,
             seeds=tuple(seeds),
@@ -364,7 +364,7 @@ def cmd_demo(args) -> int:
     from .bench import bench
     from .report import bench_table, plot_bench, write_report
 
-    cfg = _workload(args, default_per_type=1)
+    cfg = _workload(args, one_seed=True)
     args.out = str(console.output_dir(args.out, "--out"))
     out = asyncio.run(bench(cfg, progress=_progress(args)))
     _write_json(os.path.join(args.out, "bench.json"), _bench_json(out, cfg, True))  # saved before plotting
@@ -372,8 +372,9 @@ def cmd_demo(args) -> int:
     plot = plot_bench(out, os.path.join(args.out, "latency.png"))
     head = out["headline"]
     body = (
-        f"Mixed workload: {cfg.per_type} request(s) per task type arriving within {cfg.arrival_window_s}s "
-        f"(seeds {list(cfg.seeds)}), fair baselines with the same tool thread caps, "
+        f"Mixed workloads at each offered CPU load ({', '.join(f'{k} {v:g}' for k, v in cfg.loads)}), requests "
+        f"arriving within {cfg.arrival_window_s}s (seed {list(cfg.seeds)}), fair baselines with the same tool "
+        "thread caps, "
         f"emulated LLM (TTFT {cfg.emulator.ttft_s}s, {cfg.emulator.tokens_per_s} tok/s), emulated web link; "
         "policies run one after another in one process on this (possibly shared) machine.\n\n"
         + table
@@ -402,7 +403,7 @@ def _bench_parsers(sub) -> None:
             "--per-type",
             type=console.positive_int("--per-type", MAX_COUNT),
             help="requests per task type at every load (default: sized from calibration to each load's offered "
-            "CPU load; demo: 1)",
+            "CPU load)",
         )
         b.add_argument(
             "--coding-work",
