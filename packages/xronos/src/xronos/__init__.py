@@ -4,6 +4,8 @@ The core is :mod:`xronos.partition` (uneven shard sizes from a per-rank cost mod
 model sharding, profiling, training loops and launcher are the plumbing around it.
 """
 
+from .baselines import DTensorTPTrainer, PipeliningTrainer
+from .emulation import check_speeds, measure_kernel
 from .launch import WorkerError, spawn
 from .layers import ColumnParallelLinear, RowParallelLinear, clip_grad_norm, copy_to_tp, reduce_from_tp
 from .partition import (
@@ -24,8 +26,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColumnParallelLinear",
+    "DTensorTPTrainer",
     "ModelShape",
     "PPTrainer",
+    "PipeliningTrainer",
     "Partition",
     "PartitionError",
     "RankCost",
@@ -35,6 +39,7 @@ __all__ = [
     "TrainConfig",
     "WorkerError",
     "build_model",
+    "check_speeds",
     "clip_grad_norm",
     "copy_to_tp",
     "costs_from_cluster",
@@ -42,6 +47,7 @@ __all__ = [
     "enable_lora",
     "even_partition",
     "gather_state_dict",
+    "measure_kernel",
     "partition",
     "profile_group",
     "reduce_from_tp",

@@ -19,6 +19,7 @@ needs no synchronisation points.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -208,7 +209,7 @@ class PipeliningTrainer:
         """One pass of the schedule over ``ids``; the summed micro-batch losses (last stage), else 0."""
         losses: list[torch.Tensor] = []
         args = (ids,) if self.first else ()
-        kwargs = {"target": ids, "losses": losses} if self.last else {}
+        kwargs: dict[str, Any] = {"target": ids, "losses": losses} if self.last else {}
         if train:
             self.schedule.step(*args, **kwargs)
         else:
