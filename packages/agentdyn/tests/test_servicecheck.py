@@ -5,6 +5,7 @@ import contextlib
 import json
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from agentdyn.emulator import EmulatorConfig
@@ -62,3 +63,19 @@ def test_every_malformed_kind_gets_a_4xx_with_a_message():
         assert 400 <= status < 500 and classify(status, body) == "answered", (kind, status, body[:200])
     assert got["oversized_body"][0] == 413 and got["no_token"][0] == 401
     assert got["unknown_task_type"][0] == 422
+
+
+@pytest.mark.slow
+def test_service_under_sigterm_loses_nothing_and_leaves_nothing():
+    from agentdyn.servicecheck import lost_requests
+
+    # a slow model keeps every valid request in flight when SIGTERM comes
+    args = ("--policy", "native", "--ttft", "3", "--site-pages", "30", "--drain-timeout", "120")
+    out = asyncio.run(
+        lost_requests(10, lambda i: {"task_type": "web_search", "input": {"searches": i % 2}}, 0.2, serve_args=args)
+    )
+    assert out["requests"] == 10 and out["malformed"] == 2
+    assert out["lost"] == 0 and out["answered"] == 10, out["lost_examples"]
+    assert out["by_status"].get("200") == 8
+    assert out["sent_after_sigterm"]["status"] == 503
+    assert out["sigterm_exit_code"] == 0 and out["leftovers"] == []

@@ -56,6 +56,7 @@ QUIET_RUN_QUEUE_SHARE = 0.25
 # offered CPU load (cores the in-flight requests would keep busy alone / usable cores)
 LOADS = (("fit", 0.8), ("oversubscribed", 2.0))
 VARIANTS = (*FAIR_BASELINES, "optimized")
+SERVICE_TIMEOUT_S = 600.0  # per request of the service check, and its drain window
 REFERENCES = ("native", "static")  # unfair references (default thread counts; one request at a time)
 
 
@@ -401,13 +402,15 @@ async def check_service(cfg: WorkloadConfig, store: ProfileStore, concurrency: i
         store.save(path)
         e = cfg.emulator
         args = ("--policy", "optimized", "--profiles", path, "--tool-timeout", str(cfg.tool_timeout_s))
+        # SIGTERM comes while all of them are in flight: the drain may take as long as they do
+        args += ("--drain-timeout", str(SERVICE_TIMEOUT_S))
         args += ("--ttft", str(e.ttft_s), "--tokens-per-s", str(e.tokens_per_s), "--seed", str(cfg.seed))
 
         def valid(i: int) -> dict:
             t = cfg.types[i % len(cfg.types)]
             return {"task_type": t, "input": task_input(t, i // len(cfg.types), cfg)}
 
-        return await lost_requests(n, valid, 0.2, seed=cfg.seeds[0], serve_args=args)
+        return await lost_requests(n, valid, 0.2, seed=cfg.seeds[0], serve_args=args, timeout_s=SERVICE_TIMEOUT_S)
     finally:
         os.unlink(path)
 

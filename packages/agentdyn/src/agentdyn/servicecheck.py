@@ -3,8 +3,10 @@
 ``lost_requests`` starts ``agentdyn serve`` (a bearer token, loopback, its own temporary directory),
 sends ``n`` requests at once of which a share is malformed (each kind of ``MALFORMED`` in turn), and
 accounts every request as *answered* (2xx, or 4xx with an ``error`` message) or *lost* (timeout,
-connection reset, 5xx, a 4xx without a message). It then stops the service with SIGTERM and lists
-what it left behind: processes, cgroups named for it, entries in its temporary directory.
+connection reset, 5xx, a 4xx without a message). Once every valid request is in, it sends SIGTERM
+under that load: the requests in flight must still be answered, one sent after the signal must
+get 503. Then it lists what the stopped service left behind: processes, cgroups named for it,
+entries in its temporary directory.
 """
 
 from __future__ import annotations
@@ -111,15 +113,16 @@ async def _send(session: aiohttp.ClientSession, url: str, token: str, body: byte
 
 async def lost_requests(
     n: int,
-    valid: Callable[[int], dict],
+    valid_body: Callable[[int], dict],
     malformed_share: float = 0.2,
     seed: int = 0,
     serve_args: tuple[str, ...] = (),
     timeout_s: float = 600.0,
 ) -> dict:
     """Send ``n`` requests at once to a fresh ``agentdyn serve`` (``serve_args`` added to its command
-    line), ``malformed_share`` of them malformed; each answered or lost (see ``classify``). Then
-    SIGTERM: the exit code and what the stopped service left (``leftovers``, empty when clean)."""
+    line), ``malformed_share`` of them malformed, the others ``valid_body(i)``; each answered or lost
+    (see ``classify``). SIGTERM once the valid ones are in: the answer to a request sent after it
+    (``sent_after_sigterm``), the exit code, and what the stopped service left (``leftovers``)."""
     if n < 1 or not 0 <= malformed_share <= 1:
         raise ValueError(f"n must be >= 1 and malformed_share in [0, 1], not {n!r}, {malformed_share!r}")
     token = secrets.token_urlsafe(24)
@@ -128,11 +131,14 @@ async def lost_requests(
     unsafe = bool(missing_layers())
     cmd = [sys.executable, "-m", "agentdyn", "--quiet", "serve", "--port", "0", *serve_args]
     cmd += ["--unsafe-no-sandbox"] if unsafe else []
-    plan = _plan(n, malformed_share, seed, valid)
+    plan = _plan(n, malformed_share, seed, valid_body)
     proc, url = await _start(cmd, env, timeout_s)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
-            got = await asyncio.gather(*(_send(s, url, token, body, auth) for _, body, auth in plan))
+            sent = [asyncio.ensure_future(_send(s, url, token, body, auth)) for _, body, auth in plan]
+            valid = sum(kind == "valid" for kind, _, _ in plan)
+            late = await _sigterm_when_in(s, url, token, valid, proc, sent, json.dumps(valid_body(0)).encode())
+            got = await asyncio.gather(*sent)
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
@@ -144,7 +150,35 @@ async def lost_requests(
     await asyncio.sleep(0.2)
     left = service_leftovers(proc.pid, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
-    return _account(plan, got, rc, left, unsafe)
+    out = _account(plan, got, rc, left, unsafe)
+    out["sent_after_sigterm"] = {"status": late[0], "error": late[2], "refused_503": late[0] == 503}
+    return out
+
+
+async def _sigterm_when_in(s, url: str, token: str, valid: int, proc, sent: list, body: bytes) -> tuple:
+    """Once the service has accepted ``valid`` requests (or every send has ended), SIGTERM it and,
+    once it reports draining, send one more request: the answer to that late request (a 503)."""
+    auth = {"Authorization": f"Bearer {token}"}
+    while not all(f.done() for f in sent):
+        try:
+            async with s.get(url + "/v1/stats", headers=auth) as r:
+                if (await r.json())["accepted"] >= valid:
+                    break
+        except (aiohttp.ClientError, ValueError, KeyError):
+            pass
+        await asyncio.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    # the signal is handled on the service's event loop: wait until it says it drains
+    while proc.returncode is None:
+        try:
+            async with s.get(url + "/healthz", headers=auth) as r:
+                if (await r.json()).get("draining"):
+                    break
+        except (aiohttp.ClientError, ValueError):
+            break  # no longer listening: the drain has already ended
+        await asyncio.sleep(0.02)
+    return await _send(s, url, token, body, True)
 
 
 def _account(plan: list, got: list, rc: int, left: list[str], unsafe: bool) -> dict:
