@@ -3,7 +3,7 @@ from dataclasses import replace
 import pytest
 
 from geomesh import WanEmulator
-from geomesh.bench import BenchConfig, bench_cluster, load_corpus, ppl_at_tokens, run_bench
+from geomesh.bench import BenchConfig, bench_cluster, emulation_check, load_corpus, ppl_at_tokens, run_bench
 from geomesh.simulate import scheme_of
 
 pytestmark = pytest.mark.slow
@@ -57,6 +57,15 @@ def test_small_bench_side_by_side():
     }
     assert val[d_scheme]["measured_collective_s"] == res["results"]["diloco-fp32"]["collective_s_per_sync"]
     assert h["sim_traffic_ratio_vs_ring_fp32@64"] <= 1 / 8 < h["sim_traffic_ratio_allgather_sign_vs_ring_fp32@64"]
+    # every run's achieved worker speeds against the reference's, and a verdict when they could be compared
+    check = res["emulated"]["cpu_speed_check"]["runs"]
+    assert set(check) == {"geomesh", "diloco-fp32", "async", "geomesh (seed 101)", "diloco-fp32 (seed 101)"} | {
+        f"{m} (bandwidth-bound)" for m in ("geomesh", "diloco-fp32")
+    }
+    assert (
+        set(check["diloco-fp32"]["speed_vs_reference"]) == set(res["reference"]["step_s"]) and len(ref["step_s"]) == 3
+    )
+    assert h["emulation_valid"] == all(c["valid"] for c in check.values() if c["valid"] is not None)
     # no namespaces here: no link counters, and the JSON says so instead of a number
     assert h["bytes_ratio_vs_fp32_measured"] is None and h["bytes_measured"].startswith("not available")
     for key in (
@@ -93,6 +102,31 @@ def test_small_bench_side_by_side():
             assert h[key] == pytest.approx(sum(per.values()) / 2) and per["100"] == h[f"{key}_first_seed"]
     phases = g["phases_per_worker"]
     assert len(phases) == 3 and all(len(p) == g["syncs"] for p in phases.values())
+
+
+def test_emulation_check_marks_runs_whose_worker_speeds_moved():
+    def run(step_s: dict, batch: int = 8) -> dict:
+        return {"phases_per_worker": {m: [{"batch": batch, "steps": 4, "compute_s": 4 * t}] for m, t in step_s.items()}}
+
+    ref = {"a": 0.10, "b": 0.20}
+    profiled = {
+        "phases_per_worker": {"a": [], "b": []},
+        "profile": {"a": [8, 0.105, 4, 0.06, 0.0], "b": [8, 0.2, 4, 0.1, 0.0]},
+    }
+    got = emulation_check(
+        ref,
+        {
+            "ok": run({"a": 0.105, "b": 0.19}),
+            "slow": run({"a": 0.10, "b": 0.3}),
+            "profiled": profiled,
+            "other batch": run({"a": 0.1, "b": 0.2}, batch=4),
+        },
+        8,
+    )
+    assert got["ok"]["valid"] is True and got["ok"]["speed_vs_reference"]["a"] == pytest.approx(0.10 / 0.105)
+    assert got["slow"]["valid"] is False  # worker b ran 1.5x slower than when the reference ran
+    assert got["profiled"]["valid"] is True  # GeoMesh: its profiling phase's steps at the batch
+    assert got["other batch"]["valid"] is None  # nothing at the reference's batch: no verdict
 
 
 def test_held_out_seeds_must_not_be_development_seeds():

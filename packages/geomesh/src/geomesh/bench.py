@@ -560,6 +560,8 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
         res["phases_per_worker"] = {o["machine"]: o["phases"] for o in outs}
     if "plan" in outs[0]:
         res["plan"] = outs[0]["plan"]
+        # every worker's measured (batch, s/step) pairs of the profiling phase: [b, s, b/2, s, post-sync s]
+        res["profile"] = {o["machine"]: outs[0]["profile"][o["rank"]] for o in outs}
         res["replans"] = outs[0]["replans"]
         res["final_inner_steps"] = [o["history"][-1]["all_tokens"] for o in outs][:1]
     return res
@@ -584,6 +586,14 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         _bw_headline(head, bw["headline"], bw["results"])
     sim = _simulation(cfg, lat["results"], bw.get("results", {}))
     head.update(_simulation_headline(sim))
+    ref_steps = lat["reference"].get("step_s", {})
+    runs = {**lat["results"], **{f"{m} (seed {r['seed']})": x for r in lat["repeats"] for m, x in r["results"].items()}}
+    runs.update({f"{m} (bandwidth-bound)": x for m, x in bw.get("results", {}).items()})
+    check = emulation_check(ref_steps, runs, cfg.batch)
+    emulated["cpu_speed_check"] = {"tolerance": 0.10, "reference_step_s": ref_steps, "runs": check}
+    # a run whose speeds could not be compared (no step at the reference's batch) does not count either way
+    head["emulation_valid"] = all(c["valid"] for c in check.values() if c["valid"] is not None)
+    head["emulation_invalid_runs"] = [k for k, c in check.items() if c["valid"] is False]
     held_out = [cfg.seed + k for k in range(cfg.repeat_seeds + 1)]
     return {
         "config": {**asdict(cfg), "corpus_files": len(files), "train_tokens": len(train), "val_tokens": len(val)},
@@ -704,6 +714,7 @@ def _configuration(cfg: BenchConfig, data: tuple, target: float | None, progress
             target = ppl_at_tokens(r["curve"], int(cfg.target_frac * r["tokens"]))
             reference = {"method": "diloco-fp32", "seed": cfg.reference_seed, "target_frac": cfg.target_frac}
             reference.update(target_ppl=target, final_ppl=r["final_ppl"], wall_s=r["wall_s"], curve=r["curve"])
+            reference["step_s"] = step_seconds(r, cfg.batch)
         _run_methods(cfg, world, train, val, build_model(cfg), results, emulated, net, progress)
         pair = ("geomesh", "diloco-fp32")
         if all(m in cfg.methods for m in pair):
@@ -720,6 +731,33 @@ def _configuration(cfg: BenchConfig, data: tuple, target: float | None, progress
     if repeats:
         _merge_repeats(head, cfg.seed, repeats)
     return {"results": results, "headline": head, "repeats": repeats, "reference": reference}
+
+
+def step_seconds(result: dict, batch: int) -> dict[str, float]:
+    """Per worker, the median seconds of one inner step at ``batch``: from the phases run at that batch
+    (fixed-batch methods) or from GeoMesh's profiling phase; workers without such steps are left out."""
+    out = {}
+    for machine, phases in result.get("phases_per_worker", {}).items():
+        per = sorted(p["compute_s"] / p["steps"] for p in phases if p["batch"] == batch and p["steps"] > 0)
+        prof = result.get("profile", {}).get(machine)
+        if not per and prof:
+            per = [prof[k + 1] for k in (0, 2) if int(prof[k]) == batch and prof[k + 1] > 0]
+        if per:
+            out[machine] = per[len(per) // 2]
+    return out
+
+
+def emulation_check(reference: dict[str, float], runs: dict[str, dict], batch: int, tol: float = 0.10) -> dict:
+    """Each run's achieved worker speeds against the reference run's (same model and batch): a run whose
+    step time at ``batch`` is off by more than ``tol`` on any worker is marked invalid (the machine was
+    busier or idler than when the reference ran, so its emulated speeds did not hold)."""
+    out = {}
+    for name, r in runs.items():
+        mine = step_seconds(r, batch)
+        ratios = {m: reference[m] / t for m, t in mine.items() if m in reference and t > 0}
+        valid = bool(ratios) and all(abs(x - 1) <= tol for x in ratios.values())
+        out[name] = {"speed_vs_reference": ratios, "valid": valid if ratios else None}
+    return out
 
 
 def _merge_repeats(head: dict, seed: int, repeats: list[dict]) -> None:
