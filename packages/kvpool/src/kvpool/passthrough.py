@@ -42,7 +42,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from hashlib import blake2b
 from pathlib import Path
 
@@ -213,6 +213,7 @@ class PassthroughStore:
         self._rings: list[IoUring] = []  # idle rings, one taken per concurrent read_many
         self._idle_bufs: list[AlignedBuffer] = []  # whole-chunk staging buffers handed back for reuse
         self._ra: ThreadPoolExecutor | None = None  # read-ahead threads of large reads, made when needed
+        self._prefetch: ThreadPoolExecutor | None = None  # runs read_many_later, made when needed
         if capacity_bytes < ALIGN:
             raise ValueError(f"SSD device {name!r}: capacity_bytes must be at least {ALIGN}, not {capacity_bytes!r}")
         if not self.dir.is_dir():
@@ -669,6 +670,20 @@ class PassthroughStore:
             fut.result()
         return out
 
+    def read_many_later(
+        self, names: list[str], stagings: Sequence[AlignedBuffer | BufferPart | None]
+    ) -> Future[list[torch.Tensor | None]]:
+        """``read_many`` on the store's prefetch thread: the caller copies out earlier units meanwhile.
+
+        The prefetch thread is not one of the read-ahead threads a large ``read_many`` splits into,
+        so a prefetch waiting for its pieces can never hold up those pieces.
+        """
+        with self._lock:
+            if self._prefetch is None:
+                self._prefetch = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{self.name}-prefetch")
+            pool = self._prefetch
+        return pool.submit(self.read_many, names, stagings)
+
     def _preadv_run(self, run: list[int], ex: list[int], ents: dict[int, tuple[int, int, int, int]], bufs: dict) -> int:
         """One ``preadv`` of a run of adjacent units (caps included); bytes read, or -errno."""
         t0 = time.perf_counter()
@@ -794,9 +809,10 @@ class PassthroughStore:
         for ring in rings:
             ring.close()
         with self._lock:
-            ra, self._ra = self._ra, None
-        if ra is not None:
-            ra.shutdown(wait=True)
+            pools = [p for p in (self._prefetch, self._ra) if p is not None]  # prefetches wait on pieces
+            self._prefetch = self._ra = None
+        for p in pools:
+            p.shutdown(wait=True)
         os.close(self.fd)  # releases the flock
         self._fd = None
 

@@ -128,37 +128,56 @@ class LayerwiseLoad:
             t.start()
 
     def _worker(self, store, dev: str, group: list[tuple[int, ChunkKey]], staging) -> None:
-        n = self.layout.chunk_tokens
-        H, D = self.layout.kv_heads, self.layout.head_dim
-        dtype = TORCH_DTYPES[self.layout.dtype]
+        ub = self.layout.unit_bytes
         stagings = [staging if j == 0 else None for j in range(len(group))]
-        stagings = [s if s is not None else store.staging(self.layout.unit_bytes) for s in stagings]
+        # two sets of staging buffers where the store can read ahead: layer l+1 lands in one while
+        # layer l is copied out of the other
+        later = getattr(store, "read_many_later", None)
+        sets = [[s if s is not None else store.staging(ub) for s in stagings]]
+        if later is not None:
+            sets.append([store.staging(ub) for _ in group])
         pin_thread_to_node(getattr(store, "numa_node", None))  # a memory module's reader on its node
         t0 = time.perf_counter()
+
+        def issue(layer: int):
+            todo = [(j, i, key) for j, (i, key) in enumerate(group) if i not in self.lost]
+            names = [unit_name(key, layer) for _, _, key in todo]
+            bufs = [sets[layer % len(sets)][j] for j, _, _ in todo]
+            return todo, (later(names, bufs) if later is not None else None), names, bufs
+
         try:
+            pending = issue(0)
             for layer in range(self.layout.num_layers):
-                todo = [(j, i, key) for j, (i, key) in enumerate(group) if i not in self.lost]
+                todo, fut, names, bufs = pending
                 try:
-                    views = store.read_many(
-                        [unit_name(key, layer) for _, _, key in todo], [stagings[j] for j, _, _ in todo]
-                    )
+                    views = fut.result() if fut is not None else store.read_many(names, bufs)
                 except Exception as e:  # a broken device must not hang the request
                     self.errors.append(f"{dev}: {e}")
                     views = [None] * len(todo)
-                for (_, i, _key), view in zip(todo, views):
-                    if view is None or view.numel() != self.layout.unit_bytes:
-                        self.lost.add(i)
-                        continue
-                    unit = view.view(dtype).view(2, H, n, D)
-                    self.k[layer][0, :, i * n : (i + 1) * n].copy_(unit[0])
-                    self.v[layer][0, :, i * n : (i + 1) * n].copy_(unit[1])
-                    with self._lock:
-                        self.device_bytes[dev] += view.numel()
+                if layer + 1 < self.layout.num_layers:
+                    pending = issue(layer + 1)  # with read-ahead: in flight while this layer is copied out
+                self._copy_layer(dev, layer, todo, views)
                 self._layer_done(layer)
         finally:
             with self._lock:
                 self.device_s[dev] = max(self.device_s[dev], time.perf_counter() - t0)
             self._finish_thread()
+
+    def _copy_layer(self, dev: str, layer: int, todo: list, views: list) -> None:
+        """Copy one layer's checked units into K and V; a unit missing or failing marks its chunk lost."""
+        n, H, D = self.layout.chunk_tokens, self.layout.kv_heads, self.layout.head_dim
+        dtype = TORCH_DTYPES[self.layout.dtype]
+        for (_, i, _key), view in zip(todo, views):
+            if i in self.lost:  # lost in an earlier layer after this read was already issued
+                continue
+            if view is None or view.numel() != self.layout.unit_bytes:
+                self.lost.add(i)
+                continue
+            unit = view.view(dtype).view(2, H, n, D)
+            self.k[layer][0, :, i * n : (i + 1) * n].copy_(unit[0])
+            self.v[layer][0, :, i * n : (i + 1) * n].copy_(unit[1])
+            with self._lock:
+                self.device_bytes[dev] += view.numel()
 
     def _layer_done(self, layer: int) -> None:
         with self._lock:
