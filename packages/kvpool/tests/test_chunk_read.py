@@ -155,3 +155,30 @@ def test_syscall_timer_counts_metadata_calls_and_restores_os(tmp_path):
             pass
     assert sc.calls == 2 and sc.seconds > 0
     assert os.stat is real_stat
+
+
+def test_load_chunk_into_fills_a_given_tensor_and_rejects_a_wrong_one(tmp_path):
+    stores = [MemoryStore("mem0", LAY.chunk_bytes), PassthroughStore("ssd0", tmp_path, 1 << 20)]
+    with KVPool(stores, LAY, "m", {"mem0": 8e9, "ssd0": 1e9}, promote=False) as pool:
+        for i in range(3):  # the first in memory, the others on the SSD
+            assert pool.put_chunk(key(i), chunk_of(i))
+        out = torch.empty(6, 2, 2, 64, 8)
+        for i in range(3):
+            assert pool.load_chunk_into(key(i), out) and torch.equal(out, chunk_of(i))
+        assert not pool.load_chunk_into(key(9), out)
+        with pytest.raises(ValueError, match=r"out: expected a contiguous \(6, 2, 2, 64, 8\)"):
+            pool.load_chunk_into(key(1), torch.empty(6, 2, 2, 64, 4))
+        with pytest.raises(ValueError, match="of float32"):
+            pool.load_chunk_into(key(1), torch.empty(6, 2, 2, 64, 8, dtype=torch.float16))
+        assert pool.pinned() == set()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_chunk_into_a_cuda_tensor_through_pinned_staging(tmp_path):
+    with ssd_pool(tmp_path) as pool:
+        pool.stores["ssd0"].pipeline_bytes = 16 << 10  # pieces on two threads: the sender takes turns
+        for i in range(2):
+            assert pool.put_chunk(key(i), chunk_of(i))
+        out = torch.empty(6, 2, 2, 64, 8, device="cuda")
+        for i in range(2):
+            assert pool.load_chunk_into(key(i), out) and torch.equal(out.cpu(), chunk_of(i))

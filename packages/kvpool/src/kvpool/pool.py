@@ -42,6 +42,31 @@ def _put_units(store, items: list[tuple[str, torch.Tensor]]) -> bool:
     return all(store.put(name, data) for name, data in items)
 
 
+class _PinnedSender:
+    """Copies each checked layer into one of two pinned host buffers and on to the device without
+    blocking; a buffer is reused only once its previous copy to the device has finished. Calls may
+    come from several read-ahead threads: they take turns."""
+
+    def __init__(self, dest: torch.Tensor, unit_bytes: int):
+        self.dest = dest
+        self.pinned = [torch.empty(unit_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events: list = [None, None]
+        self.lock = threading.Lock()
+
+    def __call__(self, layer: int, view: torch.Tensor) -> None:
+        with self.lock:
+            self._send(layer, view)
+
+    def _send(self, layer: int, view: torch.Tensor) -> None:
+        slot = layer % 2
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        self.pinned[slot].copy_(view)
+        self.dest[layer].copy_(self.pinned[slot], non_blocking=True)
+        self.events[slot] = torch.cuda.Event()
+        self.events[slot].record()
+
+
 class ChunkConflict(ValueError):
     """A chunk key is already stored with other bytes: the first writer of a key wins."""
 
@@ -323,6 +348,33 @@ class KVPool:
             return None
         got.release()
         return out
+
+    def load_chunk_into(self, hx: str, out: torch.Tensor) -> bool:
+        """Load one chunk into ``out`` (``[layers, 2, kv_heads, chunk_tokens, head_dim]``, on the CPU or
+        a CUDA device); False when the chunk is not readable (``out`` is then undefined).
+
+        A CUDA ``out`` is filled layer by layer through two pinned host buffers: each layer is
+        copied from the store's staging into pinned memory as soon as it passed its check, and sent
+        to the device asynchronously while the next one arrives. A CPU ``out`` is filled directly.
+        """
+        L, H, n, D = self.layout.num_layers, self.layout.kv_heads, self.layout.chunk_tokens, self.layout.head_dim
+        dtype = TORCH_DTYPES[self.layout.dtype]
+        if tuple(out.shape) != (L, 2, H, n, D) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out: expected a contiguous {(L, 2, H, n, D)} tensor of {self.layout.dtype}, "
+                f"got {tuple(out.shape)} of {out.dtype}"
+            )
+        flat = out.view(L, -1).view(torch.uint8)
+        if out.device.type != "cuda":
+            got = self.read_chunk(hx, on_unit=lambda layer, view: flat[layer].copy_(view))
+        else:
+            got = self.read_chunk(hx, on_unit=_PinnedSender(flat, self.layout.unit_bytes))
+        if got is None:
+            return False
+        got.release()
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)  # the last copies were issued without waiting
+        return True
 
     def read_chunk(self, hx: str, on_unit: Callable[[int, torch.Tensor], object] | None = None) -> ChunkBytes | None:
         """A chunk's bytes in its device's staging buffer (release when done), or None like ``get_chunk``.
