@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import warnings
 
@@ -28,7 +29,16 @@ import hwtopo
 
 from .memory import TrainSetup, accelerate_style, predict_memory, with_overhead
 from .names import HELDOUT_FAMILIES, MODALITY, parse_model_name
-from .timepred import boosting_backend, calibrate_experts, decomposition_for, evaluate_holdout_families, mape
+from .timepred import (
+    MATMUL_SECONDS,
+    boosting_backend,
+    calibrate_experts,
+    calibrate_matmul,
+    cpu_isa,
+    decomposition_for,
+    evaluate_holdout_families,
+    mape,
+)
 from .train import measure_training
 from .zoo import Shape, build
 
@@ -128,6 +138,9 @@ patches): above every training size in width, batch and tokens."""
 RSS_GUARD_CASES = [("gpt-neox-m", "64MiB"), ("dinov2-m", "56MiB"), ("opt-m", "72MiB"), ("llava-dinov2-phi-m", "96MiB")]
 """OoM-guard cases on held-out architectures (limits set before any measurement)."""
 GUARD_SEQ = 128
+TIME_KIND = "calibrated"
+"""The time predictor the bench reports: dense matmuls costed at this machine's measured kernel
+speed per size and dtype (the CPU's ISA decides it), the other work by fitted costs."""
 
 
 def harness_plan(quick: bool = True, train_families: list[str] | None = None) -> list[dict]:
@@ -175,7 +188,12 @@ def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2) -> lis
     bar = console.progress(total=len(plan), desc="ground truth", quiet=not progress)
     for c in plan:
         kw = {k: c[k] for k in ("model", "batch", "seq_len", "image_size", "precision", "optimizer")}
-        m = measure("sysprdict.groundtruth:training_step", kw, steps=steps, diagnostic=c["role"] == "train")
+        m = measure(
+            "sysprdict.groundtruth:training_step",
+            kw,
+            steps=steps,
+            diagnostic=c["role"] == "train" and c["model"].endswith("-s"),
+        )
         family, size = parse_model_name(c["model"])
         rows.append(
             {
@@ -301,14 +319,14 @@ def run_evaluation(
     t_measure = time.perf_counter() - t0
     mm = hwtopo.matmul_flops(256, threads=1, seconds=0.3)
     experts_cost = calibrate_experts()
+    calibrate_matmul()
     train = [r for r in rows if r["role"] == "train"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        strict = evaluate_split(
-            [r for r in rows if r["role"] != "heldout"], [r for r in rows if r["role"] == "heldout"], mm.flops
-        )
-        extrap = evaluate_split(train, [r for r in rows if r["role"] == "extrap"], mm.flops)
-        leaky = evaluate_holdout_families(train, mm.flops)
+        heldout = [r for r in rows if r["role"] == "heldout"]
+        strict = evaluate_split([r for r in rows if r["role"] != "heldout"], heldout, mm.flops, kind=TIME_KIND)
+        extrap = evaluate_split(train, [r for r in rows if r["role"] == "extrap"], mm.flops, kind=TIME_KIND)
+        leaky = evaluate_holdout_families(train, mm.flops, kind=TIME_KIND)
     memory, ov = evaluate_memory_rss(rows)
     guard = evaluate_oom_guard_rss(ov, RSS_GUARD_CASES[:3] if quick else RSS_GUARD_CASES)
     headline = {
@@ -343,6 +361,11 @@ def run_evaluation(
             "timing": "median process CPU time of the timed steps after one warm-up step, 1 thread, one process "
             "per configuration",
             "boosting_backend": boosting_backend(),
+            "time_predictor": TIME_KIND,
+            "cpu_isa": cpu_isa(),
+            "matmul_calibration_s_per_flop": {
+                dt: [[round(math.exp(x)), math.exp(y)] for x, y in pts] for dt, pts in MATMUL_SECONDS.items()
+            },
             "matmul_flops_per_s": mm.flops,
             "experts_matmul_cost_measured": experts_cost,
             "measure_wall_s": t_measure,

@@ -203,6 +203,17 @@ def op_flops(name: str, args: tuple, out: Any) -> int:
     return sum(t.numel() for t in _tensors(out))
 
 
+def _mm_shape(name: str, args: tuple) -> tuple[int, int, int, int] | None:
+    """(batch, m, k, n) of a dense matmul op, None for any other op."""
+    if name in ("mm", "addmm"):
+        a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+        return 1, int(a.shape[0]), int(a.shape[1]), int(b.shape[1])
+    if name in ("bmm", "baddbmm"):
+        a, b = (args[0], args[1]) if name == "bmm" else (args[1], args[2])
+        return int(a.shape[0]), int(a.shape[1]), int(a.shape[2]), int(b.shape[2])
+    return None
+
+
 def op_class(name: str) -> str:
     """The `OP_CLASSES` entry of an aten op name."""
     if name in _GROUPED_MM_OPS:
@@ -300,6 +311,9 @@ class Decomposition:
     """Forward work by op class and the dtype the op actually ran at (autocast casts matmuls but
     not, e.g., grouped expert matmuls or norms): keys "<class>_<quantity>:<dtype>" with class in
     `OP_CLASSES` and quantity count/flops/bytes; see `op_class`."""
+    matmul_shapes: dict = dataclasses.field(default_factory=dict)
+    """Forward dense matmuls by "dtype:batch:m:k:n" -> count (mm/addmm with batch 1, bmm/baddbmm),
+    so a kernel's speed measured on this machine at each shape can be looked up."""
 
     @property
     def params(self) -> int:
@@ -450,6 +464,7 @@ class _Trace:
         self.seen_storages: set = set()
         self.param_keys = param_keys
         self.mix: collections.Counter = collections.Counter()
+        self.mm_shapes: collections.Counter = collections.Counter()
         self.clock = 0  # counts non-view ops: a record's `order` is the time of its last op
         self.handles = []
         for m in module.modules():
@@ -507,7 +522,11 @@ class _Trace:
         rec.fwd_bytes += moved
         rec.bwd_bytes += 2 * moved
         rec.max_out_bytes = max(rec.max_out_bytes, max(_nbytes(t) for t in outs))
-        key = f"{op_class(name)}_%s:{_op_dtype(name, args, outs)}"
+        dtype = _op_dtype(name, args, outs)
+        shape = _mm_shape(name, args)
+        if shape is not None:
+            self.mm_shapes[f"{dtype}:" + ":".join(map(str, shape))] += 1
+        key = f"{op_class(name)}_%s:{dtype}"
         self.mix[key % "count"] += 1
         self.mix[key % "flops"] += fl
         self.mix[key % "bytes"] += moved
@@ -724,6 +743,7 @@ def decompose(model: ZooModel, shape: Shape, precision: str = "fp32", routing: s
         tokens=shape.batch * model.total_tokens(shape),
         buffer_bytes=sum(buffers.values()),
         op_mix=dict(tr.mix),
+        matmul_shapes=dict(tr.mm_shapes),
     )
 
 

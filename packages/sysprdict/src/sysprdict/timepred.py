@@ -45,6 +45,8 @@ __all__ = [
     "allreduce_time_s",
     "boosting_backend",
     "calibrate_experts",
+    "calibrate_matmul",
+    "cpu_isa",
     "evaluate_holdout_families",
     "evaluate_split",
     "features",
@@ -127,11 +129,13 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
     return f
 
 
-KINDS = ("opmix", "additive", "additive+trees", "loglinear")
-"""opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
+KINDS = ("opmix", "calibrated", "additive", "additive+trees", "loglinear")
+"""calibrated: opmix with every dense matmul costed by the fwd+bwd time this machine's kernels
+took at its size and dtype (`calibrate_matmul`), taken as measured, and the other terms fitted on
+the rest of the step time; opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
 summed (the previous default; within run-to-run noise of opmix overall, worse on MoE); additive+trees: the same plus boosted
 trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
-_LINEAR_COST_KINDS = ("opmix", "additive", "additive+trees")  # fitted as non-negative cost terms
+_LINEAR_COST_KINDS = ("opmix", "calibrated", "additive", "additive+trees")  # fitted as non-negative cost terms
 _MATMUL_KINDS = ("linear", "conv", "attention", "experts")
 
 
@@ -224,6 +228,83 @@ def calibrate_experts(repeats: int = 20, experts: int = 4) -> dict[str, float]:
     return res
 
 
+MATMUL_SECONDS: dict[str, list[tuple[float, float]]] = {}
+"""Per dtype, (log FLOPs, log seconds per FLOP) of dense matmuls' forward + backward measured on this
+machine (`calibrate_matmul`), sorted by FLOPs."""
+_MM_CAL_SHAPES = tuple((m, k, n) for m in (32, 256, 1024) for k, n in ((64, 64), (128, 256), (256, 256), (512, 512)))
+"""(rows, in, out) of the calibration matmuls: token counts and widths of the zoo and above
+(not taken from any profiled or held-out model)."""
+_ISA_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
+
+
+def cpu_isa() -> list[str]:
+    """The matmul-relevant instruction-set extensions of this CPU (from /proc/cpuinfo): AMX and
+    AVX-512 BF16/FP16 decide whether reduced precision is faster or slower than fp32 here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set()
+            for line in f:
+                if line.startswith("flags"):
+                    flags |= set(line.split(":", 1)[1].split())
+    except OSError:
+        return []
+    return [fl for fl in _ISA_FLAGS if fl in flags]
+
+
+def _best_cpu_s(fn, budget_s: float = 0.05, most: int = 20) -> float:
+    """Minimum process CPU time of `fn` over repeats (at least 3, until `budget_s` is spent)."""
+    import time
+
+    fn()
+    best, spent, n = math.inf, 0.0, 0
+    while n < 3 or (spent < budget_s and n < most):
+        c = time.process_time()
+        fn()
+        dt = time.process_time() - c
+        best, spent, n = min(best, dt), spent + dt, n + 1
+    return max(best, 1e-7)
+
+
+def calibrate_matmul() -> dict[str, list[tuple[float, float]]]:
+    """Measure dense matmul forward + backward (input and weight gradients) per dtype at
+    `_MM_CAL_SHAPES` on this machine: the kernel speed per size that the CPU's ISA decides (AMX makes
+    large bf16 matmuls fast, small ones gain nothing).  Stored in `MATMUL_SECONDS` and returned."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    g = torch.Generator().manual_seed(0)
+    res: dict[str, list[tuple[float, float]]] = {}
+    for name in _DTYPES:
+        dt = getattr(torch, name)
+        pts = []
+        for m, k, n in _MM_CAL_SHAPES:
+            a = torch.randn(m, k, generator=g).to(dt).requires_grad_()
+            w = torch.randn(n, k, generator=g).to(dt).requires_grad_()
+            go = torch.randn(m, n, generator=g).to(dt)
+            t = _best_cpu_s(lambda a=a, w=w, go=go: F.linear(a, w).backward(go))
+            flops = 2.0 * m * k * n
+            pts.append((math.log(flops), math.log(t / flops)))
+        res[name] = sorted(pts)
+    MATMUL_SECONDS.clear()
+    MATMUL_SECONDS.update(res)
+    return res
+
+
+def matmul_seconds(d: Decomposition, table: dict[str, list[tuple[float, float]]]) -> float:
+    """Forward + backward seconds of `d`'s dense matmuls at this machine's measured kernel speed:
+    each matmul's FLOPs x the measured seconds per FLOP at its size (log-interpolated)."""
+    total = 0.0
+    for key, count in d.matmul_shapes.items():
+        dt, b, m, k, n = key.split(":")
+        pts = table.get(dt) or table.get("float32")
+        if not pts:
+            raise ValueError("matmul calibration: empty; run calibrate_matmul() first")
+        flops = 2.0 * int(b) * int(m) * int(k) * int(n)
+        xs, ys = zip(*pts)
+        total += count * flops * math.exp(float(np.interp(math.log(flops), xs, ys)))
+    return total
+
+
 def opmix_terms(
     d: Decomposition, optimizer: str = "adamw", experts_cost: dict[str, float] | None = None
 ) -> dict[str, float]:
@@ -257,6 +338,23 @@ def opmix_terms(
     pdt = "bfloat16" if d.param_dtype_bytes == 2 else "float32"
     t[f"optimizer_bytes:{pdt}"] = float(d.params * (1 + states) * d.param_dtype_bytes)
     t["param_tensors"] = float(sum(1 for r in d.records if r.params)) * (1 + states)
+    return t
+
+
+_CAL_TERMS = (*_MIX_TERMS, "mm_calibrated_s")
+
+
+def calibrated_terms(
+    d: Decomposition, optimizer: str, experts_cost: dict[str, float], table: dict[str, list[tuple[float, float]]]
+) -> dict[str, float]:
+    """`opmix_terms` with the dense matmuls' FLOPs replaced by their measured kernel seconds
+    (`matmul_seconds`): routed-expert FLOPs keep their per-dtype cost terms."""
+    t = opmix_terms(d, optimizer, experts_cost)
+    for key, v in d.op_mix.items():
+        q, dt = key.split(":")
+        if q == "matmul_flops" and dt in _DTYPES:
+            t[f"mm_flops:{dt}"] = max(t[f"mm_flops:{dt}"] - v, 0.0)
+    t["mm_calibrated_s"] = matmul_seconds(d, table)
     return t
 
 
@@ -296,6 +394,8 @@ class TimePredictor:
         self._add: Any = None
         self._ranges: dict[str, tuple[float, float]] = {}
         self._experts_cost: dict[str, float] = {}  # the grouped-matmul cost the fit used, kept for predict
+        self._mm_table: dict[str, list[tuple[float, float]]] = {}  # the dense matmul speeds it used
+        self.isa: list[str] = []  # the CPU extensions of the machine the fit measured
 
     def _additive_matrix(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
         """One block of additive terms per precision (precision-aware: every precision has its own
@@ -303,6 +403,9 @@ class TimePredictor:
         if self.kind == "opmix":
             terms = (opmix_terms(d, o, self._experts_cost) for d, o in zip(ds, optimizers))
             return np.array([[t[k] for k in _MIX_TERMS] for t in terms])
+        if self.kind == "calibrated":
+            cal = (calibrated_terms(d, o, self._experts_cost, self._mm_table) for d, o in zip(ds, optimizers))
+            return np.array([[t[k] for k in _CAL_TERMS] for t in cal])
         blocks = PRECISIONS if self.precision_aware else ("any",)
         out = np.zeros((len(ds), len(blocks) * len(_ADDITIVE)))
         for i, (d, o) in enumerate(zip(ds, optimizers)):
@@ -314,14 +417,23 @@ class TimePredictor:
     def _additive_fit(self, ds: list[Decomposition], y: np.ndarray, optimizers: list[str]) -> None:
         from sklearn.linear_model import LinearRegression
 
-        a = self._additive_matrix(ds, optimizers)
+        a, offset = self._split_measured(self._additive_matrix(ds, optimizers))
         self._scale = np.maximum(a.max(axis=0), 1e-30)
-        # non-negative costs, least squares on relative error (weights 1/y^2)
-        self._add = LinearRegression(positive=True, fit_intercept=False).fit(a / self._scale, y, sample_weight=1 / y**2)
+        # non-negative costs, least squares on relative error (weights 1/y^2); the measured matmul
+        # seconds (kind "calibrated") are a measurement, taken as they are, not a fitted term
+        self._add = LinearRegression(positive=True, fit_intercept=False).fit(
+            a / self._scale, y - offset, sample_weight=1 / y**2
+        )
+
+    def _split_measured(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(fitted columns, the measured seconds offset): the last column for kind "calibrated"."""
+        if self.kind == "calibrated":
+            return a[:, :-1], a[:, -1]
+        return a, np.zeros(len(a))
 
     def _additive_predict(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
-        a = self._additive_matrix(ds, optimizers) / self._scale
-        return np.maximum(self._add.predict(a), 1e-9)
+        a, offset = self._split_measured(self._additive_matrix(ds, optimizers))
+        return np.maximum(self._add.predict(a / self._scale) + offset, 1e-9)
 
     def _matrix(self, ds: list[Decomposition], optimizers: list[str] | None = None) -> np.ndarray:
         opts = optimizers or ["adamw"] * len(ds)
@@ -337,10 +449,14 @@ class TimePredictor:
         opts = optimizers or ["adamw"] * len(ds)
         x = self._matrix(ds, opts)
         y = np.log(np.asarray(times_s, float))
-        if self.kind == "opmix" and not EXPERTS_MATMUL_COST:
+        if self.kind in ("opmix", "calibrated") and not EXPERTS_MATMUL_COST:
             calibrate_experts()  # once per process: the grouped expert matmul's cost on this machine
-        # predictions use the cost this fit saw, even if the process recalibrates later
+        if self.kind == "calibrated" and not MATMUL_SECONDS:
+            calibrate_matmul()  # once per process: dense matmul speed per size and dtype here
+        # predictions use the costs this fit saw, even if the process recalibrates later
         self._experts_cost = dict(EXPERTS_MATMUL_COST)
+        self._mm_table = dict(MATMUL_SECONDS)
+        self.isa = cpu_isa()
         if self.kind in _LINEAR_COST_KINDS:
             self._additive_fit(ds, np.asarray(times_s, float), opts)
             trend = np.log(self._additive_predict(ds, opts))
@@ -364,6 +480,12 @@ class TimePredictor:
             raise RuntimeError("TimePredictor.predict called before fit")
         opts = optimizers or ["adamw"] * len(ds)
         x = self._matrix(ds, opts)
+        if self.isa and cpu_isa() != self.isa:
+            warnings.warn(
+                f"predicting on a CPU with extensions {cpu_isa()}; the predictor was fitted on {self.isa} "
+                "(reduced-precision speed depends on them)",
+                stacklevel=2,
+            )
         for name in ("total_flops", "params", "tokens"):
             i = self._cols.index(name)
             lo, hi = self._ranges[name]
@@ -457,7 +579,12 @@ def _summarize(preds: dict[str, list], truth: list[float], meta: list[dict], tar
 
 
 def evaluate_split(
-    train: list[dict], test: list[dict], flops_per_s: float, seed: int = 0, target: str = "step_cpu_s"
+    train: list[dict],
+    test: list[dict],
+    flops_per_s: float,
+    seed: int = 0,
+    target: str = "step_cpu_s",
+    kind: str | None = None,
 ) -> dict:
     """Train on the `train` rows, report on the `test` rows (a leave-architecture-out or a size
     split): MAPE overall, per family and per precision, for the precision-aware, precision-blind
@@ -466,7 +593,7 @@ def evaluate_split(
     test = [r for r in test if r.get(target) and r["world_size"] == 1]
     if not train or not test:
         raise ValueError(f"rows: need training and test rows with {target!r} (got {len(train)} and {len(test)})")
-    preds, _ = _fit_predict(train, test, AnalyticalFlops(flops_per_s), seed, target, None)
+    preds, _ = _fit_predict(train, test, AnalyticalFlops(flops_per_s), seed, target, kind)
     out = _summarize(preds, [r[target] for r in test], test, target)
     out["train_families"] = sorted({r["family"] for r in train})
     return out
