@@ -97,6 +97,37 @@ def exact_sign_mean(rank, world):
     return got, rs.wire_bytes(), rs.slot
 
 
+def loses_a_worker(rank, world, leaver=1, compression="sign"):
+    """Rank ``leaver`` leaves after the first outer step (its sockets close, as when it dies); the
+    others carry on with a quorum for two more outer steps."""
+    import torch.distributed as dist
+
+    from geomesh import Quorum
+
+    model = tiny_model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dl = DiLoCo(model, opt, [2, 3, 5][rank], compression=compression, chunk_size=16, quorum=Quorum(grace_s=0.5))
+    step = 0
+    while dl.outer_step < 3:
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if dl.step(tokens=x.shape[0]) is not None and rank == leaver:
+            dist.destroy_process_group()
+            return {"left": True}
+    dist.barrier(group=dl.group)
+    dist.destroy_process_group()  # the first group lost a member: the launcher must not wait on it
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "history": [h.to_dict() for h in dl.history],
+        "lost": dl.quorum.lost,
+        "members": dl.quorum.members,
+        "rank": dl.rank,
+    }
+
+
 def mismatched(rank, world):
     model = tiny_model(0, hidden=16 if rank == 0 else 17)
     DiLoCo(model, torch.optim.AdamW(model.parameters()), 2)

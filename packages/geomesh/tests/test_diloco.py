@@ -4,6 +4,7 @@ from _workers import (
     all_variants,
     dies,
     exact_sign_mean,
+    loses_a_worker,
     mismatched,
     rebalanced,
     ring_and_gather,
@@ -87,6 +88,20 @@ def test_sign_reduce_scatter_keeps_workers_identical_and_sends_less():
         b = torch.cat([p.reshape(-1) for p in res[0][comp, "all_gather"]["params"]])
         init = torch.cat([p.detach().reshape(-1) for p in tiny_model(0).parameters()])
         assert torch.nn.functional.cosine_similarity(a - init, b - init, dim=0) > 0.8
+
+
+@pytest.mark.parametrize("compression", ["sign", "fp32"])
+def test_survivors_drop_a_lost_worker_and_stay_identical(compression):
+    res = spawn(loses_a_worker, 3, (1, compression), timeout_s=240, start_method="fork")
+    assert res[1] == {"left": True}
+    a, b = res[0], res[2]
+    assert a["lost"] == b["lost"] == [1] and a["members"] == b["members"] == [0, 2]
+    assert (a["rank"], b["rank"]) == (0, 1)  # rank 2 is rank 1 of the new group
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    h = a["history"]
+    assert len(h) == 3 and len(h[0]["all_tokens"]) == 3
+    # after the loss only the survivors' tokens (H = 2 and 5 steps of 4) weigh the outer step
+    assert h[1]["all_tokens"] == h[2]["all_tokens"] == [8, 20] and h[2]["weights"] == pytest.approx([8 / 28, 20 / 28])
 
 
 def test_all_reduce_name_is_checked():

@@ -17,6 +17,7 @@ from .balance import (
 from .diloco import COMPRESSIONS, DiLoCo, GeoMeshError, SyncStats
 from .launch import LaunchError, free_port, init_from_env, spawn
 from .netns import WAN_MODES, NetnsError, NetnsWan, WanDecision, wan_mode
+from .quorum import Quorum
 from .signcompress import SignCodec, SignCompressor, contraction, pack_signs, unpack_signs
 from .signreduce import SignReduceScatter
 from .wan import COLLECTIVES, WanEmulator, collective_hops, ring_wire_bytes
@@ -40,6 +41,7 @@ __all__ = [
     "wan_mode",
     "ring_wire_bytes",
     "SignReduceScatter",
+    "Quorum",
     "collective_hops",
     "COLLECTIVES",
     "BalanceError",

@@ -27,6 +27,7 @@ from .baselines import AsyncServer, GradientAllReduce
 from .diloco import ALL_REDUCE_ALGOS, DiLoCo
 from .launch import spawn
 from .netns import IFNAME, WAN_MODES, NetnsError, NetnsWan, netns_prerequisites, wan_mode
+from .quorum import Quorum
 from .simulate import fit_overhead, scaling, scheme_of, validate
 from .wan import WanEmulator
 
@@ -35,7 +36,8 @@ __all__ = ["BenchConfig", "METHODS", "run_bench", "load_corpus", "build_model", 
 log = logging.getLogger(__name__)
 METHODS = ("geomesh", "diloco-fp32", "diloco-fp16", "ddp", "async")
 # balancing without compression; compression without balancing; GeoMesh with the sign reduce-scatter
-ABLATIONS = ("geomesh-fp32", "diloco-sign", "geomesh-rs")
+# and GeoMesh losing worker ``loss_rank`` after outer step ``loss_at`` (the others go on with a quorum)
+ABLATIONS = ("geomesh-fp32", "diloco-sign", "geomesh-rs", "geomesh-loss")
 
 
 @dataclass
@@ -90,6 +92,12 @@ class BenchConfig:
     # (geomesh-rs: the sign reduce-scatter, measured at 3 workers to check the 8-64 worker simulation)
     bw_bound_methods: tuple[str, ...] = ("geomesh", "diloco-fp32", "diloco-fp16", "geomesh-rs")
     link_bandwidth_scale: float = 1.0  # this configuration's links: the cluster spec's bandwidth times this
+    # worker loss: GeoMesh once more on the latency-bound links at ``seed``, worker ``loss_rank`` leaving
+    # (its process group closed, as when it dies) after outer step ``loss_at``; the others must go on
+    worker_loss: bool = True
+    loss_rank: int = 1
+    loss_at: int = 3
+    quorum_grace_s: float = 1.0
     text_bytes: int = 1_500_000
     val_seqs: int = 48
     profile_s: float = 0.6  # geomesh's first outer phase: time-boxed real training that profiles every worker
@@ -130,6 +138,10 @@ class BenchConfig:
             raise ValueError("bw_bound_scale must be >= 0 and link_bandwidth_scale > 0 (bandwidth multipliers)")
         if self.all_reduce not in ALL_REDUCE_ALGOS:
             raise ValueError(f"all_reduce: {self.all_reduce!r} is not valid; choose from {list(ALL_REDUCE_ALGOS)}")
+        if not isinstance(self.loss_rank, int) or not 1 <= self.loss_rank < len(hwtopo.load(self.cluster).machines):
+            raise ValueError(f"loss_rank: {self.loss_rank!r} must be a worker other than rank 0 (which records)")
+        if not isinstance(self.loss_at, int) or self.loss_at < 1:
+            raise ValueError(f"loss_at: {self.loss_at!r} must be a positive integer (an outer step)")
         if not 0 < self.profile_s <= 60:
             raise ValueError(f"profile_s: {self.profile_s!r} must be in (0, 60] seconds")
         for name in ("methods", "bw_bound_methods"):
@@ -284,8 +296,9 @@ def _make_diloco(cfg, method: str, model, opt, wan, worker: str) -> DiLoCo:
         1 << 30 if balanced else cfg.inner_steps,  # geomesh: the first phase is time-boxed (synced by hand)
         outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum,
-        compression="sign" if method in ("geomesh", "geomesh-rs") else method.split("-")[1],
+        compression="sign" if method in ("geomesh", "geomesh-rs", "geomesh-loss") else method.split("-")[1],
         sign_collective="reduce_scatter" if method == "geomesh-rs" else "all_gather",
+        quorum=Quorum(grace_s=cfg.quorum_grace_s) if method == "geomesh-loss" else None,
         chunk_size=cfg.chunk_size,
         scale=cfg.scale,
         error_feedback=cfg.error_feedback,
@@ -397,6 +410,16 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         st = dl.step(x.numel())
         if st is not None:
             after_sync(st, *used)
+            if method == "geomesh-loss" and rank == cfg.loss_rank and dl.outer_step >= cfg.loss_at:
+                dist.destroy_process_group()  # the peers see its connections close, as if it died
+                out.update(history=[s.to_dict() for s in dl.history], replans=0, tx_bytes=None, left=True)
+                return
+    if dl.quorum is not None and dl.quorum.lost:
+        out["lost"] = [machines[r] for r in dl.quorum.lost]
+        dist.barrier(group=dl.group)  # the survivors end together; the first group is gone with the lost worker
+        dist.destroy_process_group()
+        out.update(history=[s.to_dict() for s in dl.history], replans=rb.replans if rb else 0, tx_bytes=None)
+        return
     out["history"] = [s.to_dict() for s in dl.history]
     out["replans"] = rb.replans if rb else 0
     tx1 = _settled_tx()
@@ -511,7 +534,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server,
             _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out)
         out["wall_s"] = time.perf_counter() - t0
         out["wan"] = wan.describe()
-        if method != "async":
+        if method != "async" and dist.is_initialized():
             dist.barrier()  # the run ends when the last worker is done
         return out
     finally:
@@ -603,6 +626,7 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
         "headline": head,
         "repeats": lat["repeats"],
         "bw_bound": {k: v for k, v in bw.items() if k != "reference"},
+        "worker_loss": lat["worker_loss"],
         "simulation": sim,
         "emulated": emulated,
     }
@@ -724,13 +748,18 @@ def _configuration(cfg: BenchConfig, data: tuple, target: float | None, progress
                 _run_methods(rcfg, world, train, val, build_model(rcfg), rres, {}, net, progress)
                 h = headline(rres, target)
                 repeats.append({"seed": rcfg.seed, "headline": h, "results": rres})  # with curves and phases
+        loss = {}
+        if cfg.worker_loss and cfg.link_bandwidth_scale == 1.0:  # on the latency-bound links only
+            loss = _worker_loss(cfg, data, target, net, progress)
     finally:
         if net is not None:
             net.close()
     head = headline(results, target)
     if repeats:
         _merge_repeats(head, cfg.seed, repeats)
-    return {"results": results, "headline": head, "repeats": repeats, "reference": reference}
+    if loss:
+        head["worker_loss_survived"] = loss["survived"]
+    return {"results": results, "headline": head, "repeats": repeats, "reference": reference, "worker_loss": loss}
 
 
 def step_seconds(result: dict, batch: int) -> dict[str, float]:
@@ -757,6 +786,29 @@ def emulation_check(reference: dict[str, float], runs: dict[str, dict], batch: i
         ratios = {m: reference[m] / t for m, t in mine.items() if m in reference and t > 0}
         valid = bool(ratios) and all(abs(x - 1) <= tol for x in ratios.values())
         out[name] = {"speed_vs_reference": ratios, "valid": valid if ratios else None}
+    return out
+
+
+def _worker_loss(cfg: BenchConfig, data: tuple, target: float, net, progress) -> dict:
+    """GeoMesh with worker ``loss_rank`` leaving after outer step ``loss_at``: did the others go on and
+    reach the target? A run that fails (no quorum formed, a hang) counts as not survived, with its error."""
+    from .launch import LaunchError
+
+    world, train, val = data
+    lcfg = replace(cfg, methods=("geomesh-loss",), repeat_seeds=0)
+    machine = hwtopo.load(cfg.cluster).names[cfg.loss_rank]
+    out: dict = {"lost_machine": machine, "lost_after_outer_step": cfg.loss_at, "target_ppl": target}
+    res: dict = {}
+    try:
+        _run_methods(lcfg, world, train, val, build_model(lcfg), res, {}, net, progress, "worker loss")
+    except LaunchError as e:
+        return {**out, "survived": False, "error": str(e)}
+    r = res["geomesh-loss"]
+    r["time_to_target_s"] = _ttt([(c["time_s"], c["tokens"], c["ppl"]) for c in r["curve"]], target)
+    out.update({k: r[k] for k in ("wall_s", "tokens", "final_ppl", "time_to_target_s", "syncs", "curve")})
+    workers = [len(p) for p in r.get("phases_per_worker", {}).values()]
+    out["syncs_per_worker"] = dict(zip(r.get("phases_per_worker", {}), workers))
+    out["survived"] = r["time_to_target_s"] is not None
     return out
 
 

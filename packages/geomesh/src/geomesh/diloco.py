@@ -29,6 +29,7 @@ import torch.distributed as dist
 import hwtopo
 
 from .balance import PhaseClock, Plan, Rebalancer, token_weights
+from .quorum import Quorum
 from .signcompress import SignCompressor
 from .signreduce import SignReduceScatter
 from .wan import WanEmulator, ring_wire_bytes
@@ -169,6 +170,7 @@ class DiLoCo:
         phase_clock: PhaseClock | None = None,
         all_reduce: str = "ring",
         sign_collective: str = "all_gather",
+        quorum: Quorum | None = None,
     ):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
@@ -188,6 +190,9 @@ class DiLoCo:
         # time-boxed phases: the clock decides, step by step, whether (and at which batch) another
         # inner step fits before the common deadline; ``inner_steps`` is then not used
         self.phase_clock = phase_clock
+        # a lost worker (dead or stalled past the group's timeout) is dropped at the next sync and the
+        # others go on; without a quorum the failure is raised as before
+        self.quorum = quorum
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -281,7 +286,28 @@ class DiLoCo:
         return [s.detach() - p.detach().float() for s, p in zip(self.synced, self.params)]
 
     def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float, list[float], list[float]]:
-        return exchange_meta(self.tokens, compute_s, self.world, self.group, self._last_sync_cpu_s, self._last_post_s)
+        args = (self._last_sync_cpu_s, self._last_post_s)
+        try:
+            return exchange_meta(self.tokens, compute_s, self.world, self.group, *args)
+        except RuntimeError:  # gloo: a peer closed its connections, or the group's timeout passed
+            if self.quorum is None:
+                raise
+            self._regroup()
+            return exchange_meta(self.tokens, compute_s, self.world, self.group, *args)
+
+    def _regroup(self) -> None:
+        """Continue with the workers the quorum found alive: their group, rank, links and exchange."""
+        assert self.quorum is not None
+        before = list(self.quorum.members)
+        self.group = self.quorum.reform()
+        members = self.quorum.members
+        self.rank, self.world = members.index(before[self.rank]), len(members)
+        if self.wan is not None:
+            machines = [self.wan.machines[before.index(r)] for r in members]
+            self.wan = WanEmulator(self.wan.cluster, machines, latency_only=self.wan.latency_only)
+        self.rebalancer = None  # its plan shares the work with the lost worker; the phase clock re-times
+        if self.sign_reduce is not None:
+            self.sign_reduce = SignReduceScatter(self.compressor, self.world, self.rank, self.group, self.wan)
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
