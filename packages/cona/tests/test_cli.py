@@ -262,6 +262,7 @@ def test_the_headline_divides_by_the_best_baseline_and_says_which():
     assert h["ttp_ratio_vs_best_baseline"] == pytest.approx(0.9)
     assert h["oracle_gain_captured"] == pytest.approx((10.0 - 9.0) / (10.0 - 8.0))
     assert h["ttp_ratio_vs_best_static_hindsight"] == pytest.approx(9.0 / 11.0)
+    assert h["oracle_gain_vs_best_baseline"] == pytest.approx(0.2)
     assert h["ttp_ratio_vs_surrogate_static"] == pytest.approx(0.75)
     assert h["censored"] == [] and notes == []  # the stopped static is neither censored nor noted
     h, _ = headline(_runs(9.0, 8.0, best_t=7.0), cfg, 0)  # the hindsight static beats even the oracle
