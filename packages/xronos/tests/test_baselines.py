@@ -39,3 +39,28 @@ def test_pipeline_baselines_sweep_micro_batches_and_schedules():
     h = headline(summary)
     assert h["pp_baseline"] == "ppl-1f1b-m2" and h["step_time_ratio_vs_pp"] == pytest.approx(0.75)
     assert h["tp_step_ratio_vs_dtensor"] == pytest.approx(0.8)
+
+
+def test_free_communication_bound_splits_repeated_from_sharded_work():
+    from xronos.bench import free_comm_bound
+
+    # rank 0 repeats 0.04 s of attention and 0.06 s of MLP work whatever its share, shards 0.2 s and
+    # 0.3 s, and does 0.02 s more replicated work: 0.62 s alone
+    def seg(h, m):
+        return {"attn": 0.04 + 0.2 * h, "mlp": 0.06 + 0.3 * m, "other": 0.02}
+
+    summary = {
+        "reference": {"step_time_s": 0.62},
+        "tp": {"segment_compute_s_per_rank": [seg(0.5, 0.5)]},
+        "xronos": {
+            "segment_compute_s_per_rank": [seg(0.75, 0.6875)],
+            "partition": {"q_heads": [12, 4], "mlp_columns": [704, 320]},
+        },
+    }
+    b = free_comm_bound(summary, [1.0, 0.5])
+    assert b["replicated_s"] == pytest.approx(0.12) and b["sharded_s"] == pytest.approx(0.5)
+    assert b["step_time_s"] == pytest.approx((0.5 + 2 * 0.12) / 1.5)
+    assert b["ratio_vs_fast_alone"] == pytest.approx(b["step_time_s"] / 0.62)
+    assert free_comm_bound(summary, [0.5, 1.0]) is None  # the reference did not run on the fastest rank
+    summary["xronos"]["partition"] = {"q_heads": [8, 8], "mlp_columns": [512, 512]}
+    assert free_comm_bound(summary, [1.0, 0.5]) is None  # one share measured: no line to fit

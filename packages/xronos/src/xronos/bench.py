@@ -320,7 +320,47 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
         else:
             out[name] = _summarize_distributed(results, name, skip)
     out["emulation"] = emulation_check(results, out)
+    bound = free_comm_bound(out, [res["speed"] for res in results])
+    if bound is not None:
+        out["free_comm_bound"] = bound
     return out
+
+
+def free_comm_bound(summary: dict, speeds: list[float]) -> dict | None:
+    """The step perfect uneven TP would take with free communication, from this run's own compute.
+
+    Rank 0's attention and MLP compute per step is measured at two shares of the heads and MLP
+    columns (even TP's 1/n and Xronos'); a straight line through them splits each into a part every
+    rank repeats whatever its share (norms, residuals, rotary, the fixed cost of each GEMM call) and
+    a part that shards. With the other replicated work (embedding, loss, optimizer of replicated
+    weights) each rank r then takes ``(A + B f_r) / s_r`` for share ``f_r``; equal times summing the
+    shares to 1 give ``T = (B + n A) / sum(s)``. None when the run lacks what it needs.
+    """
+    try:
+        tp, xr = summary["tp"]["segment_compute_s_per_rank"][0], summary["xronos"]["segment_compute_s_per_rank"][0]
+        part, ref = summary["xronos"]["partition"], summary["reference"]["step_time_s"]
+    except (KeyError, IndexError):
+        return None
+    n = len(speeds)
+    shares = {
+        "attn": part["q_heads"][0] / sum(part["q_heads"]),
+        "mlp": part["mlp_columns"][0] / sum(part["mlp_columns"]),
+    }
+    if speeds[0] != max(speeds) or any(abs(f - 1 / n) < 0.05 for f in shares.values()):
+        return None  # the reference is not on the fastest rank, or the two shares are too close to fit a line
+    slope = {k: (xr[k] - tp[k]) / (f - 1 / n) for k, f in shares.items()}
+    fixed = {k: tp[k] - slope[k] / n for k in shares}
+    replicated = sum(fixed.values()) + statistics.median([tp["other"], xr["other"]])
+    sharded = sum(slope.values())
+    step = (sharded + n * replicated) / sum(v / speeds[0] for v in speeds)
+    return {
+        "replicated_s": replicated,
+        "sharded_s": sharded,
+        "step_time_s": step,
+        "ratio_vs_fast_alone": step / ref,
+        "note": "rank 0's compute at even TP's and Xronos' shares, split into repeated and sharded work; "
+        "the step of a perfect uneven split with free communication",
+    }
 
 
 def emulation_check(results: list[dict], summary: dict) -> dict:
@@ -492,6 +532,8 @@ def headline(summary: dict) -> dict:
         if kern is None or kern["requested_relative_speeds"][0] == 1.0:
             # the reference ran on rank 0, the fastest device, alone: what a user gets without distributing
             h["step_time_ratio_vs_fast_alone"] = summary["xronos"]["step_time_s"] / summary["reference"]["step_time_s"]
+            if "free_comm_bound" in summary:  # what no partition can beat on this model and machine
+                h["free_comm_bound_vs_fast_alone"] = summary["free_comm_bound"]["ratio_vs_fast_alone"]
         ref = summary["reference"]["eval_loss"]
         h["loss_rel_diff_vs_reference"] = abs(summary["xronos"]["eval_loss"] - ref) / abs(ref)
     return h

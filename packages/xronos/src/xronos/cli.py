@@ -224,6 +224,18 @@ def _validity_line(summary: dict) -> str:
     )
 
 
+def _bound_line(summary: dict) -> str:
+    """What no partition could beat here: perfect uneven TP with free communication (or nothing)."""
+    b = summary.get("free_comm_bound")
+    if b is None:
+        return ""
+    return (
+        f"Free-communication bound: each rank repeats {b['replicated_s']:.3f} s of a step whatever its share, "
+        f"{b['sharded_s']:.3f} s shards; a perfect uneven split would take {b['step_time_s']:.3f} s, "
+        f"{b['ratio_vs_fast_alone']:.2f} x the fastest device alone."
+    )
+
+
 def _load_line(summary: dict) -> str:
     ml = summary.get("machine_load", {})
     ach = summary.get("tp", {}).get("achieved_relative_speeds")
@@ -380,6 +392,7 @@ def cmd_bench(args) -> int:
         print(console.table(_rows(summary)))
         print(_load_line(summary))
         print(_validity_line(summary))
+        print(_bound_line(summary))
         runs[seed] = (results, summary, head, wall)
     head = combine_seeds({seed: run[2] for seed, run in runs.items()})
     print(json.dumps(head, indent=2))
