@@ -69,3 +69,25 @@ def test_overhead_fit_recovers_known_runtime_terms(tmp_path):
         RuntimeOverhead.load(path)
     with pytest.raises(ValueError, match="equally many"):
         fit_overhead(ds, tensors[:2], real)
+
+
+def test_bench_plan_holds_out_architectures_and_sizes():
+    from sysprdict.evaluate import harness_plan
+    from sysprdict.names import SIZES
+
+    plan = harness_plan(quick=True)
+    roles = {c["role"] for c in plan}
+    assert roles == {"train", "extrap", "heldout"}
+    train_fams = {c["model"].rsplit("-", 1)[0] for c in plan if c["role"] != "heldout"}
+    assert not train_fams & set(HELDOUT_FAMILIES)
+    assert {c["model"].rsplit("-", 1)[0] for c in plan if c["role"] == "heldout"} == set(HELDOUT_FAMILIES)
+    # size extrapolation: every test size exceeds every training size in width, batch and tokens
+    train = [c for c in plan if c["role"] == "train"]
+    for c in (c for c in plan if c["role"] == "extrap"):
+        width = SIZES[c["model"].rsplit("-", 1)[1]][0]
+        assert width >= 256 and c["seq_len"] >= 128 and c["batch"] >= 4
+        assert all(width > SIZES[t["model"].rsplit("-", 1)[1]][0] for t in train)
+        assert all(c["batch"] > t["batch"] and c["seq_len"] > t["seq_len"] for t in train)
+    # the held-out architectures at two sizes, the larger included
+    sizes = {c["model"].rsplit("-", 1)[1] for c in plan if c["role"] == "heldout"}
+    assert sizes == {"m", "xl"}

@@ -193,6 +193,8 @@ def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2) -> lis
             kw,
             steps=steps,
             diagnostic=c["role"] == "train" and c["model"].endswith("-s"),
+            # refused before it starts if even its tensors would not fit this machine
+            predicted_bytes=_tensor_peak(c)[1].peak_bytes,
         )
         family, size = parse_model_name(c["model"])
         rows.append(

@@ -97,9 +97,14 @@ def _resolve(builder: str) -> Callable:
 
 def _run(builder: str, kwargs: dict, steps: int, warmup: int, threads: int, device: str, diagnostic: bool) -> dict:
     """The child's body: pin threads, note the resident set, build, step, read the peaks."""
+    import warnings
+
     import torch
+    import transformers
 
     torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()  # per-model notices would repeat once per process
+    warnings.simplefilter("ignore")
     cuda = device.startswith("cuda")
     build = _resolve(builder)
     prepare = getattr(build, "prepare", None)
@@ -151,6 +156,17 @@ def _child(conn, builder: str, kwargs: dict, *args) -> None:
         conn.close()
 
 
+def _refuse_if_too_large(builder: str, kwargs: dict | None, predicted_bytes: float) -> None:
+    import psutil
+
+    free = psutil.virtual_memory().available
+    if predicted_bytes > free:
+        raise GroundTruthError(
+            f"{builder}({kwargs}): predicted peak {predicted_bytes / 2**20:.0f} MiB exceeds the "
+            f"{free / 2**20:.0f} MiB this machine has available; not started"
+        )
+
+
 _CTX: mp.context.BaseContext | None = None
 
 
@@ -172,15 +188,19 @@ def measure(
     device: str = "cpu",
     timeout_s: float = 300.0,
     diagnostic: bool = False,
+    predicted_bytes: float | None = None,
 ) -> Measurement:
     """Measure one configuration in a fresh process: `builder` ("module:function") is called with
     `kwargs` and `device=` and returns a step callable, run `warmup` then `steps` times.  With
     `diagnostic`, a step callable that has a `tracked()` method also reports MemTracker's tensor
-    peak, taken after the real peaks were read."""
+    peak, taken after the real peaks were read.  A configuration whose `predicted_bytes` exceed the
+    memory this machine has available is refused before any process starts."""
     if steps < 1 or warmup < 0 or threads < 1:
         raise ValueError(f"steps/warmup/threads: {steps}/{warmup}/{threads}; use steps >= 1, warmup >= 0, threads >= 1")
     if not all(builder.partition(":")[::2]):
         raise ValueError(f"builder: {builder!r} must be 'module:function'")
+    if predicted_bytes is not None:
+        _refuse_if_too_large(builder, kwargs, predicted_bytes)
     ctx = _context()
     parent, child = ctx.Pipe(duplex=False)
     # the thread pools a child starts follow OMP_NUM_THREADS, which it inherits from the server
