@@ -164,3 +164,24 @@ def test_bench_reports_held_out_seeds_and_their_spread(tmp_path, monkeypatch):
     assert main(["bench", "--quick", "--seeds", "0", "--quiet"]) == 0
     assert seen == [0]
     assert combine_seeds({5: {"x": 1.0}}) == {"x": 1.0, "seeds": [5]}
+
+
+def test_demo_report_says_when_the_emulation_missed_its_speeds():
+    from xronos.cli import _demo_report
+    from xronos.train import TrainConfig
+
+    check = {"achieved_relative_speeds": [1.0, 0.8], "requested_relative_speeds": [1.0, 0.5], "invalid_ranks": [1]}
+    summary = {
+        "machine_load": {"emulated": "cgroup"},
+        "emulation": {
+            "valid": False,
+            "tolerance": 0.1,
+            "checks": {"kernel": check},
+            "invalid_because": ["kernel: rank 1 ran at 0.80 of the fastest, asked 0.50"],
+        },
+    }
+    head = {"emulation_valid": False, "achieved_relative_speeds": [1.0, 0.8], "step_time_ratio_vs_tp": 0.71234}
+    text = _demo_report(TrainConfig(), [1.0, 0.5], summary, head, [], False)
+    assert "`emulation_valid` = False" in text and "`achieved_relative_speeds` = [1, 0.8]" in text
+    assert "`step_time_ratio_vs_tp` = 0.7123" in text
+    assert "INVALID RUN" in text and "rank 1 ran at 0.80" in text

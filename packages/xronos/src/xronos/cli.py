@@ -306,6 +306,15 @@ def _run_compare(args, cfg, speeds, variants):
     return results, summary, headline(summary), time.perf_counter() - t0
 
 
+def _fmt(value) -> str:
+    """A headline value for the report: numbers to 4 significant digits, lists element-wise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, list)):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return f"{value:.4g}"
+
+
 def _demo_report(cfg, speeds, summary, head, rows, plotted: bool) -> str:
     md = [
         f"# xronos demo ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
@@ -316,7 +325,7 @@ def _demo_report(cfg, speeds, summary, head, rows, plotted: bool) -> str:
         "",
         console.table(rows),
         "",
-        "Headline: " + ", ".join(f"`{k}` = {v:.4g}" for k, v in head.items()),
+        "Headline: " + ", ".join(f"`{k}` = {_fmt(v)}" for k, v in head.items()),
         "",
         _load_line(summary),
         "",
