@@ -112,7 +112,7 @@ class KVPool:
         latencies: dict[str, float] | None = None,
         promote_after: int = 2,
         promote: bool = True,
-        ssd_readers: int = 2,
+        ssd_readers: int = 1,
     ):
         if not stores:
             raise ValueError("KVPool needs at least one device store")
@@ -139,6 +139,8 @@ class KVPool:
             promote_after=promote_after,
         )
         self.promote = promote
+        # one reader per SSD: it reads a layer's adjacent units in one request while the next
+        # layer's is already in flight (read-ahead); a second reader only splits that request
         self.readers = {"ssd": max(1, ssd_readers), "memory": 1}
         self.counters = {"lookups": 0, "hit_tokens": 0, "miss_tokens": 0, "chunks_stored": 0, "promotions": 0}
         self.counters.update({"evictions": 0, "lost_chunks": 0, "failed_writes": 0, "unplaced_chunks": 0})
