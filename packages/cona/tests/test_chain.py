@@ -364,7 +364,7 @@ def test_goodput_scaling_keeps_the_data_parallel_layout_and_scales_with_hysteres
     gb = {b: Strategy(2, 1, 1, min(b // 2, 32), b) for b in (16, 32, 64, 128)}
     pp32 = Strategy(1, 1, 2, 32, 32)  # the fastest gb32 here, but another layout: never taken
     tput = {gb[16]: 1500.0, gb[32]: 2700.0, gb[64]: 3900.0, gb[128]: 4500.0, pp32: 3500.0}
-    cands = GoodputScaler.data_parallel(list(tput), world=2)
+    cands = GoodputScaler.data_parallel(list(tput))
     assert cands == list(gb.values())
     gns = GradientNoiseScale(reference_batch=8)
     sc = GoodputScaler(cands, tput, gns, margin=0.05)

@@ -272,7 +272,7 @@ def _goodput_scaling(tr: Trainer, step0: dict, start: dict, reshard_s: float) ->
     from cona's first step when it chose that global batch, else from the initial weights."""
     cfg = tr.cfg
     gns = cfg.noise_scale_estimator()
-    cands = GoodputScaler.data_parallel(tr.candidates, cfg.world)
+    cands = GoodputScaler.data_parallel(tr.candidates)
     scaler = GoodputScaler(cands, tr.cost.throughput, gns, margin=cfg.scaler_hysteresis, switch_cost_s=reshard_s)
     t0 = time.perf_counter()
     (phi,) = rank0_all(-1.0 if step0["noise_scale"] is None else step0["noise_scale"])

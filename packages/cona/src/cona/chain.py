@@ -364,10 +364,12 @@ class GoodputScaler(Chainer):
     which ended its batch-size thrashing). No noise range, no time left, no evaluations read."""
 
     @staticmethod
-    def data_parallel(candidates: Sequence[Strategy], world: int) -> list[Strategy]:
-        """The candidates AdaptDL scales over: dp = ``world`` (else the widest data-parallel layout there is)."""
+    def data_parallel(candidates: Sequence[Strategy]) -> list[Strategy]:
+        """The candidates AdaptDL scales over: dp = world, else the widest data-parallel layout there is (the
+        one with the least tensor parallelism)."""
         widest = max(c.dp for c in candidates)
-        return [c for c in candidates if c.dp == widest and c.tp * c.pp == world // widest]
+        tp = min(c.tp for c in candidates if c.dp == widest)
+        return [c for c in candidates if (c.dp, c.tp) == (widest, tp)]
 
     def start(self, noise_scale: float | None, elapsed_s: float = 0.0) -> Decision:
         """The best goodput at step 0's point estimate of the noise scale (None, unresolved: the smallest batch)."""
