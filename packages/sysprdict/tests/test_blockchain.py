@@ -165,3 +165,32 @@ def test_recommender_meets_constraint_and_is_cheapest(trained, tmp_path):
     m.save(tmp_path / "m.pkl")
     again = PerfModel.load(tmp_path / "m.pkl")
     assert np.allclose(again.predict(cands[:5])["throughput_tps"], m.predict(cands[:5])["throughput_tps"])
+
+
+def test_level_holdout_never_trains_on_the_held_out_level(monkeypatch):
+    from sysprdict.blockchain import models as M
+    from sysprdict.blockchain.fabricsim import SimParams, simulate_dataset
+
+    rows = simulate_dataset(20, 1, 0, SimParams(duration_s=2.0))
+    for r in rows:  # throughput exactly half the offered load: the constant baseline is exact
+        r["throughput_tps"] = 0.5 * r["send_rate_tps"]
+    seen = []
+    fit = M.PerfModel.fit
+
+    def spy(self, train):
+        seen.append(train)
+        return fit(self, train)
+
+    monkeypatch.setattr(M.PerfModel, "fit", spy)
+    lv = M.level_holdout(rows, ("constant", "linear"), ("peer_cpus", "send_rate_tps", "block_size"))
+    assert lv["not_varied"] == ["block_size"]
+    assert lv["factors"]["peer_cpus"]["levels"] == sorted({r["peer_cpus"] for r in rows})
+    assert lv["models"]["constant"]["throughput_tps"] == pytest.approx(0.0, abs=1e-12)
+    n_levels = sum(len(f["levels"]) for f in lv["factors"].values())
+    assert len(seen) == 2 * n_levels
+    # each fit saw every level of its factor but one
+    levels = [(f, lv_) for f, v in lv["factors"].items() for lv_ in v["levels"] for _ in (0, 1)]
+    for (factor, held), train in zip(levels, seen):
+        assert held not in {r[factor] for r in train}
+    with pytest.raises(ValueError, match="two or more levels"):
+        M.level_holdout(rows, ("constant",), ("block_size",))

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from sysprdict.cli import main
 
 
@@ -61,7 +63,16 @@ def test_blockchain_bench_cli(tmp_path, capsys, monkeypatch):
     res = json.loads(out.read_text())
     h = res["headline"]
     assert h["data_source"] == "simulated" and res["emulated"]["simulated"] is True
-    assert 0 <= h["tps_smape"] < 1 and 0 <= h["success_smape"] < 1
+    # on simulated data every key says so; the held-out-level error stands beside its baselines
+    assert all(k.endswith("_simulated") for k in h if k != "data_source")
+    for key in ("tps_smape_heldout_level", "tps_smape_heldout_level_constant", "tps_smape_heldout_level_linear"):
+        assert 0 <= h[f"{key}_simulated"] < 2
+    assert h["tps_heldout_level_over_best_baseline_simulated"] == pytest.approx(
+        h["tps_smape_heldout_level_simulated"]
+        / min(h["tps_smape_heldout_level_constant_simulated"], h["tps_smape_heldout_level_linear_simulated"])
+    )
+    lv = res["results"]["heldout_level"]
+    assert "peer_cpus" in lv["factors"] and "block_size" in lv["not_varied"]
 
 
 def test_blockchain_bad_data_is_one_line_naming_file_row_column(tmp_path, capsys):

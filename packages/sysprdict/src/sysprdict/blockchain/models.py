@@ -43,6 +43,7 @@ __all__ = [
     "featurize",
     "grouped_cv",
     "grouped_folds",
+    "level_holdout",
     "mape",
     "smape",
 ]
@@ -71,6 +72,10 @@ FEATURES = {
     "peer_mem_per_cpu": "peer_mem_gb / peer_cpus",
 }
 TARGETS = ("throughput_tps", "avg_latency_s", "success_rate")
+KINDS = ("rf", "xgb", "constant", "linear")
+"""Random forest, boosted trees, and two baselines: the training mean (of throughput / offered
+load, latency, success rate) and a linear regression on the same features."""
+HOLDOUT_FACTORS = ("peer_cpus", "send_rate_tps", "block_size")
 SCALING = ("peers", "orderers", "orgs", "peer_cpus", "peer_mem_gb", "orderer_cpus", "orderer_mem_gb")
 _POLICY = {"OR": 0, "MAJORITY": 1, "AND": 2}
 
@@ -143,7 +148,15 @@ def _regressor(kind: str, seed: int):
         from sklearn.ensemble import HistGradientBoostingRegressor
 
         return HistGradientBoostingRegressor(max_depth=4, learning_rate=0.05, max_iter=400, random_state=seed)
-    raise ValueError(f"model: {kind!r} is not known; use 'rf' or 'xgb'")
+    if kind == "constant":  # the simple baselines a skeptic compares with
+        from sklearn.dummy import DummyRegressor
+
+        return DummyRegressor(strategy="mean")
+    if kind == "linear":
+        from sklearn.linear_model import LinearRegression
+
+        return LinearRegression()
+    raise ValueError(f"model: {kind!r} is not known; use one of {list(KINDS)}")
 
 
 class PerfModel:
@@ -423,4 +436,46 @@ def grouped_cv(rows: list[dict], kind: str = "rf", k: int = 5, seed: int = 0) ->
         rel = (pred[t] - true) / np.maximum(np.abs(pred[t]), 1e-9)
         out[t]["residual_q05_q95"] = (float(np.quantile(-rel, 0.05)), float(np.quantile(-rel, 0.95)))
     out["oof"] = {t: pred[t].tolist() for t in TARGETS}
+    return out
+
+
+def level_holdout(
+    rows: list[dict], kinds: tuple[str, ...] = ("rf", "constant", "linear"), factors=HOLDOUT_FACTORS, seed: int = 0
+) -> dict:
+    """Leave one level out: for each factor and each of its levels, train on the rows at the other
+    levels and predict the rows at that level (a configuration level the model never saw).  SMAPE
+    per model and target over every held-out prediction, and per factor; a factor with fewer than
+    two levels in the data cannot be held out and is listed as such."""
+    out: dict = {"factors": {}, "not_varied": [], "models": {k: {} for k in kinds}}
+    preds: dict[str, dict[str, list]] = {k: {t: [] for t in TARGETS} for k in kinds}
+    truth: dict[str, list] = {t: [] for t in TARGETS}
+    for f in factors:
+        levels = sorted({r[f] for r in rows})
+        if len(levels) < 2:
+            out["not_varied"].append(f)
+            continue
+        per: dict[str, dict[str, list]] = {k: {t: [] for t in TARGETS} for k in kinds}
+        ftrue: dict[str, list] = {t: [] for t in TARGETS}
+        for lv in levels:
+            train = [r for r in rows if r[f] != lv]
+            test = [r for r in rows if r[f] == lv]
+            for k in kinds:
+                p = PerfModel(k, seed).fit(train).predict(test)
+                for t in TARGETS:
+                    per[k][t] += list(p[t])
+            for t in TARGETS:
+                ftrue[t] += [r[t] for r in test]
+        out["factors"][f] = {
+            "levels": levels,
+            **{k: {t: smape(per[k][t], ftrue[t]) for t in TARGETS} for k in kinds},
+        }
+        for k in kinds:
+            for t in TARGETS:
+                preds[k][t] += per[k][t]
+        for t in TARGETS:
+            truth[t] += ftrue[t]
+    if not out["factors"]:
+        raise ValueError(f"rows: none of {list(factors)} has two or more levels to hold one out")
+    for k in kinds:
+        out["models"][k] = {t: smape(preds[k][t], truth[t]) for t in TARGETS}
     return out
