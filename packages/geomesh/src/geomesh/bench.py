@@ -25,7 +25,7 @@ import hwtopo
 from .balance import MemoryModel, PhaseClock, Rebalancer, fit_profile, plan
 from .baselines import AsyncServer, GradientAllReduce
 from .diloco import ALL_REDUCE_ALGOS, DiLoCo
-from .launch import spawn
+from .launch import LaunchError, spawn
 from .netns import IFNAME, WAN_MODES, NetnsError, NetnsWan, netns_prerequisites, wan_mode
 from .quorum import Quorum
 from .simulate import fit_overhead, scaling, scheme_of, validate
@@ -568,8 +568,8 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
         "wire_bytes_per_worker_per_sync": wire,
         "curve": [{"time_s": t, "tokens": k, "ppl": p} for t, k, p in curve],
     }
-    tx = [o.get("tx_bytes") for o in outs]
-    if syncs and tx and None not in tx:
+    tx = [int(o["tx_bytes"]) for o in outs if o.get("tx_bytes") is not None]
+    if syncs and tx and len(tx) == len(outs):
         # the kernel's counters of each rank's shaped interface, from after the initial broadcast to
         # the end of training: every byte the method's syncs really put on the wire (TCP/IP included)
         res["measured_tx_bytes_per_worker"] = tx
@@ -792,8 +792,6 @@ def emulation_check(reference: dict[str, float], runs: dict[str, dict], batch: i
 def _worker_loss(cfg: BenchConfig, data: tuple, target: float, net, progress) -> dict:
     """GeoMesh with worker ``loss_rank`` leaving after outer step ``loss_at``: did the others go on and
     reach the target? A run that fails (no quorum formed, a hang) counts as not survived, with its error."""
-    from .launch import LaunchError
-
     world, train, val = data
     lcfg = replace(cfg, methods=("geomesh-loss",), repeat_seeds=0)
     machine = hwtopo.load(cfg.cluster).names[cfg.loss_rank]

@@ -307,7 +307,8 @@ class DiLoCo:
             self.wan = WanEmulator(self.wan.cluster, machines, latency_only=self.wan.latency_only)
         self.rebalancer = None  # its plan shares the work with the lost worker; the phase clock re-times
         if self.sign_reduce is not None:
-            self.sign_reduce = SignReduceScatter(self.compressor, self.world, self.rank, self.group, self.wan)
+            comp = self.sign_reduce.compressor  # its error feedback carries over; the shards are re-cut
+            self.sign_reduce = SignReduceScatter(comp, self.world, self.rank, self.group, self.wan)
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""

@@ -36,7 +36,7 @@ class Quorum:
 
     def reform(self) -> dist.ProcessGroup:
         """Agree with the other survivors on the members left and return a group of them."""
-        from .diloco import GeoMeshError
+        from .diloco import GeoMeshError  # (diloco imports this module)
 
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank()
@@ -46,8 +46,8 @@ class Quorum:
         time.sleep(self.grace_s)
         seen = [r for r in self.members if store.check([f"{prefix}alive/{r}"])]
         # the first proposal stands: every survivor reads back the same list
-        proposal = ",".join(map(str, seen)).encode()
-        agreed = store.compare_set(f"{prefix}members", b"", proposal)
+        proposal = ",".join(map(str, seen))
+        agreed = store.compare_set(f"{prefix}members", "", proposal)
         members = [int(x) for x in agreed.decode().split(",")]
         if me not in members:
             raise GeoMeshError(f"rank {me} reached the quorum of epoch {self.epoch} too late (members: {members})")
