@@ -124,3 +124,19 @@ def test_cli_predict_model_directory(tmp_path, capsys):
     assert main(["predict"]) == 2
     err = capsys.readouterr().err
     assert "--model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_fit_with_a_model_directory_and_a_calibration(tmp_path, capsys):
+    T.GPTNeoXForCausalLM(_neox_config()).save_pretrained(tmp_path / "m")
+    ov = RuntimeOverhead({"fp32": 2e7}, 1.25, 0.0, 0.3, 4, ["llama-s"], software_key())
+    ov.save(tmp_path / "ov.json")
+    base = ["fit", "--model", str(tmp_path / "m"), "--seq", "32", "--memory", "64MiB", "--json"]
+    assert main(base) == 0
+    tensors = json.loads(capsys.readouterr().out)
+    assert main([*base, "--calibration", str(tmp_path / "ov.json")]) == 0
+    real = json.loads(capsys.readouterr().out)
+    # the runtime's share leaves room for fewer samples, and the calibration's margin is kept
+    assert real["fits"] and real["batch"] < tensors["batch"]
+    assert real["predicted_peak_bytes"] * 1.3 <= 64 * 2**20 and real["margin_bytes"] > 0
+    assert main(["fit", "llama-xs", "--model", "llama-xs", "--memory", "1GiB"]) == 2
+    assert "once" in capsys.readouterr().err

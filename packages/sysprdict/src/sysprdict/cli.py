@@ -209,11 +209,7 @@ def _predict_out(a, model: str) -> tuple[dict, object, object]:
 
 
 def cmd_predict(a) -> int:
-    model = a.model_path or a.model
-    if not model:
-        raise console.UsageError("predict: give a model, as --model DIR (a local transformers model) or a zoo name")
-    if a.model_path and a.model:
-        raise console.UsageError(f"predict: give the model once, not both {a.model!r} and --model {a.model_path!r}")
+    model = _chosen_model(a)
     _one_thread()
     out, d, pred = _predict_out(a, model)
     if a.json:
@@ -248,21 +244,40 @@ def cmd_calibrate(a) -> int:
     return 0
 
 
-def cmd_fit(a) -> int:
-    _one_thread()
-    from .fit import largest_batch
+def _chosen_model(a) -> str:
+    """The model of `predict`/`fit`: the positional zoo name or --model (a directory or zoo name)."""
+    if a.model_path and a.model:
+        raise console.UsageError(f"{a.cmd}: give the model once, not both {a.model!r} and --model {a.model_path!r}")
+    if not (a.model_path or a.model):
+        raise console.UsageError(
+            f"{a.cmd}: give a model, as --model DIR (a local transformers model) or a zoo name"
+        )
+    return a.model_path or a.model
 
+
+def cmd_fit(a) -> int:
+    model = _chosen_model(a)
+    _one_thread()
+    from .api import load_model
+    from .fit import largest_batch
+    from .overhead import RuntimeOverhead
+
+    overhead = RuntimeOverhead.load(a.calibration) if a.calibration else None
+    # with a calibration its own margin (its largest under-prediction in training) unless one is given
+    margin = a.margin if a.margin is not None else (None if overhead else 0.1)
+    zm = load_model(model, a.image_size)
     res = largest_batch(
-        a.model,
+        zm,
         a.memory,
         a.seq_len,
-        a.image_size,
+        zm.image_size or 32,
         a.precision,
         a.optimizer,
         True if a.checkpointing else None,
         a.zero_stage,
         a.world_size,
-        a.margin,
+        margin,
+        overhead=overhead,
     )
     print(json.dumps(res.as_dict(), indent=2) if a.json else res.describe())
     return 0 if res.fits else 1
@@ -465,6 +480,24 @@ def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     )
 
 
+def _model_source_args(p: argparse.ArgumentParser) -> None:
+    """The model as a zoo name or --model DIR, its shape and setup, and --calibration."""
+    _model_args(p, optional=True)
+    p.add_argument(
+        "--model",
+        dest="model_path",
+        type=_model_or_dir,
+        help="a local transformers model directory (config.json; built on the meta device, nothing allocated) "
+        "or a zoo model",
+    )
+    p.set_defaults(image_size=None)  # a model directory's own image size unless given
+    p.add_argument(
+        "--calibration",
+        type=_existing("--calibration"),
+        help="a runtime-overhead file from `sysprdict calibrate`: the real peak, not only the tensors",
+    )
+
+
 def _profile_parser(sub) -> None:
     p = console.command(
         sub,
@@ -518,24 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap, sub = console.parser("sysprdict", DESCRIPTION, __version__)
     _profile_parser(sub)
     p = console.command(sub, "predict", "decompose a model and predict its training memory (and time)")
-    _model_args(p, optional=True)
-    p.add_argument(
-        "--model",
-        dest="model_path",
-        type=_model_or_dir,
-        help="a local transformers model directory (config.json; built on the meta device, nothing allocated) "
-        "or a zoo model",
-    )
-    p.set_defaults(image_size=None)  # a model directory's own image size unless given
+    _model_source_args(p)
     p.add_argument(
         "--batch", type=console.positive_int("--batch", MAX_BATCH), default=4, help="samples per step and rank"
     )
     p.add_argument("--dataset", type=_existing("--dataset"), help="a profile dataset to train the time predictor on")
-    p.add_argument(
-        "--calibration",
-        type=_existing("--calibration"),
-        help="a runtime-overhead file from `sysprdict calibrate`: predict the real peak, not only the tensors",
-    )
     p.add_argument("--bandwidth", type=_bandwidth, default="1GB/s", help="all-reduce bandwidth for world-size > 1")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -549,9 +569,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory", required=True, type=console.size("--memory", MAX_MEMORY), help="the memory limit, e.g. 24GiB"
     )
-    p.add_argument("--margin", type=console.fraction("--margin"), default=0.1, help="safety margin as a fraction")
+    p.add_argument(
+        "--margin",
+        type=console.fraction("--margin"),
+        default=None,
+        help="safety margin as a fraction (default 0.1, or the calibration's own with --calibration)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a sentence")
-    _model_args(p)
+    _model_source_args(p)
 
     p = console.command(sub, "demo", "profile a small grid, train, print predicted vs measured, plot")
     p.add_argument("--out", default="demo-output/sysprdict", help="output directory (its parent must exist)")
