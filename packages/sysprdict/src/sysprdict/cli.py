@@ -249,9 +249,7 @@ def _chosen_model(a) -> str:
     if a.model_path and a.model:
         raise console.UsageError(f"{a.cmd}: give the model once, not both {a.model!r} and --model {a.model_path!r}")
     if not (a.model_path or a.model):
-        raise console.UsageError(
-            f"{a.cmd}: give a model, as --model DIR (a local transformers model) or a zoo name"
-        )
+        raise console.UsageError(f"{a.cmd}: give a model, as --model DIR (a local transformers model) or a zoo name")
     return a.model_path or a.model
 
 
