@@ -26,11 +26,11 @@ def test_small_bench_side_by_side():
         cpus=1.0,
         text_bytes=200_000,
         val_seqs=8,
-        profile_s=0.3,
+        profile_s=0.1,
         wan="inprocess",
         methods=("geomesh", "diloco-fp32", "async"),
         bw_bound_methods=("geomesh", "diloco-fp32"),
-        loss_at=2,
+        loss_at=1,
         quorum_grace_s=0.5,
     )
     res = run_bench(cfg)
@@ -68,12 +68,12 @@ def test_small_bench_side_by_side():
         set(check["diloco-fp32"]["speed_vs_reference"]) == set(res["reference"]["step_s"]) and len(ref["step_s"]) == 3
     )
     assert h["emulation_valid"] == all(c["valid"] for c in check.values() if c["valid"] is not None)
-    # worker 1 left after outer step 2: the other two went on to the same tokens and the target
+    # worker 1 left at its first sync after profiling: the other two went on to the same tokens and the target
     loss = res["worker_loss"]
     assert loss["lost_machine"] == "euw-v100" and h["worker_loss_survived"] is loss["survived"]
     assert loss["tokens"] >= res["results"]["diloco-fp32"]["tokens"]
     per = loss["syncs_per_worker"]
-    assert per["euw-v100"] == 2 and per["use-a100"] == per["aps-t4"] == loss["syncs"] > 1
+    assert per["euw-v100"] == 2 and per["use-a100"] == per["aps-t4"] == loss["syncs"] > 2
     # no namespaces here: no link counters, and the JSON says so instead of a number
     assert h["bytes_ratio_vs_fp32_measured"] is None and h["bytes_measured"].startswith("not available")
     for key in (

@@ -410,7 +410,9 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
         st = dl.step(x.numel())
         if st is not None:
             after_sync(st, *used)
-            if method == "geomesh-loss" and rank == cfg.loss_rank and dl.outer_step >= cfg.loss_at:
+            # (it leaves only while tokens remain, so the others meet its absence at a next sync)
+            more = tokens_done < cfg.outer_steps * target
+            if method == "geomesh-loss" and rank == cfg.loss_rank and dl.outer_step >= cfg.loss_at and more:
                 dist.destroy_process_group()  # the peers see its connections close, as if it died
                 out.update(history=[s.to_dict() for s in dl.history], replans=0, tx_bytes=None, left=True)
                 return
