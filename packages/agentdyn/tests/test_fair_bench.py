@@ -188,3 +188,33 @@ def test_host_check_flags_a_host_whose_neighbours_stall_runs_made_alone():
         p.cpu_pressure = 0.8  # 80 % of each run alone spent waiting for a core
     h = host_check(store, {"cpu_some_mean": 1.0})
     assert h["quiet"] is False and h["alone_run_queue_share"] > QUIET_RUN_QUEUE_SHARE
+
+
+class _Pressure:
+    """A sampler whose latest PSI ``cpu some`` the test sets."""
+
+    def __init__(self, cpu_some):
+        self.cpu_some = cpu_some
+
+    def latest(self):
+        from agentdyn.monitor import PressureSnapshot
+
+        return PressureSnapshot(0.0, self.cpu_some, 0.0, 0.0, 0.0, 0.0, 1, 0.0, "psi")
+
+
+def test_cpu_aware_policy_stands_down_while_neighbours_saturate_the_cpu():
+    from agentdyn.scheduler import CpuAwarePolicy
+
+    sampler = _Pressure(0.95)  # other tenants keep a task waiting for a CPU 95 % of the time
+    pol = CpuAwarePolicy(_store(), [0, 1], sampler)
+    try:
+        g = asyncio.run(_slot(pol, "coding", "run_tests"))
+        # fair share: no admission ticket, no core set, the class's thread count
+        assert pol.admission.log == [] and g.cpus is None and g.threads == pol.allocator.group_for("coding").threads
+        assert pol.describe()["stood_down_runs"] == 1
+        sampler.cpu_some = 0.0  # the neighbours went quiet: measured while none of ours runs
+        for _ in range(20):
+            asyncio.run(_slot(pol, "coding", "run_tests"))
+        assert not pol.neighbours_saturate() and len(pol.admission.log) >= 1
+    finally:
+        pol.close()

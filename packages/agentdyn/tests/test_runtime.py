@@ -157,7 +157,9 @@ def test_bench_pipeline_reports_headline_keys():
     assert prof["coding/run_tests"]["cpu_intensity"] > prof["web_search/web_search"]["cpu_intensity"]
     opt = out["results"]["fit"]["optimized"]["policy"]
     assert opt["admission"]["source"] == "learned"
-    assert opt["admission_stats"]["admitted"] == 7  # every tool call (5 coding + 2 web) was admitted
+    # every tool call (5 coding + 2 web) was admitted, or started at once while the policy stood
+    # down because other tenants saturated the CPU
+    assert opt["admission_stats"]["admitted"] + opt["stood_down_runs"] == 7
     assert opt["allocation"]["plan"]["classes"]["coding"]["kind"] == "cpu"
     assert opt["pinned_runs"] + opt["unpinned_runs"] == 7  # each call placed, pinned or not
     assert isinstance(h["host_quiet"], bool) and out["host"]["quiet"] == h["host_quiet"]

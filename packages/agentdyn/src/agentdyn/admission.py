@@ -49,6 +49,9 @@ class AdmissionPolicy:
     runnable_margin: int = 4
     overcommit: float = 1.0
     max_wait_s: float = 30.0
+    # other tenants' PSI cpu some (seen while none of our runs runs) at which the CPU-aware policy
+    # stands down to the fair share: past it, holding our runs back only cedes CPU to them
+    stand_down_pressure: float = 0.5
     source: str = "default"
 
     @classmethod
@@ -140,7 +143,8 @@ class CpuAdmission:
         base_run = self.baseline_runnable if self.baseline_runnable is not None else 1.0
         return snap.cpu_some >= limit or snap.runnable > base_run + self.policy.runnable_margin
 
-    def _track_baseline(self) -> None:
+    def track_baseline(self) -> None:
+        """Fold the latest pressure into the neighbours' baseline, while none of our runs runs."""
         if any(v > 0 for v in self.load.values()):
             return
         snap = self.pressure()
@@ -200,7 +204,7 @@ class CpuAdmission:
     async def _poll(self) -> None:
         while self.waiting:
             await asyncio.sleep(self.poll_s)
-            self._track_baseline()
+            self.track_baseline()
             self._dispatch()
 
     # ---------------------------------------------------------------- API
@@ -221,7 +225,7 @@ class CpuAdmission:
         intensity) is the share of a core the run is expected to take here, counted in the load."""
         if core_set not in self.capacity:
             raise ValueError(f"core_set {core_set!r} unknown; one of {sorted(self.capacity)}")
-        self._track_baseline()
+        self.track_baseline()
         d = intensity if demand is None else demand
         heavy = self.is_heavy(intensity, cost_s)
         t = Ticket(request_id, key, core_set, intensity, heavy, cost_s, d, next(self._seq), time.monotonic())

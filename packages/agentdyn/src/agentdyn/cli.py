@@ -307,6 +307,7 @@ def _bench_json(out: dict, cfg, quick: bool) -> dict:
         "profiles": out.get("profiles"),
         "order": out.get("order"),
         "loads": out.get("loads"),
+        "host": out.get("host"),
         "service": out.get("service"),
         "sandbox": out.get("sandbox"),
         "wall_s": out.get("wall_s"),

@@ -165,7 +165,8 @@ class CpuAwarePolicy(Policy):
             self.admission_policy, plan.capacity, pressure=(sampler.latest if sampler is not None else None)
         )
         self._unpinned: dict[str, CpuGroup] = {}  # per class: its thread count, no core set
-        self.pinned_runs = self.unpinned_runs = 0
+        self.pinned_runs = self.unpinned_runs = self.stood_down = 0
+        self._down_running = 0  # runs started while standing down, still running
 
     def intensity(self, task_type: str, tool: str) -> float:
         p = self.profiles.get(task_type, tool)
@@ -176,6 +177,16 @@ class CpuAwarePolicy(Policy):
         group = self.allocator.group_for(task_type) if self.use_allocation else None
         if not self.use_admission:
             yield group
+            return
+        if self._down_running == 0:
+            self.admission.track_baseline()  # none of ours runs: the pressure is the neighbours'
+        if self.neighbours_saturate():
+            self.stood_down += 1
+            self._down_running += 1
+            try:
+                yield self._free_group(task_type, group)
+            finally:
+                self._down_running -= 1
             return
         cs = self.allocator.core_set(task_type)
         p = self.profiles.get(task_type, tool)
@@ -194,12 +205,27 @@ class CpuAwarePolicy(Policy):
         if pinned is None or len(self.cores) < 2 or sum(self.admission.load.values()) > len(self.cores):
             self.pinned_runs += pinned is not None
             return pinned
+        return self._free_group(task_type, pinned)
+
+    def _free_group(self, task_type: str, pinned: CpuGroup | None) -> CpuGroup | None:
+        """The class's group with its thread count and no core set, quota or weight."""
+        if pinned is None:
+            return None
         g = self._unpinned.get(task_type)
         if g is None:
             g = CpuGroup(f"free-{task_type}", threads=pinned.threads)
             self._unpinned[task_type] = g
         self.unpinned_runs += 1
         return g
+
+    def neighbours_saturate(self) -> bool:
+        """PSI ``cpu some`` seen while none of our runs ran (other tenants' share) is at least the
+        policy's ``stand_down_pressure``. Then holding runs back or confining them to core sets
+        only lowers the share of the CPU the kernel gives us against the neighbours' runnable tasks,
+        so the policy stands down: every run starts at once, on any core, with its class's thread
+        count (the fair share), until the neighbours' pressure falls again."""
+        b = self.admission.baseline_pressure
+        return b is not None and b >= self.admission_policy.stand_down_pressure
 
     def observe(self, task_type: str, tool: str, usage: Usage) -> None:
         self.profiles.observe(task_type, tool, usage, alone=False)
@@ -212,6 +238,7 @@ class CpuAwarePolicy(Policy):
             "admission_stats": self.admission.stats(),
             "pinned_runs": self.pinned_runs,
             "unpinned_runs": self.unpinned_runs,
+            "stood_down_runs": self.stood_down,
         }
 
     def close(self) -> None:
