@@ -140,3 +140,11 @@ def test_cli_fit_with_a_model_directory_and_a_calibration(tmp_path, capsys):
     assert real["predicted_peak_bytes"] * 1.3 <= 64 * 2**20 and real["margin_bytes"] > 0
     assert main(["fit", "llama-xs", "--model", "llama-xs", "--memory", "1GiB"]) == 2
     assert "once" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_calibrate_for_cuda_without_a_gpu_is_one_clear_error(tmp_path, capsys):
+    assert main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "ov.json")]) == 1
+    err = capsys.readouterr().err
+    assert "cuda" in err and "no CUDA device" in err and "Traceback" not in err
+    assert not (tmp_path / "ov.json").exists()

@@ -46,7 +46,7 @@ def test_failures_are_reported_by_configuration():
         measure("sysprdict.groundtruth:training_step", {"model": "no-such-model", "batch": 1}, steps=1)
     with pytest.raises(ValueError, match="builder"):
         measure("not-a-builder", {}, steps=1)
-    with pytest.raises(GroundTruthError, match="exceeds .* available; not started"):
+    with pytest.raises(GroundTruthError, match="exceeds .* cpu has available; not started"):
         measure("sysprdict.groundtruth:touch_buffer", {"nbytes": 1 << 60}, predicted_bytes=float(1 << 60))
     with pytest.raises(ValueError, match="steps"):
         measure("sysprdict.groundtruth:touch_buffer", {"nbytes": 1}, steps=0)

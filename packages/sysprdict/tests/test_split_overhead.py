@@ -47,6 +47,10 @@ def test_overhead_fit_recovers_known_runtime_terms(tmp_path):
     real = [base[d.precision] + 1.3 * t for d, t in zip(ds, tensors)]
     real[0] *= 3  # one odd configuration must not set the terms for all
     ov = fit_overhead(ds, tensors, real)
+    assert ov.allocator == "cpu"
+    assert fit_overhead(ds, tensors, real, allocator="cuda").allocator == "cuda"
+    with pytest.raises(ValueError, match="allocator"):
+        fit_overhead(ds, tensors, real, allocator="tpu")
     assert ov.tensor_factor == pytest.approx(1.3, rel=0.02)
     assert ov.baseline["fp32"] == pytest.approx(20 * MiB, rel=0.02)
     assert ov.baseline["autocast"] == pytest.approx(38 * MiB, rel=0.02)

@@ -233,10 +233,10 @@ def cmd_calibrate(a) -> int:
     _one_thread()
     from .evaluate import fit_runtime_overhead
 
-    ov = fit_runtime_overhead(quick=a.quick, progress=not a.quiet)
+    ov = fit_runtime_overhead(quick=a.quick, progress=not a.quiet, device=a.device)
     ov.save(out)
     print(
-        f"runtime overhead from {ov.n_fit} configurations: baseline "
+        f"{ov.allocator} runtime overhead from {ov.n_fit} configurations: baseline "
         + ", ".join(f"{k} {hwtopo.format_bytes(v)}" for k, v in ov.baseline.items())
         + f"; allocator x{ov.tensor_factor:.3f} of the tensors; margin {ov.margin:.0%}"
     )
@@ -562,6 +562,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="sysprdict-overhead.json", help="where to write it (default sysprdict-overhead.json)"
     )
     p.add_argument("--quick", action="store_true", help="the small set of configurations")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="whose peak: cpu (process RSS) or cuda (caching allocator's reserved bytes); default cpu",
+    )
 
     p = console.command(sub, "fit", "OoM guard: the largest batch predicted to fit a memory limit")
     p.add_argument(

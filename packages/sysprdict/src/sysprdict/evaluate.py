@@ -174,7 +174,7 @@ def harness_plan(quick: bool = True, train_families: list[str] | None = None) ->
     return plan
 
 
-def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2) -> list[dict]:
+def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2, device: str = "cpu") -> list[dict]:
     """Measure every planned configuration in its own process (`groundtruth`) into dataset rows."""
     import platform
 
@@ -195,6 +195,7 @@ def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2) -> lis
             diagnostic=c["role"] == "train" and c["model"].endswith("-s"),
             # refused before it starts if even its tensors would not fit this machine
             predicted_bytes=_tensor_peak(c)[1].peak_bytes,
+            device=device,
         )
         family, size = parse_model_name(c["model"])
         rows.append(
@@ -209,6 +210,9 @@ def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2) -> lis
                 "step_cpu_s": m.step_cpu_s,
                 "step_times_s": m.step_times_s,
                 "rss_peak_bytes": m.cpu_peak_bytes,
+                "device": device,
+                "gpu_max_reserved_bytes": m.gpu_max_reserved_bytes,
+                "gpu_max_allocated_bytes": m.gpu_max_allocated_bytes,
                 "peak_bytes": m.tensor_accounting_bytes or 0,
                 "threads": m.threads,
                 "host": platform.node(),
@@ -226,19 +230,32 @@ def _tensor_peak(r: dict):
     return d, predict_memory(d, TrainSetup(r["optimizer"]))
 
 
-def overhead_from_rows(rows: list[dict]):
-    """Fit `overhead.RuntimeOverhead` on measured rows (their real peaks, `rss_peak_bytes`)."""
+_PEAK_OF = {"cpu": "rss_peak_bytes", "cuda": "gpu_max_reserved_bytes"}
+"""The measured real peak an allocator's overhead is fitted to: the process's RSS on the CPU, the
+CUDA caching allocator's reserved bytes on a GPU."""
+
+
+def overhead_from_rows(rows: list[dict], allocator: str = "cpu"):
+    """Fit `overhead.RuntimeOverhead` on measured rows (their real peaks: `_PEAK_OF[allocator]`)."""
     from .overhead import fit_overhead
 
     fitted = [_tensor_peak(r) for r in rows]
-    return fit_overhead([d for d, _ in fitted], [p.peak_bytes for _, p in fitted], [r["rss_peak_bytes"] for r in rows])
+    measured = [r[_PEAK_OF[allocator]] for r in rows]
+    return fit_overhead([d for d, _ in fitted], [p.peak_bytes for _, p in fitted], measured, allocator)
 
 
-def fit_runtime_overhead(quick: bool = True, progress: bool = True):
-    """Measure the training configurations of the bench (one process each) on this machine and fit
-    the runtime overhead on them (`sysprdict calibrate`)."""
+def fit_runtime_overhead(quick: bool = True, progress: bool = True, device: str = "cpu"):
+    """Measure the training configurations of the bench (one process each) on this machine's
+    `device` ("cpu" or "cuda") and fit that allocator's runtime overhead (`sysprdict calibrate`)."""
+    if device not in _PEAK_OF:
+        raise ValueError(f"device: {device!r} is not valid; use one of {list(_PEAK_OF)}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: cuda was asked for, but torch sees no CUDA device on this machine")
     plan = [c for c in harness_plan(quick) if c["role"] != "heldout"]
-    return overhead_from_rows(measure_plan(plan, progress=progress))
+    return overhead_from_rows(measure_plan(plan, progress=progress, device=device), device)
 
 
 def evaluate_memory_rss(rows: list[dict]) -> tuple[dict, object]:

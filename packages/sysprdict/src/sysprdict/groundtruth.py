@@ -156,14 +156,19 @@ def _child(conn, builder: str, kwargs: dict, *args) -> None:
         conn.close()
 
 
-def _refuse_if_too_large(builder: str, kwargs: dict | None, predicted_bytes: float) -> None:
-    import psutil
+def _refuse_if_too_large(builder: str, kwargs: dict | None, predicted_bytes: float, device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
 
-    free = psutil.virtual_memory().available
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
     if predicted_bytes > free:
         raise GroundTruthError(
             f"{builder}({kwargs}): predicted peak {predicted_bytes / 2**20:.0f} MiB exceeds the "
-            f"{free / 2**20:.0f} MiB this machine has available; not started"
+            f"{free / 2**20:.0f} MiB {device} has available; not started"
         )
 
 
@@ -200,7 +205,7 @@ def measure(
     if not all(builder.partition(":")[::2]):
         raise ValueError(f"builder: {builder!r} must be 'module:function'")
     if predicted_bytes is not None:
-        _refuse_if_too_large(builder, kwargs, predicted_bytes)
+        _refuse_if_too_large(builder, kwargs, predicted_bytes, device)
     ctx = _context()
     parent, child = ctx.Pipe(duplex=False)
     # the thread pools a child starts follow OMP_NUM_THREADS, which it inherits from the server

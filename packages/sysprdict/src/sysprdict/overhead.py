@@ -82,6 +82,9 @@ class RuntimeOverhead:
     n_fit: int
     fitted_on: list[str]
     software: dict = dataclasses.field(default_factory=dict)
+    allocator: str = "cpu"
+    """Whose peak it predicts: "cpu" (the process's RSS) or "cuda" (the caching allocator's reserved
+    bytes, whose block rounding and caching the same terms absorb)."""
 
     def predict(self, d: Decomposition, tensor_peak: float) -> dict[str, float]:
         """The real peak of `d` (whose tensor peak is `tensor_peak`) and its parts."""
@@ -132,7 +135,9 @@ def _nnls_relative(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return reg.coef_ / scale
 
 
-def fit_overhead(decomps: list[Decomposition], tensor_peaks: list[float], measured: list[float]) -> RuntimeOverhead:
+def fit_overhead(
+    decomps: list[Decomposition], tensor_peaks: list[float], measured: list[float], allocator: str = "cpu"
+) -> RuntimeOverhead:
     """Fit the runtime terms on training configurations: their decompositions, predicted tensor
     peaks and measured real peaks (`groundtruth` CPU peaks).  After a first fit, configurations
     the fit misses by more than 3x the median relative error (at least 5%) are left out and the
@@ -143,6 +148,8 @@ def fit_overhead(decomps: list[Decomposition], tensor_peaks: list[float], measur
     y = np.asarray(measured, float)
     if (y <= 0).any():
         raise ValueError("measured: every real peak must be > 0 bytes")
+    if allocator not in ("cpu", "cuda"):
+        raise ValueError(f"allocator: {allocator!r} is not valid; use 'cpu' or 'cuda'")
     c = _nnls_relative(a, y)
     err = np.abs(a @ c / y - 1)
     keep = err <= max(3 * float(np.median(err)), 0.05)
@@ -159,4 +166,5 @@ def fit_overhead(decomps: list[Decomposition], tensor_peaks: list[float], measur
         n_fit=len(y),
         fitted_on=sorted({d.model for d in decomps}),
         software=software_key(),
+        allocator=allocator,
     )
