@@ -148,3 +148,35 @@ def test_calibrate_for_cuda_without_a_gpu_is_one_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cuda" in err and "no CUDA device" in err and "Traceback" not in err
     assert not (tmp_path / "ov.json").exists()
+
+
+def test_cli_predict_time_from_a_dataset_for_a_model_directory(tmp_path, capsys):
+    from sysprdict.dataset import save_rows
+
+    rows = []
+    for name in ("llama-xs", "gpt2-xs", "llama-s"):
+        for b in (1, 2):
+            for prec in ("fp32", "bf16"):
+                rows.append(
+                    {
+                        "model": name,
+                        "family": name.split("-")[0],
+                        "modality": "text",
+                        "batch": b,
+                        "seq_len": 16,
+                        "image_size": 32,
+                        "precision": prec,
+                        "optimizer": "adamw",
+                        "checkpointing": False,
+                        "world_size": 1,
+                        "step_time_s": 0.01 * b,
+                        "step_cpu_s": 0.01 * b,
+                        "peak_bytes": 1,
+                    }
+                )
+    save_rows(tmp_path / "d.jsonl", rows, {})
+    T.GPTNeoXForCausalLM(_neox_config()).save_pretrained(tmp_path / "m")
+    args = ["predict", "--model", str(tmp_path / "m"), "--batch", "2", "--seq", "16", "--json"]
+    assert main([*args, "--dataset", str(tmp_path / "d.jsonl")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] > 0

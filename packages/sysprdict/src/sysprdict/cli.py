@@ -183,7 +183,7 @@ def _step_time(a, d) -> float:
 
     _, rows = load_rows(a.dataset)
     rows = [r for r in rows if r["world_size"] == 1 and r.get("step_cpu_s")]
-    tp = TimePredictor().fit(
+    tp = TimePredictor(kind="calibrated").fit(  # the predictor bench reports
         [decomposition_for(r) for r in rows], [r["step_cpu_s"] for r in rows], [r["optimizer"] for r in rows]
     )
     return tp.predict_step(d, a.world_size, bandwidth_bytes_per_s=a.bandwidth, optimizer=a.optimizer)
