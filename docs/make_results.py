@@ -166,11 +166,15 @@ def render(bench: dict, when: str, previous: str = "", sweep: dict | None = None
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
-def update_guides(bench: dict, guides: Path) -> list[Path]:
-    """Refresh the bench table between the markers of each docs/packages/<name>.md page."""
+def update_guides(bench: dict, guides: Path, packages: Path | None = None) -> list[Path]:
+    """Refresh the bench table between the markers of each docs/packages/<name>.md page and, given
+    ``packages``, of each packages/<name>/README.md."""
     done = []
-    for name, res in bench.items():
-        page = guides / f"{name}.md"
+    pages = [(name, guides / f"{name}.md") for name in bench]
+    if packages is not None:
+        pages += [(name, packages / name / "README.md") for name in bench]
+    for name, page in pages:
+        res = bench[name]
         if not page.exists():
             continue
         text = page.read_text()
@@ -193,7 +197,9 @@ def main(argv: list[str]) -> int:
     text = render(bench, dt.datetime.now().strftime("%Y-%m-%d %H:%M"), dst.read_text() if dst.exists() else "", sweep)
     _atomic_write(dst, text)
     print(f"wrote {dst}")
-    for page in update_guides(bench, dst.parent / "packages"):  # the guides beside the page written
+    # the guides beside the page written, and the package READMEs when it is the repo's own page
+    readmes = ROOT / "packages" if dst.resolve().parent == ROOT / "docs" else None
+    for page in update_guides(bench, dst.parent / "packages", readmes):
         print(f"updated {page}")
     return 0
 

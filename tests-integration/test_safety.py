@@ -157,3 +157,26 @@ def test_the_results_page_shows_the_counts_of_every_package_swept():
     assert "| hwtopo | 17 | 1 | 0 | 1 | 0 | 0 | 1 | 2 | - | - |" in page
     assert "| kvpool | 17 | 1 | 0 | 1 | 0 | 0 | 0 | - | 0 | 3 |" in page
     assert "## Safety" not in mr.render({"kvpool": {"version": "1", "headline": {}}}, "now")
+
+
+def test_guides_and_readmes_get_the_measured_table_between_their_markers(tmp_path):
+    mr = _make_results()
+    guides, pkgs = tmp_path / "guides", tmp_path / "packages"
+    guides.mkdir()
+    (pkgs / "kvpool").mkdir(parents=True)
+    marked = f"# kvpool\n\nintro\n\n{mr.BEGIN}\nold table\n{mr.END}\n\nafter\n"
+    (guides / "kvpool.md").write_text(marked)
+    (pkgs / "kvpool" / "README.md").write_text(marked)
+    (pkgs / "bicache").mkdir()
+    (pkgs / "bicache" / "README.md").write_text("# bicache\n\nno markers\n")
+    bench = {
+        "kvpool": {"headline": {"ttft_ratio_vs_best_equal_bw": 0.5}},
+        "bicache": {"headline": {"x": 1.0}},
+    }
+    done = mr.update_guides(bench, guides, pkgs)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in done) == ["guides/kvpool.md", "packages/kvpool/README.md"]
+    for page in done:
+        text = page.read_text()
+        assert "old table" not in text and "| `ttft_ratio_vs_best_equal_bw` | 0.5 |" in text
+        assert text.startswith("# kvpool\n\nintro\n") and text.endswith("\n\nafter\n")
+    assert (pkgs / "bicache" / "README.md").read_text() == "# bicache\n\nno markers\n"
