@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hwtopo
 from hwtopo import console
@@ -189,7 +190,7 @@ def _step_time(a, d) -> float:
     return tp.predict_step(d, a.world_size, bandwidth_bytes_per_s=a.bandwidth, optimizer=a.optimizer)
 
 
-def _predict_out(a, model: str) -> tuple[dict, object, object]:
+def _predict_out(a, model: str) -> tuple[dict, Any, Any]:
     """The decomposition, memory prediction (real peak with --calibration) and JSON of `predict`."""
     from .api import _decompose, predict_memory
     from .memory import TrainSetup, accelerate_style

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 import warnings
+from typing import Any
 
 import hwtopo
 
@@ -132,7 +133,7 @@ def evaluate_oom_guard(cases=GUARD_CASES, seq_len: int = 32, margin: float = 0.1
 
 SIZE_EXTRAP_FAMILIES = ("llama", "gpt2", "vit")
 """Training families also measured at the extrapolation size (the size-extrapolation test set)."""
-XL = {"size": "xl", "batch": 4, "seq_len": 128, "image_size": 96}
+XL: dict[str, Any] = {"size": "xl", "batch": 4, "seq_len": 128, "image_size": 96}
 """The larger test size: hidden 256, 4 layers, batch 4, 128 text tokens, 96-pixel images (144
 patches): above every training size in width, batch and tokens."""
 RSS_GUARD_CASES = [("gpt-neox-m", "64MiB"), ("dinov2-m", "56MiB"), ("opt-m", "72MiB"), ("llava-dinov2-phi-m", "96MiB")]

@@ -172,10 +172,10 @@ def _refuse_if_too_large(builder: str, kwargs: dict | None, predicted_bytes: flo
         )
 
 
-_CTX: mp.context.BaseContext | None = None
+_CTX: mp.context.ForkServerContext | None = None
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.ForkServerContext:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")

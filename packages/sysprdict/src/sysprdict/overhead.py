@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import platform
 from pathlib import Path
 
@@ -101,13 +102,13 @@ class RuntimeOverhead:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         import hwtopo
 
         hwtopo.atomic_write_text(Path(path), self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path, check_software: bool = True) -> RuntimeOverhead:
+    def load(cls, path: str | os.PathLike, check_software: bool = True) -> RuntimeOverhead:
         """Read a calibration; one measured on another machine or software is refused."""
         p = Path(path)
         try:

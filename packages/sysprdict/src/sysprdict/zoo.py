@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -307,15 +307,15 @@ def _heldout_module(family: str, size: str, image_size: int) -> nn.Module:
     import transformers as T
 
     h, i, n, a = SIZES[size]
-    text = dict(vocab_size=VOCAB, hidden_size=h, num_hidden_layers=n, num_attention_heads=a)
+    text: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=h, num_hidden_layers=n, num_attention_heads=a)
     if family == "gpt-neox":
-        cfg = T.GPTNeoXConfig(**text, intermediate_size=i, max_position_embeddings=2048)
-        cfg._attn_implementation = "sdpa"
-        return T.GPTNeoXForCausalLM(cfg)
+        neox = T.GPTNeoXConfig(**text, intermediate_size=i, max_position_embeddings=2048)
+        neox._attn_implementation = "sdpa"
+        return T.GPTNeoXForCausalLM(neox)
     if family == "opt":
-        cfg = T.OPTConfig(**text, ffn_dim=i, word_embed_proj_dim=h, max_position_embeddings=2048)
-        cfg._attn_implementation = "sdpa"
-        return T.OPTForCausalLM(cfg)
+        opt = T.OPTConfig(**text, ffn_dim=i, word_embed_proj_dim=h, max_position_embeddings=2048)
+        opt._attn_implementation = "sdpa"
+        return T.OPTForCausalLM(opt)
     vision = T.Dinov2Config(
         hidden_size=h if family == "dinov2" else SIZES["xs" if size in ("xs", "s") else "s"][0],
         num_hidden_layers=n if family == "dinov2" else 2,
@@ -323,7 +323,8 @@ def _heldout_module(family: str, size: str, image_size: int) -> nn.Module:
         mlp_ratio=i // h,
         image_size=image_size,
         patch_size=_patch(image_size),
-        num_labels=NUM_CLASSES,
+        # a config takes keyword arguments its dataclass typing does not show (num_labels)
+        num_labels=NUM_CLASSES,  # type: ignore[call-arg]
     )
     if family == "dinov2":
         return T.Dinov2ForImageClassification(vision)
@@ -331,7 +332,7 @@ def _heldout_module(family: str, size: str, image_size: int) -> nn.Module:
     return _llava(vision, phi, "default")
 
 
-def _llava(vision, text, strategy: str) -> nn.Module:
+def _llava(vision, text, strategy: Literal["default", "full"]) -> nn.Module:
     """A LLaVA-shaped model: vision tower, two-layer GELU projector, decoder; image tokens first."""
     import transformers as T
 
