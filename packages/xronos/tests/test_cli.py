@@ -48,6 +48,11 @@ BAD_INPUT = [
     ("train --ckpt-dir {tmp}/c/d", "--ckpt-dir"),
     ("train --save {tmp}/file", "--save"),
     ("train --seed -1", "--seed"),
+    ("finetune", "--model"),
+    ("finetune --model {tmp}/absent", "--model: model directory '{tmp}/absent' does not exist"),
+    ("finetune --model {tmp}", "--model: {tmp} has no config.json; found: file"),
+    ("finetune --model {tmp} --speeds 1,x", "--speeds"),
+    ("finetune --model {tmp} --lora-r -1", "--lora-r"),
 ]
 
 
@@ -55,11 +60,13 @@ BAD_INPUT = [
 def tmp(tmp_path, monkeypatch):
     """The test's directory with one file in it; a command that starts work fails (exit 1)."""
     import xronos.cli as cli
+    import xronos.pretrained as pretrained
     import xronos.runner as runner
 
     started = Mock(side_effect=AssertionError("work started before the input was checked"))
     monkeypatch.setattr(cli, "_run_compare", started)
     monkeypatch.setattr(runner, "finetune", started)
+    monkeypatch.setattr(pretrained, "finetune_pretrained", started)
     (tmp_path / "file").write_text("x")
     return tmp_path
 

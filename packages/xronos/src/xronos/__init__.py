@@ -17,6 +17,7 @@ from .partition import (
     even_partition,
     partition,
 )
+from .pretrained import PretrainedError, finetune_pretrained, inspect_checkpoint, load_sharded, save_merged
 from .profile import costs_from_cluster, profile_group
 from .rebalance import Rebalancer, repartition
 from .shard import build_model, enable_lora, gather_state_dict, save_full, shard_model, tiny_config
@@ -32,6 +33,7 @@ __all__ = [
     "PipeliningTrainer",
     "Partition",
     "PartitionError",
+    "PretrainedError",
     "RankCost",
     "Rebalancer",
     "RowParallelLinear",
@@ -46,13 +48,17 @@ __all__ = [
     "costs_from_speeds",
     "enable_lora",
     "even_partition",
+    "finetune_pretrained",
     "gather_state_dict",
+    "inspect_checkpoint",
+    "load_sharded",
     "measure_kernel",
     "partition",
     "profile_group",
     "reduce_from_tp",
     "repartition",
     "save_full",
+    "save_merged",
     "shard_model",
     "spawn",
     "tiny_config",

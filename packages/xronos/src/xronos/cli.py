@@ -1,4 +1,4 @@
-"""Command line: ``xronos demo | bench | train | partition`` (the mlsyskit convention, hwtopo.console)."""
+"""Command line: ``xronos demo | bench | train | finetune | partition`` (the mlsyskit convention, hwtopo.console)."""
 
 from __future__ import annotations
 
@@ -79,19 +79,36 @@ def _cfg(args, **extra):
 
 
 def _model_args(
-    p: argparse.ArgumentParser, steps: int | None = None, training: bool = True, min_steps: int = 1, seed: bool = True
+    p: argparse.ArgumentParser,
+    steps: int | None = None,
+    training: bool = True,
+    min_steps: int = 1,
+    seed: bool = True,
+    shape: bool = True,
 ):
     """Model (and, with ``training``, data/optimisation) options; defaults come from :class:`TrainConfig`.
 
     One source of defaults: the CLI shows and uses ``TrainConfig``'s, except ``--steps`` where a
-    command has its own (``steps``).
+    command has its own (``steps``). ``shape=False``: the model comes from a checkpoint, so only
+    ``--mlp-block`` of the model options is offered.
     """
     from .train import TrainConfig
 
     d = TrainConfig()
     width = functools.partial(console.positive_int, maximum=MAX_WIDTH)
     g = p.add_argument_group("model and data" if training else "model")
-    g.add_argument("--family", default=d.family, choices=("llama", "qwen2"), help="tiny config built locally")
+    if shape:
+        _shape_args(g, d, width)
+    g.add_argument("--mlp-block", type=width("--mlp-block"), default=d.mlp_block, help="MLP columns per partition unit")
+    if training:
+        _training_args(g, d, width, steps, min_steps, seed, pipeline=shape)
+
+
+def _shape_args(g, d, width) -> None:
+    """The tiny config's shape, built locally."""
+    from .shard import FAMILIES
+
+    g.add_argument("--family", default=d.family, choices=FAMILIES, help="tiny config built locally")
     g.add_argument("--hidden", type=width("--hidden"), default=d.hidden, help="hidden size")
     g.add_argument("--layers", type=width("--layers"), default=d.layers, help="decoder layers")
     g.add_argument("--heads", type=width("--heads"), default=d.heads, help="attention heads")
@@ -102,14 +119,18 @@ def _model_args(
         help="KV heads (a KV group is the attention unit, so fewer groups make the attention split coarser)",
     )
     g.add_argument("--intermediate", type=width("--intermediate"), default=d.intermediate, help="MLP width")
-    g.add_argument("--mlp-block", type=width("--mlp-block"), default=d.mlp_block, help="MLP columns per partition unit")
-    if not training:
-        return
+
+
+def _training_args(g, d, width, steps: int | None, min_steps: int, seed: bool, pipeline: bool) -> None:
+    """Data and optimisation options."""
     g.add_argument("--seq-len", type=width("--seq-len"), default=d.seq_len, help="tokens per sequence")
     g.add_argument("--batch", type=width("--batch"), default=d.batch, help="sequences per step")
-    g.add_argument(
-        "--micro-batches", type=width("--micro-batches"), help=f"pipeline micro-batches ({d.micro_batches} or --batch)"
-    )
+    if pipeline:
+        g.add_argument(
+            "--micro-batches",
+            type=width("--micro-batches"),
+            help=f"pipeline micro-batches ({d.micro_batches} or --batch)",
+        )
     steps_type = console.positive_int("--steps", MAX_COUNT) if min_steps else console.integer("--steps", 0, MAX_COUNT)
     g.add_argument("--steps", type=steps_type, default=d.steps if steps is None else steps, help="training steps")
     g.add_argument(
@@ -592,6 +613,85 @@ def _train_parser(sub) -> None:
     _model_args(t, min_steps=0)
 
 
+def _finetune_paths(args) -> dict:
+    """``xronos finetune``'s model directory and output, checked before any rank starts."""
+    from .pretrained import PretrainedError, check_finetune
+
+    if args.data and not Path(args.data).is_file():
+        raise UsageError(f"--data: {args.data} is not a readable file")
+    try:
+        check_finetune(args.model, args.cfg, len(args.speed_list))
+    except PretrainedError as e:
+        raise UsageError(f"--model: {e}") from None
+    save = None
+    if args.save_merged is not None:
+        p = Path(args.save_merged)
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"--save-merged {args.save_merged!r} exists and is not a directory")
+        save = str(
+            console.output_file(p, "--save-merged") if not p.exists() else console.output_dir(p, "--save-merged")
+        )
+    return {"save_dir": save, "memory_bytes": None if args.memory is None else _bytes(args.memory)}
+
+
+def cmd_finetune(args) -> int:
+    from .launch import emulation_label
+    from .pretrained import finetune_pretrained
+    from .train import TrainConfig
+
+    args.speed_list = _speeds(args.speeds)
+    fields = dict(
+        seq_len=args.seq_len,
+        batch=args.batch,
+        micro_batches=args.batch,  # no pipeline here
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        data=args.data,
+        vocab_parallel=args.vocab_parallel,
+        mlp_block=args.mlp_block,
+        lora_r=args.lora_r,
+    )
+    args.cfg = TrainConfig(**fields)
+    paths = _finetune_paths(args)
+    res = finetune_pretrained(args.model, args.cfg, args.speed_list, args.mode, emulate=args.emulate, **paths)
+    r0 = res[0]
+    report = {
+        "model": str(args.model),
+        "partition": r0["partition"],
+        "load_per_rank": [r["load"] for r in res],
+        "final_train_loss": r0["losses"][-1] if r0["losses"] else None,
+        "eval_loss": r0["eval_loss"],
+        "saved_merged": r0["saved"],
+        "emulated_speeds": args.speed_list,
+        "emulated": emulation_label(args.emulate) if min(args.speed_list) < 1 else None,
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _finetune_parser(sub) -> None:
+    f = console.command(
+        sub,
+        "finetune",
+        "LoRA fine-tune a pretrained model from a local directory (safetensors; Llama, Qwen2, Mistral), each rank "
+        "reading only its uneven shard, and save the merged model for from_pretrained",
+    )
+    f.add_argument("--model", required=True, help="local model directory: config.json and *.safetensors")
+    f.add_argument(
+        "--save-merged", help="write the model with LoRA merged into its weights here (replaced whole; from_pretrained)"
+    )
+    f.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
+    f.add_argument("--mode", default="xronos", choices=["xronos", "tp"], help="uneven (xronos) or even shards (tp)")
+    f.add_argument(
+        "--lora-r", type=console.integer("--lora-r", 0, MAX_WIDTH), default=8, help="LoRA rank (0: full fine-tuning)"
+    )
+    f.add_argument("--data", help="a text file, trained on as bytes (default: the Python standard library's sources)")
+    f.add_argument("--memory", help="memory per rank for shards, e.g. 64MiB")
+    _emulate_arg(f, default="dilate")
+    _model_args(f, steps=10, min_steps=0, shape=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap, sub = console.parser("xronos", "Heterogeneity-aware tensor parallelism on CPUs.", __version__)
     d = console.command(sub, "demo", "short LoRA fine-tune on an emulated heterogeneous pair, table + timeline plot")
@@ -619,6 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(b, seed=False)
     _emulation_args(b)
     _train_parser(sub)
+    _finetune_parser(sub)
     p = console.command(sub, "partition", "print the partition for given speeds (or an hwtopo cluster spec)")
     p.add_argument("--speeds", default="1.0,0.5", help="emulated relative speed per rank")
     p.add_argument("--memory", help="comma-separated memory per rank for shards, e.g. 8MiB,64MiB")
@@ -643,7 +744,13 @@ def _input_errors(handler):
 
 
 def main(argv: list[str] | None = None) -> int:
-    handlers = {"demo": cmd_demo, "bench": cmd_bench, "train": cmd_train, "partition": cmd_partition}
+    handlers = {
+        "demo": cmd_demo,
+        "bench": cmd_bench,
+        "train": cmd_train,
+        "finetune": cmd_finetune,
+        "partition": cmd_partition,
+    }
     return console.run(build_parser(), {k: _input_errors(v) for k, v in handlers.items()}, argv)
 
 

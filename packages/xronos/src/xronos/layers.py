@@ -41,6 +41,7 @@ __all__ = [
     "sync_partial_grads",
     "gather_uneven",
     "gather_uneven_many",
+    "merged_weight",
     "clip_grad_norm",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
@@ -408,22 +409,39 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> f
     return total
 
 
+def merged_weight(mod: _ParallelLinear | VocabParallelEmbedding) -> torch.Tensor:
+    """This rank's shard of ``mod``'s weight with its LoRA adapter folded in (``W + s B A``).
+
+    The adapter's sharded half matches the weight's shard and its replicated half is whole, so the
+    product is exactly this rank's rows (column layer) or columns (row layer) of the full ``s B A``.
+    """
+    w = mod.weight.detach()
+    a, b = getattr(mod, "lora_A", None), getattr(mod, "lora_B", None)
+    if a is None or b is None:
+        return w
+    return w + mod.lora_scale * (b.detach() @ a.detach())
+
+
 def gather_uneven(shard: torch.Tensor, sizes: Sequence[int], dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim`` (shards of different sizes: padded all_gather)."""
     return gather_uneven_many([(shard, dim, tuple(sizes))], group)[0]
 
 
-def gather_uneven_many(shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], group) -> list[torch.Tensor]:
+def gather_uneven_many(
+    shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], group, dst: int | None = None
+) -> list[torch.Tensor]:
     """Full tensors from every rank's shards ``(local shard, dim, sizes)``, in one padded all_gather.
 
     Every rank passes the same list (same tensors, order and sizes); rank r's shard of a tensor has
     ``sizes[r]`` rows along ``dim``. One collective for all of them instead of one per tensor: a reshard
-    moves ~90 tensors (weights and both AdamW moments), and each gather is a synchronisation.
+    moves ~90 tensors (weights and both AdamW moments), and each gather is a synchronisation. With
+    ``dst`` only that rank receives (a gather): it gets the full tensors, every other rank ``[]``.
     """
     if not shards:
         return []
     if not _active(group):
         return [t.detach().clone() for t, _, _ in shards]
+    receives = dst is None or dist.get_rank() == dst
     world = len(shards[0][2])
     # numel of rank r's shard of each tensor: the rows it holds times the numel of one row
     lens = [
@@ -434,10 +452,15 @@ def gather_uneven_many(shards: list[tuple[torch.Tensor, int, tuple[int, ...]]], 
     biggest = max(sum(n) for n in lens)
     padded = torch.zeros(biggest, dtype=local.dtype)
     padded[: local.numel()].copy_(local)
-    parts = [torch.empty_like(padded) for _ in range(world)]
+    parts = [torch.empty_like(padded) for _ in range(world)] if receives else None
     sync_point()
-    dist.all_gather(parts, padded, group=group)
+    if dst is None:
+        dist.all_gather(parts, padded, group=group)
+    else:
+        dist.gather(padded, parts, dst=dst, group=group)
     resume_point()
+    if parts is None:
+        return []
     pieces = []  # per rank: its shard of each tensor, back in shape
     for r in range(world):
         split = parts[r][: sum(lens[r])].split(lens[r])

@@ -25,6 +25,7 @@ from .layers import (
     VocabParallelEmbedding,
     copy_to_tp,
     gather_uneven,
+    merged_weight,
     vocab_parallel_cross_entropy,
 )
 from .partition import ModelShape, Partition, PartitionError
@@ -53,13 +54,13 @@ _DEFAULT_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "mistral")
 VOCAB_PARALLEL = ("none", "head", "both")
 
 
 def tiny_config(family: str = "llama", **overrides):
     """A small config of a real architecture (byte-level vocabulary of 256), built locally."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     base: dict[str, Any] = dict(
         vocab_size=256,
@@ -77,6 +78,8 @@ def tiny_config(family: str = "llama", **overrides):
         return LlamaConfig(**base)
     if family == "qwen2":
         return Qwen2Config(**base)
+    if family == "mistral":
+        return MistralConfig(**base)
     raise PartitionError(f"family must be one of {', '.join(FAMILIES)}, not {family!r}")
 
 
@@ -260,14 +263,7 @@ def gather_state_dict(model, group=None, merge_lora: bool = True) -> dict[str, t
             out[key] = t.detach().clone()
     for name, mod in sharded.items():
         dim = mod.shard_dim
-        w = gather_uneven(mod.weight, mod.sizes, dim, group)
-        if mod.lora_A is not None and mod.lora_B is not None and merge_lora:
-            if dim == 0:
-                a, b = mod.lora_A.detach(), gather_uneven(mod.lora_B, mod.sizes, 0, group)
-            else:
-                a, b = gather_uneven(mod.lora_A, mod.sizes, 1, group), mod.lora_B.detach()
-            w = w + mod.lora_scale * (b @ a)
-        out[f"{name}.weight"] = w
+        out[f"{name}.weight"] = gather_uneven(merged_weight(mod) if merge_lora else mod.weight, mod.sizes, dim, group)
         if mod.bias is not None:
             out[f"{name}.bias"] = (
                 gather_uneven(mod.bias, mod.sizes, 0, group) if dim == 0 else mod.bias.detach().clone()

@@ -162,13 +162,17 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 class TPTrainer:
     """Tensor-parallel fine-tuning of one rank's shard (``part``), or the unsharded reference (``part=None``)."""
 
-    def __init__(self, cfg: TrainConfig, part: Partition | None, rank: int = 0, group=None, corpus=None):
-        self.validate(cfg, part, rank, group)  # every input error before the model is built
+    def __init__(self, cfg: TrainConfig, part: Partition | None, rank: int = 0, group=None, corpus=None, model=None):
+        """``model``: an already sharded model (e.g. :func:`xronos.pretrained.load_sharded`) to train
+        instead of building ``cfg``'s; its own config is then checked against ``part``."""
+        config = None if model is None else model.config
+        self.validate(cfg, part, rank, group, config)  # every input error before the model is built
         self.cfg, self.part, self.rank, self.group = cfg, part, rank, group
         self.corpus = corpus or make_corpus(cfg)
-        model = build_model(cfg.model_config(), cfg.seed)
-        if part is not None:
-            shard_model(model, part, rank, group, cfg.vocab_parallel)
+        if model is None:
+            model = build_model(cfg.model_config(), cfg.seed)
+            if part is not None:
+                shard_model(model, part, rank, group, cfg.vocab_parallel)
         if cfg.lora_r:
             params = enable_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.seed)
         else:
@@ -178,15 +182,16 @@ class TPTrainer:
         self.step_idx = 0
 
     @staticmethod
-    def validate(cfg: TrainConfig, part: Partition | None, rank: int = 0, group=None) -> None:
-        """Raise one clear error if ``cfg``/``part`` cannot train on this rank and group (nothing built yet)."""
+    def validate(cfg: TrainConfig, part: Partition | None, rank: int = 0, group=None, config=None) -> None:
+        """Raise one clear error if ``cfg``/``part`` cannot train on this rank and group (nothing built yet);
+        ``config``: the model's transformers config when it is not ``cfg``'s."""
         cfg.validate()
         if cfg.lora_r and part is None:  # the reference gets the same adapters through a one-rank "partition"
             raise ValueError("the LoRA reference needs a one-rank partition; pass even_partition(shape, 1)")
         if part is None:
             return
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-        check_partition(cfg.model_config(), part, world)
+        check_partition(config or cfg.model_config(), part, world)
         if not 0 <= rank < world:
             raise PartitionError(f"rank {rank} is outside the world of {world} ranks")
 

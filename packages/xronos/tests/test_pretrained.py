@@ -1,0 +1,157 @@
+"""Pretrained checkpoints: uneven shards read slice by slice from several safetensors files, the
+sharded loss against ``from_pretrained``, and a LoRA-merged save that ``from_pretrained`` loads."""
+
+import json
+
+import pytest
+import torch
+from pretrained_workers import ATTN_UNITS, MLP_UNITS, fixed_ids, shard_lora_save
+
+from xronos.launch import spawn
+from xronos.partition import even_partition
+from xronos.pretrained import SUPPORTED, PretrainedError, inspect_checkpoint, load_sharded, model_shape
+from xronos.shard import build_model, tiny_config
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def _tiny(family):
+    return tiny_config(
+        family, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4
+    )
+
+
+def _reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def _headers(path):
+    """tensor name -> full shape, from the safetensors headers of every file."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            out.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    dirs = {}
+    for i, family in enumerate(FAMILIES):
+        path = root / family
+        build_model(_tiny(family), seed=11 + i).save_pretrained(path, max_shard_size="100KB")
+        dirs[family] = path
+    results = spawn(shard_lora_save, 2, ({f: str(p) for f, p in dirs.items()}, str(root / "merged")), timeout_s=500)
+    return dirs, root / "merged", results
+
+
+def test_the_source_checkpoints_span_several_files(runs):
+    dirs, _, _ = runs
+    for path in dirs.values():
+        assert (path / "model.safetensors.index.json").is_file()
+        assert len(list(path.glob("*.safetensors"))) >= 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_rank_reads_only_its_share(runs, family):
+    dirs, _, results = runs
+    full = _headers(dirs[family])
+    total = sum(torch.Size(s).numel() for s in full.values())
+    by_rank = [r[family] for r in results]
+    for rank, r in enumerate(by_rank):
+        assert r["bytes_read"] == 4 * r["params_held"]  # fp32: every byte read is a parameter held
+        assert r["params_held"] < 0.85 * total
+        q = r["reads"]["model.layers.0.self_attn.q_proj.weight"]
+        assert q == (ATTN_UNITS[rank] * 2 * 8, 64)  # its query heads' rows only (head_dim 8)
+        assert r["reads"]["model.layers.1.mlp.down_proj.weight"] == (64, MLP_UNITS[rank] * 16)
+        for name, shape in r["shapes"].items():
+            if any(k in name for k in ("_proj", "lm_head")):  # no full-size projection on any rank
+                assert shape != full[name], name
+    replicated = sum(torch.Size(s).numel() for k, s in full.items() if by_rank[0]["reads"][k] == s)
+    # the split tensors' slices tile them exactly: nothing read twice, nothing missed
+    assert by_rank[0]["params_held"] + by_rank[1]["params_held"] == total + replicated
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_forward_matches_from_pretrained(runs, family):
+    dirs, _, results = runs
+    ref = _reference(dirs[family])
+    ids = fixed_ids()
+    with torch.no_grad():
+        out = ref(input_ids=ids, labels=ids)
+    for r in results:
+        assert r[family]["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+        torch.testing.assert_close(r[family]["before"], out.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merged_checkpoint_loads_with_the_fine_tuned_logits(runs, family):
+    _, merged, results = runs
+    r0 = results[0][family]
+    assert r0["saved"] == str(merged / family) and results[1][family]["saved"] is None
+    assert (merged / family / "model.safetensors.index.json").is_file()
+    assert (r0["after"] - r0["before"]).abs().max() > 1e-3  # the adapters did change the model
+    with torch.no_grad():
+        logits = _reference(merged / family)(input_ids=fixed_ids()).logits
+    torch.testing.assert_close(logits, r0["after"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r0["after"], results[1][family]["after"])
+
+
+def test_a_directory_without_safetensors_names_what_it_holds(tmp_path):
+    _tiny("llama").save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(PretrainedError, match=r"no safetensors weights.*found: config\.json, pytorch_model\.bin"):
+        inspect_checkpoint(tmp_path)
+
+
+def test_an_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(PretrainedError, match=r"'gpt2' \(architectures \['GPT2LMHeadModel'\]\).*llama, qwen2"):
+        inspect_checkpoint(tmp_path)
+    assert set(SUPPORTED) == set(FAMILIES)
+
+
+def test_missing_directory_config_and_tensor(tmp_path):
+    with pytest.raises(PretrainedError, match="does not exist"):
+        inspect_checkpoint(tmp_path / "absent")
+    with pytest.raises(PretrainedError, match="no config.json; found: nothing"):
+        inspect_checkpoint(tmp_path)
+    model = build_model(_tiny("llama"))
+    model.save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.norm.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ckpt = inspect_checkpoint(tmp_path)
+    part = even_partition(model_shape(ckpt.config), 1)
+    with pytest.raises(PretrainedError, match="no tensor 'model.norm.weight'"):
+        load_sharded(ckpt, part, 0)
+
+
+def test_finetune_command_saves_a_merged_model_from_uneven_shards(runs, tmp_path):
+    from hwtopo.testing import assert_fails, run_cli
+    from xronos.cli import main
+
+    dirs, _, _ = runs
+    out = tmp_path / "merged"
+    argv = ["finetune", "--model", str(dirs["qwen2"]), "--save-merged", str(out), "--steps", "2", "--seq-len", "32"]
+    argv += ["--batch", "2", "--mlp-block", "16", "--lora-r", "4", "--quiet"]
+    res = run_cli(main, argv)
+    assert res.code == 0, res.err[-2000:]
+    report = json.loads(res.out)
+    assert report["saved_merged"] == str(out) and report["eval_loss"] > 0
+    assert len(report["load_per_rank"]) == 2
+    for load in report["load_per_rank"]:
+        assert 0 < load["bytes_read"] < load["checkpoint_bytes"]
+    with torch.no_grad():
+        logits = _reference(out)(input_ids=fixed_ids()).logits
+    assert torch.isfinite(logits).all() and logits.shape == (2, 24, 256)
+    (tmp_path / "file").write_text("x")
+    argv[argv.index("--save-merged") + 1] = str(tmp_path / "file")
+    assert_fails(main, argv, 2, "--save-merged")
