@@ -29,6 +29,7 @@ import os
 import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,6 @@ def _resolve(builder: str) -> Callable:
 
 def _run(builder: str, kwargs: dict, steps: int, warmup: int, threads: int, device: str, diagnostic: bool) -> dict:
     """The child's body: pin threads, note the resident set, build, step, read the peaks."""
-    import warnings
 
     import torch
     import transformers
@@ -293,9 +293,12 @@ def training_step(
     def tracked() -> int:
         from torch.distributed._tools.mem_tracker import MemTracker
 
+        from .train import _quiet_mod_tracker
+
         mt = MemTracker()
         mt.track_external(zm.module, opt, *data.values())
-        with mt:
+        with warnings.catch_warnings(), mt:
+            _quiet_mod_tracker()
             step()
         snap = mt.get_tracker_snapshot("peak")
         return int(sum(v["Total"] for v in snap.values()))
