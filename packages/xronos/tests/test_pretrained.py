@@ -155,3 +155,29 @@ def test_finetune_command_saves_a_merged_model_from_uneven_shards(runs, tmp_path
     (tmp_path / "file").write_text("x")
     argv[argv.index("--save-merged") + 1] = str(tmp_path / "file")
     assert_fails(main, argv, 2, "--save-merged")
+
+
+def test_tied_bf16_checkpoint_loads_and_saves_in_one_process(tmp_path):
+    """A bf16 checkpoint whose LM head is the embedding (small Qwen2 models): read once, cast to fp32,
+    the same logits as from_pretrained, and saved back with the tie kept (no lm_head tensor)."""
+    from safetensors import safe_open
+
+    from xronos.pretrained import save_merged, split_vocab
+    from xronos.shard import enable_lora
+
+    cfg = tiny_config("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True)
+    build_model(cfg, seed=5).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    ckpt = inspect_checkpoint(tmp_path / "src")
+    assert split_vocab(ckpt.config, "head") == "none" and split_vocab(_tiny("llama"), "head") == "head"
+    model, stats = load_sharded(ckpt, even_partition(model_shape(ckpt.config, 16), 1), 0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert stats.bytes_read == 2 * stats.params_held and "lm_head.weight" not in stats.reads
+    ids = fixed_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, _reference(tmp_path / "src")(input_ids=ids).logits)
+    enable_lora(model, 4)
+    save_merged(model, tmp_path / "out")
+    with safe_open(next((tmp_path / "out").glob("*-00001-of-*.safetensors")), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    with torch.no_grad():
+        torch.testing.assert_close(_reference(tmp_path / "out")(input_ids=ids).logits, model(input_ids=ids).logits)

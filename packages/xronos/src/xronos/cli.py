@@ -659,6 +659,7 @@ def cmd_finetune(args) -> int:
     report = {
         "model": str(args.model),
         "partition": r0["partition"],
+        "vocab_parallel": r0["vocab_parallel"],
         "load_per_rank": [r["load"] for r in res],
         "final_train_loss": r0["losses"][-1] if r0["losses"] else None,
         "eval_loss": r0["eval_loss"],

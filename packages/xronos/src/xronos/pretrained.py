@@ -313,6 +313,15 @@ def save_merged(model: nn.Module, path: str | os.PathLike, group=None, rank: int
     return hwtopo.atomic_dir(path, lambda tmp: _write_layers(model, group, tmp))
 
 
+def split_vocab(config, vocab_parallel: str) -> str:
+    """``vocab_parallel`` for this model: "none" when its LM head shares the embedding's weight (as
+    small Qwen2 models do), since a split head would need its own copy."""
+    if vocab_parallel != "none" and getattr(config, "tie_word_embeddings", False):
+        log.warning("the model ties its LM head to the embedding: both stay replicated (vocab_parallel none)")
+        return "none"
+    return vocab_parallel
+
+
 def finetune_pretrained_rank(
     rank: int, world: int, model_dir: str, cfg_dict: dict, mode: str, save_dir: str | None, memory_bytes
 ) -> dict:
@@ -328,7 +337,8 @@ def finetune_pretrained_rank(
     vocab = ckpt.config.vocab_size
     costs, _ = profile_group(shape, cfg.batch, cfg.seq_len, vocab=vocab, memory_bytes=memory_bytes)
     part = partition(shape, costs) if mode == "xronos" else even_partition(shape, world)
-    model, stats = load_sharded(ckpt, part, rank, None, cfg.vocab_parallel)
+    vocab_parallel = split_vocab(ckpt.config, cfg.vocab_parallel)
+    model, stats = load_sharded(ckpt, part, rank, None, vocab_parallel)
     trainer = TPTrainer(cfg, part, rank, None, model=model)
     losses = [trainer.step()["loss"] for _ in range(cfg.steps)]
     eval_loss = trainer.evaluate()
@@ -337,6 +347,7 @@ def finetune_pretrained_rank(
         "rank": rank,
         "partition": part.describe(),
         "load": stats.describe() | {"checkpoint_bytes": ckpt.file_bytes()},
+        "vocab_parallel": vocab_parallel,
         "losses": losses,
         "eval_loss": eval_loss,
         "saved": None if saved is None else str(saved),
