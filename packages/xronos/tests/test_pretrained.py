@@ -181,3 +181,42 @@ def test_tied_bf16_checkpoint_loads_and_saves_in_one_process(tmp_path):
         assert "lm_head.weight" not in f.keys()
     with torch.no_grad():
         torch.testing.assert_close(_reference(tmp_path / "out")(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def _save_tokenizer(path, vocab_size):
+    """A byte-level BPE tokenizer trained here on a little stdlib text, saved as transformers does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from xronos.data import stdlib_corpus
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    text = stdlib_corpus(50_000).decode("utf-8", errors="replace")
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.save_pretrained(path)
+    return fast
+
+
+def test_the_corpus_uses_the_model_directorys_tokenizer(tmp_path):
+    from dist_helpers import small_cfg
+
+    from xronos.data import load_text
+    from xronos.pretrained import check_finetune, pretrained_corpus
+
+    small = tiny_config("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=200)
+    build_model(small).save_pretrained(tmp_path)
+    cfg = small_cfg(seq_len=16)
+    with pytest.raises(PretrainedError, match="vocab_size 200 is below 256 and there is no tokenizer"):
+        check_finetune(tmp_path, cfg, 2)
+    fast = _save_tokenizer(tmp_path, 200)
+    ckpt = check_finetune(tmp_path, cfg, 2)
+    corpus = pretrained_corpus(ckpt, cfg)
+    text = load_text(None, cfg.max_bytes).decode("utf-8", "replace")
+    want = fast(text)["input_ids"]
+    assert corpus.train.tolist() + corpus.eval.tolist() == want
+    assert len(want) < 0.9 * len(text.encode())  # tokens, not bytes
+    _save_tokenizer(tmp_path, 300)  # a tokenizer whose ids the embedding cannot hold
+    with pytest.raises(PretrainedError, match="beyond the model's vocab_size 200"):
+        pretrained_corpus(ckpt, cfg)

@@ -660,6 +660,7 @@ def cmd_finetune(args) -> int:
         "model": str(args.model),
         "partition": r0["partition"],
         "vocab_parallel": r0["vocab_parallel"],
+        "tokens": r0["tokens"],
         "load_per_rank": [r["load"] for r in res],
         "final_train_loss": r0["losses"][-1] if r0["losses"] else None,
         "eval_loss": r0["eval_loss"],
@@ -687,7 +688,11 @@ def _finetune_parser(sub) -> None:
     f.add_argument(
         "--lora-r", type=console.integer("--lora-r", 0, MAX_WIDTH), default=8, help="LoRA rank (0: full fine-tuning)"
     )
-    f.add_argument("--data", help="a text file, trained on as bytes (default: the Python standard library's sources)")
+    f.add_argument(
+        "--data",
+        help="a text file, tokenized by the model directory's tokenizer, else trained on as bytes (default: the "
+        "Python standard library's sources)",
+    )
     f.add_argument("--memory", help="memory per rank for shards, e.g. 64MiB")
     _emulate_arg(f, default="dilate")
     _model_args(f, steps=10, min_steps=0, shape=False)

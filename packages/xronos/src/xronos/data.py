@@ -47,16 +47,22 @@ def load_text(path: str | os.PathLike | None, max_bytes: int = 4_000_000) -> byt
 
 
 class ByteCorpus:
-    """Train/eval split (last 10% held out) and deterministic random windows of ``seq_len + 0`` bytes."""
+    """Train/eval split (last 10% held out) and deterministic random windows of ``seq_len`` tokens.
 
-    def __init__(self, data: bytes, seq_len: int, seed: int = 0):
+    ``data``: bytes (each byte a token) or a tensor of token ids from a model's own tokenizer.
+    """
+
+    def __init__(self, data: bytes | torch.Tensor, seq_len: int, seed: int = 0):
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, not {seq_len}")
-        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        if isinstance(data, torch.Tensor):
+            tokens = data.long().reshape(-1)
+        else:
+            tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         cut = int(len(tokens) * 0.9)
         self.train, self.eval = tokens[:cut], tokens[cut:]
         if len(self.eval) <= seq_len or len(self.train) <= seq_len:
-            raise ValueError(f"the text ({len(tokens)} bytes) is too short for seq_len {seq_len}")
+            raise ValueError(f"the text ({len(tokens)} tokens) is too short for seq_len {seq_len}")
         self.seq_len, self.seed = seq_len, seed
 
     def _windows(self, src: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .data import ByteCorpus, load_text
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_uneven_many, merged_weight
 from .partition import ModelShape, Partition, PartitionError
 from .shard import build_model, shard_model
@@ -39,6 +40,7 @@ __all__ = [
     "check_finetune",
     "finetune_pretrained",
     "finetune_pretrained_rank",
+    "pretrained_corpus",
 ]
 
 log = logging.getLogger(__name__)
@@ -322,6 +324,31 @@ def split_vocab(config, vocab_parallel: str) -> str:
     return vocab_parallel
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_tokenizer(ckpt: Checkpoint) -> bool:
+    return any((ckpt.path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def pretrained_corpus(ckpt: Checkpoint, cfg) -> ByteCorpus:
+    """The training text (``cfg.data`` or the stdlib sources) as the model's own tokens when its
+    directory has a tokenizer, else as bytes (token ids 0-255)."""
+    text = load_text(cfg.data, cfg.max_bytes)
+    if not has_tokenizer(ckpt):
+        return ByteCorpus(text, cfg.seq_len, cfg.seed)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
+    ids = torch.tensor(tok(text.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
+    if len(ids) and int(ids.max()) >= ckpt.config.vocab_size:
+        raise PretrainedError(
+            f"{ckpt.path}: its tokenizer gives token id {int(ids.max())}, beyond the model's vocab_size "
+            f"{ckpt.config.vocab_size}; the tokenizer does not belong to these weights"
+        )
+    return ByteCorpus(ids, cfg.seq_len, cfg.seed)
+
+
 def finetune_pretrained_rank(
     rank: int, world: int, model_dir: str, cfg_dict: dict, mode: str, save_dir: str | None, memory_bytes
 ) -> dict:
@@ -339,7 +366,7 @@ def finetune_pretrained_rank(
     part = partition(shape, costs) if mode == "xronos" else even_partition(shape, world)
     vocab_parallel = split_vocab(ckpt.config, cfg.vocab_parallel)
     model, stats = load_sharded(ckpt, part, rank, None, vocab_parallel)
-    trainer = TPTrainer(cfg, part, rank, None, model=model)
+    trainer = TPTrainer(cfg, part, rank, None, pretrained_corpus(ckpt, cfg), model=model)
     losses = [trainer.step()["loss"] for _ in range(cfg.steps)]
     eval_loss = trainer.evaluate()
     saved = save_merged(model, save_dir, None, rank) if save_dir else None
@@ -348,6 +375,7 @@ def finetune_pretrained_rank(
         "partition": part.describe(),
         "load": stats.describe() | {"checkpoint_bytes": ckpt.file_bytes()},
         "vocab_parallel": vocab_parallel,
+        "tokens": "tokenizer" if has_tokenizer(ckpt) else "bytes",
         "losses": losses,
         "eval_loss": eval_loss,
         "saved": None if saved is None else str(saved),
@@ -359,9 +387,10 @@ def check_finetune(model_dir: str | os.PathLike, cfg, world: int) -> Checkpoint:
     and a model whose heads cannot be split across ``world`` ranks."""
     cfg.validate()
     ckpt = inspect_checkpoint(model_dir)
-    if ckpt.config.vocab_size < 256:
+    if ckpt.config.vocab_size < 256 and not has_tokenizer(ckpt):
         raise PretrainedError(
-            f"{ckpt.path}: vocab_size {ckpt.config.vocab_size} is below 256, the byte-level tokens xronos trains on"
+            f"{ckpt.path}: vocab_size {ckpt.config.vocab_size} is below 256 and there is no tokenizer "
+            f"({' or '.join(TOKENIZER_FILES)}), so the text would be trained on as bytes (ids 0-255)"
         )
     shape = model_shape(ckpt.config, cfg.mlp_block)
     if shape.attn_units < world or shape.mlp_units < world:
