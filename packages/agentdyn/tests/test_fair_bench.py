@@ -188,6 +188,9 @@ def test_host_check_flags_a_host_whose_neighbours_stall_runs_made_alone():
         p.cpu_pressure = 0.8  # 80 % of each run alone spent waiting for a core
     h = host_check(store, {"cpu_some_mean": 1.0})
     assert h["quiet"] is False and h["alone_run_queue_share"] > QUIET_RUN_QUEUE_SHARE
+    for p in store.tools.values():
+        p.cpu_pressure = 1.5  # two threads each waiting most of the run
+    assert host_check(store, {})["alone_run_queue_share"] == 1.0
 
 
 class _Pressure:

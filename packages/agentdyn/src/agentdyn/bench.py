@@ -273,7 +273,8 @@ def host_check(store: ProfileStore, pressure: dict) -> dict:
     ``QUIET_RUN_QUEUE_SHARE`` (otherwise latencies mostly measure the neighbours)."""
     ps = [p for p in store.tools.values() if p.n_alone]
     w = sum(p.cpu_s for p in ps)
-    share = sum(p.cpu_pressure * p.cpu_s for p in ps) / w if w > 0 else 0.0
+    # a multi-threaded run's queue wait sums over its threads: a share past 1 still means "all of it"
+    share = min(1.0, sum(p.cpu_pressure * p.cpu_s for p in ps) / w) if w > 0 else 0.0
     return {
         "alone_run_queue_share": share,
         "alone_cpu_some_mean": pressure.get("cpu_some_mean"),
