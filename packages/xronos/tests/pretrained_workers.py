@@ -34,6 +34,7 @@ def shard_lora_save(rank, world, dirs, out_root):
         ckpt = inspect_checkpoint(path)
         part = Partition(model_shape(ckpt.config, 16), ATTN_UNITS, MLP_UNITS)
         model, stats = load_sharded(ckpt, part, rank, None, vocab_parallel="head")
+        held = sum(p.numel() for p in model.parameters())  # counted on the model, apart from the loader
         ids = fixed_ids()
         with torch.no_grad():
             loss = lm_loss(model, model(input_ids=ids).logits, ids).item()
@@ -53,6 +54,7 @@ def shard_lora_save(rank, world, dirs, out_root):
             "reads": stats.reads,
             "bytes_read": stats.bytes_read,
             "params_held": stats.params_held,
+            "model_params": held,
             "saved": None if saved is None else str(saved),
             "shapes": {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" not in n},
         }

@@ -65,6 +65,7 @@ def test_each_rank_reads_only_its_share(runs, family):
     by_rank = [r[family] for r in results]
     for rank, r in enumerate(by_rank):
         assert r["bytes_read"] == 4 * r["params_held"]  # fp32: every byte read is a parameter held
+        assert r["model_params"] == r["params_held"]
         assert r["params_held"] < 0.85 * total
         q = r["reads"]["model.layers.0.self_attn.q_proj.weight"]
         assert q == (ATTN_UNITS[rank] * 2 * 8, 64)  # its query heads' rows only (head_dim 8)

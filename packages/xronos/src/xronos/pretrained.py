@@ -256,40 +256,50 @@ def _layer_of(key: str) -> int:
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
 
 
-def _save_entries(model: nn.Module) -> list[list[tuple[str, torch.Tensor, int, tuple[int, ...]]]]:
-    """(key, this rank's merged tensor, shard dim, sizes) grouped by decoder layer; -1 = unsharded."""
-    modules = dict(model.named_modules())
+_Entry = tuple[str, nn.Module, str, int, tuple[int, ...]]  # key, module, parameter, shard dim (-1: whole), sizes
+
+
+def _save_entries(model: nn.Module) -> list[list[_Entry]]:
+    """What to save, grouped by decoder layer (-1: embedding, final norm, LM head), without any data."""
     seen: set[int] = set()
-    groups: dict[int, list] = {}
-    for mod_name, mod in modules.items():
+    groups: dict[int, list[_Entry]] = {}
+    for mod_name, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
             if id(p) in seen or pname.startswith("lora_"):
                 continue  # a tied weight is saved once; adapters are folded into their weight
             seen.add(id(p))
             key = f"{mod_name}.{pname}" if mod_name else pname
-            t, dim = p.detach(), -1
+            dim = -1
             sizes: tuple[int, ...] = ()
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
                 if pname == "weight":
-                    t, dim, sizes = merged_weight(mod), mod.shard_dim, mod.sizes
+                    dim, sizes = mod.shard_dim, mod.sizes
                 elif isinstance(mod, ColumnParallelLinear):  # a row layer's bias is whole on every rank
                     dim, sizes = 0, mod.sizes
-            groups.setdefault(_layer_of(key), []).append((key, t, dim, tuple(sizes)))
+            groups.setdefault(_layer_of(key), []).append((key, mod, pname, dim, sizes))
     return [groups[k] for k in sorted(groups)]
 
 
+def _local(mod: nn.Module, pname: str) -> torch.Tensor:
+    """This rank's tensor to save: a sharded weight with its LoRA adapter folded in, else the parameter."""
+    if pname == "weight" and isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        return merged_weight(mod)
+    return getattr(mod, pname).detach()
+
+
 def _write_layers(model: nn.Module, group, directory: Path | None) -> None:
-    """Gather each layer's tensors to rank 0 (collective, every rank calls it); rank 0 writes them."""
+    """Gather each layer's tensors to rank 0 (collective, every rank calls it); rank 0 writes them.
+    Merged shards are made one layer at a time too, so saving adds at most one layer to any rank."""
     from safetensors.torch import save_file
 
     entries = _save_entries(model)
     weight_map, total = {}, 0
     for i, entry in enumerate(entries):
-        sharded = [(t, d, s) for _, t, d, s in entry if d >= 0]
+        sharded = [(_local(mod, pname), d, s) for _, mod, pname, d, s in entry if d >= 0]
         full = iter(gather_uneven_many(sharded, group, dst=0))
         if directory is None:
             continue
-        tensors = {k: (next(full) if d >= 0 else t).contiguous() for k, t, d, _ in entry}
+        tensors = {k: (next(full) if d >= 0 else _local(mod, p)).contiguous() for k, mod, p, d, _ in entry}
         fname = f"model-{i + 1:05d}-of-{len(entries):05d}.safetensors"
         save_file(tensors, directory / fname, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, fname))
