@@ -256,9 +256,10 @@ class Variant:
         t_decide = time.perf_counter()
         self.next_decide = run.clock + cfg.decide_every_s
         online = s.global_batch / statistics.median(self.plain_times) if self.plain_times else None
+        extra: dict = {}
         if isinstance(chainer, GoodputScaler):  # its own point estimate, rank 0's, nothing else read
             (phi,) = rank0_all(min(gns.noise_scale, 1e9) if gns.ready else 0.0)
-            d, extra = chainer.decide(s, run.steps, run.clock, noise_scale=phi), {}
+            d = chainer.decide(s, run.steps, run.clock, noise_scale=phi)
         else:
             rem, lo, hi, phi, extra = self._decision_inputs(online)
             models = self._running_models(extra.pop("fit"))

@@ -212,7 +212,7 @@ def machine_digest() -> str:
     measured on another machine, or on this one resized, is stale."""
     import hashlib
 
-    text = json.dumps(hwtopo.to_dict(hwtopo.probe()), sort_keys=True, default=str)
+    text = json.dumps(hwtopo.to_dict(hwtopo.probe_cluster()), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -372,7 +372,8 @@ def bench_probe_key(cfg) -> str:
     import transformers
 
     c = cfg
-    key = {"machine": machine_digest(), "torch": torch.__version__, "transformers": transformers.__version__}
+    key: dict[str, object] = {"machine": machine_digest(), "torch": torch.__version__}
+    key["transformers"] = transformers.__version__
     key |= {"world": c.world, "model": [c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate], "seq_len": c.seq_len}
     key |= {"backend": cdist.backend(), "clip": c.clip_norm is not None, "code": code_digest()}
     key |= {"probe_steps": c.probe_steps, "probe_rounds": c.probe_rounds, "round_s": c.probe_round_s}
