@@ -154,14 +154,15 @@ def _emulate_arg(p: argparse.ArgumentParser, default: str | None = "auto", note:
         default=default,
         help="how an emulated slower rank is slowed: cgroup (a CPU quota, hwtopo.throttle: binds under load), "
         "dilate (computes at full speed and sleeps (1/speed - 1) x its CPU time and its waits for a CPU at "
-        "every synchronisation) or auto (cgroup where a cgroup cpu controller is writable, else dilate); "
-        "every run measures the speeds achieved and marks itself invalid when a rank is off by > 10 %%" + note,
+        "every synchronisation) or auto (cgroup where a cgroup cpu controller is writable, else dilate)" + note,
         **kw,
     )
 
 
 def _emulation_args(p: argparse.ArgumentParser) -> None:
-    _emulate_arg(p)
+    _emulate_arg(
+        p, note="; every run measures the speeds achieved and marks itself invalid when a rank is off by > 10 %%"
+    )
     p.add_argument(
         "--cpu-share",
         type=_cpu_share_arg,
