@@ -41,6 +41,24 @@ def test_probe_missing_sysfs_knows_less(monkeypatch, tmp_path):
     assert any("NUMA" in n for n in m.notes) and any("memory unknown" in n for n in m.notes)
 
 
+def test_probe_records_the_matmul_extensions_cpuinfo_lists(monkeypatch, tmp_path):
+    p = importlib.import_module("hwtopo.probe")
+    (tmp_path / "proc").mkdir()
+    flags = "fpu sse avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 unrelated"
+    (tmp_path / "proc" / "cpuinfo").write_text(
+        f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t: {flags}\n"
+    )
+    monkeypatch.setattr(p, "PROC", tmp_path / "proc")
+    m = p.probe(gpus=False)
+    assert m.isa == ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
+    assert hwtopo.from_dict(json.loads(hwtopo.dumps(hwtopo.Cluster(machines=(m,))))).machines[0].isa == m.isa
+    monkeypatch.setattr(p, "PROC", tmp_path / "noproc")
+    m = p.probe(gpus=False)
+    assert m.isa == () and any("instruction-set" in n for n in m.notes)
+    with pytest.raises(hwtopo.SpecError, match=r"machines\[0\]\.isa"):
+        hwtopo.from_dict({"machines": [{"name": "a", "isa": "avx2"}]})
+
+
 def test_cli_probe_json_lists_cores(capsys):
     assert cli.main(["probe", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

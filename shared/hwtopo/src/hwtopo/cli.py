@@ -31,6 +31,8 @@ def _machine_lines(m: Machine) -> list[str]:
     if m.region:
         head += f", region {m.region}"
     out = [head]
+    if m.isa:
+        out.append(f"  isa: {' '.join(m.isa)}")
     for n in m.numa_nodes:
         bw = f", {format_bandwidth(n.bandwidth_bytes_per_s)}" if n.bandwidth_bytes_per_s else ""
         out.append(f"  numa{n.id}: cpus {len(n.cpus)}, {format_bytes(n.memory_bytes)}{bw}")

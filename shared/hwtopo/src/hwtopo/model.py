@@ -47,12 +47,19 @@ class Accelerator:
     interconnect_bandwidth_bytes_per_s: float | None = None
 
 
+ISA_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2", "fma")
+"""The /proc/cpuinfo flags ``probe()`` records in ``Machine.isa``: matrix (AMX) and vector extensions
+whose presence decides how fast reduced-precision matmuls run on a CPU."""
+
+
 @dataclass(frozen=True)
 class Machine:
     """One host. ``speed`` is relative compute speed (1.0 = reference); ``flops`` is measured.
 
     ``cpus`` lists the machine's CPU ids (one per hardware thread) where they are not simply
     ``0..threads-1``, e.g. a container's share of a larger host; ``cpu_ids`` gives them either way.
+    ``isa`` names the CPU's matmul-relevant instruction-set extensions (``ISA_FLAGS``): whether bf16 or
+    fp16 is faster or slower than fp32 on a CPU depends on them.
     """
 
     name: str
@@ -67,6 +74,7 @@ class Machine:
     accelerators: tuple[Accelerator, ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
     cpus: tuple[int, ...] = ()
+    isa: tuple[str, ...] = ()
 
     @property
     def hardware_threads(self) -> int:

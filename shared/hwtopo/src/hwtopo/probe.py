@@ -10,7 +10,7 @@ import os
 import socket
 from pathlib import Path
 
-from .model import Accelerator, Cluster, Disk, Machine, NumaNode
+from .model import ISA_FLAGS, Accelerator, Cluster, Disk, Machine, NumaNode
 
 __all__ = ["probe", "probe_cluster", "parse_cpulist", "usable_cpus"]
 
@@ -161,6 +161,19 @@ def _cgroup_cpu_limit() -> float | None:
     return None
 
 
+def _isa(notes: list[str]) -> tuple[str, ...]:
+    """The ``ISA_FLAGS`` this CPU's /proc/cpuinfo lists (in that order)."""
+    text = _read(PROC / "cpuinfo")
+    if text is None:
+        notes.append("no /proc/cpuinfo: instruction-set extensions unknown")
+        return ()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return tuple(f for f in ISA_FLAGS if f in flags)
+
+
 def probe(name: str | None = None, gpus: bool = True) -> Machine:
     """This machine as a Machine: usable cores, memory, NUMA nodes, disks, GPUs; unknowns in notes."""
     notes: list[str] = []
@@ -195,6 +208,7 @@ def probe(name: str | None = None, gpus: bool = True) -> Machine:
         numa_nodes=_numa_nodes(set(cpus), notes),
         disks=_disks(notes),
         accelerators=_accelerators(notes) if gpus else (),
+        isa=_isa(notes),
         notes=tuple(notes),
     )
 

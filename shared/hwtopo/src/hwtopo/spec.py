@@ -249,6 +249,7 @@ def _machine(v: Any, f: str) -> Machine:
             "disks": lambda x, p: _list(x, p, _disk),
             "accelerators": lambda x, p: _list(x, p, _accel),
             "notes": lambda x, p: _list(x, p, _str),
+            "isa": lambda x, p: _list(x, p, _str),
         },
     )
     _require(o, f, "name")
