@@ -64,6 +64,11 @@ def test_size_extrapolation_follows_the_measured_kernel_speed(monkeypatch):
     assert model.isa == cpu_isa()
 
 
-def test_cpu_isa_lists_known_extensions_only():
-    isa = cpu_isa()
-    assert set(isa) <= set(tp._ISA_FLAGS)
+def test_cpu_isa_is_what_hwtopo_probes_from_cpuinfo():
+    from hwtopo.model import ISA_FLAGS
+
+    flags: set[str] = set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+    assert cpu_isa() == [f for f in ISA_FLAGS if f in flags]

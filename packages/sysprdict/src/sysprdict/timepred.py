@@ -24,6 +24,7 @@ an analytical FLOPs-only estimate (total FLOPs / measured matmul FLOP/s).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import warnings
@@ -234,21 +235,19 @@ machine (`calibrate_matmul`), sorted by FLOPs."""
 _MM_CAL_SHAPES = tuple((m, k, n) for m in (32, 256, 1024) for k, n in ((64, 64), (128, 256), (256, 256), (512, 512)))
 """(rows, in, out) of the calibration matmuls: token counts and widths of the zoo and above
 (not taken from any profiled or held-out model)."""
-_ISA_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2")
 
 
 def cpu_isa() -> list[str]:
-    """The matmul-relevant instruction-set extensions of this CPU (from /proc/cpuinfo): AMX and
+    """The matmul-relevant instruction-set extensions of this CPU (``hwtopo.probe().isa``): AMX and
     AVX-512 BF16/FP16 decide whether reduced precision is faster or slower than fp32 here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set()
-            for line in f:
-                if line.startswith("flags"):
-                    flags |= set(line.split(":", 1)[1].split())
-    except OSError:
-        return []
-    return [fl for fl in _ISA_FLAGS if fl in flags]
+    return list(_probed_isa())
+
+
+@functools.lru_cache(maxsize=1)
+def _probed_isa() -> tuple[str, ...]:
+    import hwtopo
+
+    return hwtopo.probe(gpus=False).isa
 
 
 def _best_cpu_s(fn, budget_s: float = 0.05, most: int = 20) -> float:
