@@ -402,16 +402,20 @@ async def check_service(cfg: WorkloadConfig, store: ProfileStore, concurrency: i
     try:
         store.save(path)
         e = cfg.emulator
-        args = ("--policy", "optimized", "--profiles", path, "--tool-timeout", str(cfg.tool_timeout_s))
-        # SIGTERM comes while all of them are in flight: the drain may take as long as they do
-        args += ("--drain-timeout", str(SERVICE_TIMEOUT_S))
-        args += ("--ttft", str(e.ttft_s), "--tokens-per-s", str(e.tokens_per_s), "--seed", str(cfg.seed))
+        args = [
+            *("--policy", "optimized", "--profiles", path, "--tool-timeout", str(cfg.tool_timeout_s)),
+            # SIGTERM comes while all of them are in flight: the drain may take as long as they do
+            *("--drain-timeout", str(SERVICE_TIMEOUT_S)),
+            *("--ttft", str(e.ttft_s), "--tokens-per-s", str(e.tokens_per_s), "--seed", str(cfg.seed)),
+        ]
 
         def valid(i: int) -> dict:
             t = cfg.types[i % len(cfg.types)]
             return {"task_type": t, "input": task_input(t, i // len(cfg.types), cfg)}
 
-        return await lost_requests(n, valid, 0.2, seed=cfg.seeds[0], serve_args=args, timeout_s=SERVICE_TIMEOUT_S)
+        return await lost_requests(
+            n, valid, 0.2, seed=cfg.seeds[0], serve_args=tuple(args), timeout_s=SERVICE_TIMEOUT_S
+        )
     finally:
         os.unlink(path)
 
