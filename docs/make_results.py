@@ -64,6 +64,8 @@ def package_table(name: str, res: dict) -> list[str]:
         lines += [f"Measured {when}" + (f" (`bench --quick`, {took:.0f} s)." if took else "."), ""]
     if m:
         lines += [f"Machine: {m.get('name', '?')}, {m.get('threads', '?')} threads. Emulation: {_emulation(res)}.", ""]
+    if res.get("conditions"):  # e.g. a run on a machine shared with other work: its timings are provisional
+        lines += [f"Conditions: {res['conditions']}", ""]
     lines += ["| headline | measured | target | paper |", "|---|---|---|---|"]
     claims = CLAIMS.get(name, {})
     for key, value in res.get("headline", {}).items():

@@ -170,7 +170,7 @@ def test_guides_and_readmes_get_the_measured_table_between_their_markers(tmp_pat
     (pkgs / "bicache").mkdir()
     (pkgs / "bicache" / "README.md").write_text("# bicache\n\nno markers\n")
     bench = {
-        "kvpool": {"headline": {"ttft_ratio_vs_best_equal_bw": 0.5}},
+        "kvpool": {"headline": {"ttft_ratio_vs_best_equal_bw": 0.5}, "conditions": "a loaded machine"},
         "bicache": {"headline": {"x": 1.0}},
     }
     done = mr.update_guides(bench, guides, pkgs)
@@ -178,5 +178,6 @@ def test_guides_and_readmes_get_the_measured_table_between_their_markers(tmp_pat
     for page in done:
         text = page.read_text()
         assert "old table" not in text and "| `ttft_ratio_vs_best_equal_bw` | 0.5 |" in text
+        assert "Conditions: a loaded machine" in text
         assert text.startswith("# kvpool\n\nintro\n") and text.endswith("\n\nafter\n")
     assert (pkgs / "bicache" / "README.md").read_text() == "# bicache\n\nno markers\n"
