@@ -280,3 +280,29 @@ def test_devices_from_an_hwtopo_spec(tmp_path, caplog):
         check_prefix(pool.retrieve(list(range(64))).join(), kv, 64)
     finally:
         ds.close()
+
+
+def test_layerwise_reads_reuse_the_ssds_staging_buffers(ssd_dirs, monkeypatch):
+    """A second retrieval maps no new staging buffer: the SSDs lend the ones the first handed back."""
+    import kvpool.passthrough as passthrough
+
+    kv = make_kv(200)
+    toks = list(range(200))
+    with make_pool(ssd_dirs) as pool:
+        pool.put(toks, kv)
+        check_prefix(pool.retrieve(toks).join(), kv, 192)
+        ssds = [s for s in pool.stores.values() if s.kind == "ssd"]
+        idle = {s.name: {id(b) for b in s._idle_bufs} for s in ssds}
+        assert all(len(v) == 2 for v in idle.values())  # two sets per reader: read-ahead and copy-out
+        made = []
+        real = passthrough.AlignedBuffer
+
+        class Counting(real):  # type: ignore[misc, valid-type]
+            def __init__(self, nbytes):
+                made.append(nbytes)
+                super().__init__(nbytes)
+
+        monkeypatch.setattr(passthrough, "AlignedBuffer", Counting)
+        check_prefix(pool.retrieve(toks).join(), kv, 192)
+        assert made == []
+        assert {s.name: {id(b) for b in s._idle_bufs} for s in ssds} == idle

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import wait
 
 import torch
 
@@ -127,19 +128,36 @@ class LayerwiseLoad:
         for t in self.threads:
             t.start()
 
-    def _worker(self, store, dev: str, group: list[tuple[int, ChunkKey]], staging) -> None:
+    def _staging_sets(self, store, count: int, staging) -> tuple[list[list], list]:
+        """Staging for ``count`` units: two sets where the store reads ahead (layer l+1 lands in
+        one while layer l is copied out of the other), else one; and the functions handing them back.
+
+        An SSD lends its reused buffers (``chunk_staging``): a fresh mapping per request would
+        have the kernel map and zero its pages during the retrieval, on every request.
+        """
         ub = self.layout.unit_bytes
-        stagings = [staging if j == 0 else None for j in range(len(group))]
-        # two sets of staging buffers where the store can read ahead: layer l+1 lands in one while
-        # layer l is copied out of the other
         later = getattr(store, "read_many_later", None)
-        sets = [[s if s is not None else store.staging(ub) for s in stagings]]
-        if later is not None:
-            sets.append([store.staging(ub) for _ in group])
+        lend = getattr(store, "chunk_staging", None)
+        sets, releases = [], []
+        for _ in range(2 if later is not None else 1):
+            if lend is not None:
+                parts, release = lend(ub, count)
+                sets.append(list(parts))
+                releases.append(release)
+            else:
+                sets.append([store.staging(ub) for _ in range(count)])
+        if staging is not None and count:
+            sets[0][0] = staging  # the caller's own buffer for the first unit
+        return sets, releases
+
+    def _worker(self, store, dev: str, group: list[tuple[int, ChunkKey]], staging) -> None:
+        later = getattr(store, "read_many_later", None)
+        sets, releases = self._staging_sets(store, len(group), staging)
         pin_thread_to_node(getattr(store, "numa_node", None))  # a memory module's reader on its node
         t0 = time.perf_counter()
+        pending: tuple | None = None
 
-        def issue(layer: int):
+        def issue(layer: int) -> tuple:
             todo = [(j, i, key) for j, (i, key) in enumerate(group) if i not in self.lost]
             names = [unit_name(key, layer) for _, _, key in todo]
             bufs = [sets[layer % len(sets)][j] for j, _, _ in todo]
@@ -148,7 +166,9 @@ class LayerwiseLoad:
         try:
             pending = issue(0)
             for layer in range(self.layout.num_layers):
+                assert pending is not None  # issued before the loop and for every later layer
                 todo, fut, names, bufs = pending
+                pending = None
                 try:
                     views = fut.result() if fut is not None else store.read_many(names, bufs)
                 except Exception as e:  # a broken device must not hang the request
@@ -159,6 +179,10 @@ class LayerwiseLoad:
                 self._copy_layer(dev, layer, todo, views)
                 self._layer_done(layer)
         finally:
+            if pending is not None and pending[1] is not None:
+                wait([pending[1]])  # a read still in flight must land before its buffers go back
+            for release in releases:
+                release()
             with self._lock:
                 self.device_s[dev] = max(self.device_s[dev], time.perf_counter() - t0)
             self._finish_thread()
