@@ -1,3 +1,4 @@
+import importlib
 import json
 
 import pytest
@@ -129,3 +130,21 @@ def test_curriculum_level_advances_on_patience(tmp_path):
     train(recipe, progress=False, resume_dir=tmp_path)
     state = torch.load(tmp_path / "train-state.pt", weights_only=True)
     assert state["step"] == 4 and state["rows"] == recipe.min_rows + 4
+
+
+def test_the_default_recipe_ships_its_checkpoint_and_a_first_run_does_not_train(tmp_path, monkeypatch):
+    bt = importlib.import_module("bicache.train")  # the module: the package exports train() by that name
+    shipped = bt.SHIPPED_DIR / f"dlm-{Recipe().key()}"
+    assert (shipped / "task.json").is_file() and (shipped / "model.safetensors").is_file()
+    assert json.loads((shipped / "recipe.json").read_text())["key"] == Recipe().key()
+    monkeypatch.setenv("BICACHE_CACHE_DIR", str(tmp_path))  # an empty user cache
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained although the package ships this recipe's checkpoint")
+
+    monkeypatch.setattr(bt, "train", no_training)
+    dlm = load_or_train(progress=False)
+    assert type(dlm.model).__name__ == "Gemma3ForCausalLM" and dlm.spec == Recipe().spec
+    # a user's own cache wins over the shipped checkpoint; an explicit directory never falls back to it
+    with pytest.raises(AssertionError, match="trained although"):
+        load_or_train(progress=False, directory=tmp_path / "elsewhere")

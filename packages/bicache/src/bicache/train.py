@@ -295,12 +295,22 @@ def load_train_state(path: Path) -> dict:
         ) from e
 
 
+SHIPPED_DIR = Path(__file__).parent / "checkpoints"
+"""Checkpoints that ship with the package (``bicache train`` with the default ``Recipe()`` reproduces
+them), so a first demo or bench does not train."""
+
+
 def load_or_train(recipe: Recipe = Recipe(), progress: bool = True, directory: Path | None = None) -> DiffusionLM:
-    """The cached checkpoint for ``recipe`` if present, else train it and cache it (atomic)."""
-    path = (directory or cache_dir()) / f"dlm-{recipe.key()}"
+    """The checkpoint for ``recipe``: the user's cache (``directory``, default ``cache_dir()``), else the
+    one shipped with the package (only when ``directory`` is not given), else train it and cache it."""
+    name = f"dlm-{recipe.key()}"
+    path = (directory or cache_dir()) / name
     if (path / "task.json").exists():
         log.info("loading cached checkpoint %s", path)
         return DiffusionLM.load(path)
+    if directory is None and (SHIPPED_DIR / name / "task.json").exists():
+        log.info("loading the shipped checkpoint %s", SHIPPED_DIR / name)
+        return DiffusionLM.load(SHIPPED_DIR / name)
     partial = path.with_name(path.name + ".partial")
     dlm = train(recipe, progress=progress, resume_dir=partial)
     dlm.save(path)
