@@ -306,3 +306,35 @@ def test_layerwise_reads_reuse_the_ssds_staging_buffers(ssd_dirs, monkeypatch):
         check_prefix(pool.retrieve(toks).join(), kv, 192)
         assert made == []
         assert {s.name: {id(b) for b in s._idle_bufs} for s in ssds} == idle
+
+
+def test_ssd_reader_has_the_next_layer_queued_while_a_layer_is_in_flight(ssd_dirs):
+    """Layer 1's read is issued before layer 0's has landed, so the disk never waits on the reader."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kv = make_kv(200)
+    toks = list(range(200))
+    with make_pool(ssd_dirs) as pool, ThreadPoolExecutor(2) as ex:
+        pool.put(toks, kv)
+        ssd = pool.stores["ssd0"]
+        issued: list[int] = []
+        second = threading.Event()
+        layer1_queued_during_layer0 = []
+
+        def gated(names, stagings):
+            layer = int(names[0].rpartition(".")[2])
+            issued.append(layer)
+            if layer == 1:
+                second.set()
+
+            def read():
+                if layer == 0:  # layer 0 stays in flight until layer 1 is queued (or 5 s pass)
+                    layer1_queued_during_layer0.append(second.wait(5.0))
+                return ssd.read_many(names, stagings)
+
+            return ex.submit(read)
+
+        ssd.read_many_later = gated
+        check_prefix(pool.retrieve(toks).join(), kv, 192)
+        assert layer1_queued_during_layer0 == [True]
+        assert issued == [0, 1, 2]

@@ -155,7 +155,8 @@ class LayerwiseLoad:
         sets, releases = self._staging_sets(store, len(group), staging)
         pin_thread_to_node(getattr(store, "numa_node", None))  # a memory module's reader on its node
         t0 = time.perf_counter()
-        pending: tuple | None = None
+        L = self.layout.num_layers
+        pending: list[tuple] = []
 
         def issue(layer: int) -> tuple:
             todo = [(j, i, key) for j, (i, key) in enumerate(group) if i not in self.lost]
@@ -164,23 +165,24 @@ class LayerwiseLoad:
             return todo, (later(names, bufs) if later is not None else None), names, bufs
 
         try:
-            pending = issue(0)
-            for layer in range(self.layout.num_layers):
-                assert pending is not None  # issued before the loop and for every later layer
-                todo, fut, names, bufs = pending
-                pending = None
+            # with read-ahead, two layers are in flight before the first is waited for, and layer
+            # l+2 goes out as soon as layer l is copied out of its set: the disk has the next read
+            # queued even while this thread waits to be scheduled again (a busy CPU), where one in
+            # flight left it idle from the end of a read until this thread had issued the next
+            pending.extend(issue(layer) for layer in range(min(2, L)))
+            for layer in range(L):
+                todo, fut, names, bufs = pending.pop(0)
                 try:
                     views = fut.result() if fut is not None else store.read_many(names, bufs)
                 except Exception as e:  # a broken device must not hang the request
                     self.errors.append(f"{dev}: {e}")
                     views = [None] * len(todo)
-                if layer + 1 < self.layout.num_layers:
-                    pending = issue(layer + 1)  # with read-ahead: in flight while this layer is copied out
                 self._copy_layer(dev, layer, todo, views)
+                if layer + 2 < L:
+                    pending.append(issue(layer + 2))  # into the set just copied out
                 self._layer_done(layer)
         finally:
-            if pending is not None and pending[1] is not None:
-                wait([pending[1]])  # a read still in flight must land before its buffers go back
+            wait([p[1] for p in pending if p[1] is not None])  # reads in flight land before their buffers go back
             for release in releases:
                 release()
             with self._lock:
