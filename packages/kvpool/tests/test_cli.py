@@ -45,6 +45,15 @@ def test_bench_json_has_the_headline_keys(tmp_path, capsys):
     assert emu["baselines"]["serial_all_disks"]["disks"] == res["config"]["ssds"]
     assert emu["best_equal_bw_baseline"] != "serial_one_disk" and emu["in_memory_ttft_s"] > 0
     assert emu["emulation_check"]["emulated"] and emu["emulation_check"]["devices"]
+    mixed = res["results"]["emulated_mixed_speed"]
+    assert mixed["ssd_read_caps"] == [200e6, 200e6, 100e6, 100e6] and mixed["ssds"] == 4
+    caps = {d: v["cap_read_bytes_per_s"] for d, v in mixed["emulation_check"]["devices"].items()}
+    assert caps["kvpool.ssd0"] == caps["layerwise_all_disks.disk0"] == 200e6
+    assert caps["kvpool.ssd3"] == caps["layerwise_all_disks.disk3"] == 100e6
+    for tag in ("mixed_speed", "io_bound"):
+        for key in (f"ttft_ratio_vs_best_equal_bw_{tag}", f"emulated_run_valid_{tag}"):
+            assert key in res["headline"] and "emulated" in res["headline_labels"][key]
+    assert res["results"]["emulated_io_bound"]["ssd_read_caps"] == [100e6] * 4
     small = res["results"]["small_chunks"]
     assert small["files"] == 64 and small["median"]["kvpool_calls"] == 0 and small["median"]["files_calls"] > 0
     assert "virtio" in res["notes"]["why_not_84pct_in_filesystem"]

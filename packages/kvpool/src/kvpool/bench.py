@@ -63,6 +63,15 @@ class BenchConfig:
     # here 100+ MB of KV against ~0.3 s of CPU compute for the suffix.
     ssd_read_cap: float = 200e6
     ssd_write_cap: float | None = None
+    # SSDs of mixed speeds, the case bandwidth-weighted placement is for: one emulated read cap per
+    # SSD (two at twice the cap of the other two, 600 MB/s together, within what this machine's one
+    # disk delivers to 4 concurrent readers); the baselines' disk i gets SSD i's cap. None skips it.
+    mixed_ssd_read_caps: tuple[float, ...] | None = (200e6, 200e6, 100e6, 100e6)
+    # an I/O-bound run beside the headline's: the same request and model with slower emulated SSDs,
+    # so retrieval, not the suffix's compute, dominates TTFT (cap chosen on the development seed 1,
+    # where the in-memory TTFT floor is then well under the best baseline's TTFT). None skips it.
+    io_bound_ssd_read_cap: float | None = 100e6
+    extra_run_reps: int = 3  # warm reps of the mixed-speed and I/O-bound runs
     recompute_reps: int = 2
     read_chunks: int = 8  # chunks of the get_chunk-vs-torch.load measurement (0 skips it)
     small_chunks: int = 2048  # 16-token pages (one file each) of the filesystem-cost measurement (0 skips it)
@@ -97,6 +106,15 @@ class BenchConfig:
             raise ValueError(
                 "read_chunks and small_chunks must be >= 0 and small_chunk_reps >= 1, not "
                 f"{self.read_chunks}, {self.small_chunks}, {self.small_chunk_reps}"
+            )
+        if self.mixed_ssd_read_caps is not None and (
+            len(self.mixed_ssd_read_caps) < 2 or any(c <= 0 for c in self.mixed_ssd_read_caps)
+        ):
+            raise ValueError(f"mixed_ssd_read_caps must be >= 2 positive caps or None, not {self.mixed_ssd_read_caps}")
+        if (self.io_bound_ssd_read_cap is not None and self.io_bound_ssd_read_cap <= 0) or self.extra_run_reps < 1:
+            raise ValueError(
+                "io_bound_ssd_read_cap must be > 0 or None and extra_run_reps >= 1, not "
+                f"{self.io_bound_ssd_read_cap}, {self.extra_run_reps}"
             )
         if not 0 < self.memory_share < 1:
             raise ValueError(f"memory_share must be in (0, 1), not {self.memory_share}")
@@ -190,6 +208,7 @@ class _WarmReps:
     cached_tokens: int | None = None
     # per emulated device: [bytes, busy seconds] its throttle saw during the bare retrievals
     device_reads: dict = field(default_factory=dict)
+    device_caps: dict = field(default_factory=dict)  # per emulated device: its read cap, bytes/s
 
     def add(self, key: str, value) -> None:
         self.series.setdefault(key, []).append(value)
@@ -205,11 +224,18 @@ class _WarmReps:
             got = self.device_reads.setdefault(k, [0, 0.0])
             got[0] += b["read_bytes"] - a["read_bytes"]
             got[1] += b["read_busy_s"] - a["read_busy_s"]
+            self.device_caps[k] = th.read_bytes_per_s
         return out
 
 
-def _build_caches(model, cfg: BenchConfig, workdir: Path, emulated: bool, ssds: int, prefix_chunks: int):
-    """kvpool on ``ssds`` slabs and the baselines, equal memory and per-disk caps so only reads differ."""
+def _build_caches(
+    model, cfg: BenchConfig, workdir: Path, emulated: bool, ssds: int, prefix_chunks: int, caps: list | None = None
+):
+    """kvpool on ``ssds`` slabs and the baselines, equal memory and per-disk caps so only reads differ.
+
+    ``caps``: one emulated read cap per SSD (default ``cfg.ssd_read_cap`` each); a baseline's disk
+    ``i`` gets SSD ``i``'s cap.
+    """
     layout = layout_for(model, cfg.chunk_tokens)
     mem_total = int(prefix_chunks * layout.chunk_bytes * cfg.memory_share)
     mem_each = max(layout.chunk_bytes, mem_total // max(1, cfg.memory_modules))
@@ -219,13 +245,13 @@ def _build_caches(model, cfg: BenchConfig, workdir: Path, emulated: bool, ssds: 
         p = workdir / f"ssd{i}"
         p.mkdir(parents=True, exist_ok=True)
         paths.append(p)
-    cap = cfg.ssd_read_cap if emulated else None
+    caps = (list(caps) if caps else [cfg.ssd_read_cap] * ssds) if emulated else [None] * ssds
     devs = build_devices(
         paths,
         memory_modules=cfg.memory_modules,
         memory_bytes=mem_each,
         ssd_bytes=ssd_each,
-        ssd_read_cap=cap,
+        ssd_read_caps=caps if emulated else None,
         ssd_write_cap=cfg.ssd_write_cap if emulated else None,
         io_backend=cfg.io_backend,
     )
@@ -238,7 +264,7 @@ def _build_caches(model, cfg: BenchConfig, workdir: Path, emulated: bool, ssds: 
             "bench-llama",
             memory_bytes=cfg.memory_modules * mem_each,
             disk_dirs=[workdir / name / f"disk{i}" for i in range(n)],
-            throttles=[Throttle(cap) if cap else None for _ in range(n)],
+            throttles=[Throttle(cap) if cap else None for cap in caps[:n]],
             fmt=fmt,
             loader=loader,
         )
@@ -291,21 +317,23 @@ def _baseline_rep(model, ids, name: str, tiers: SerialTiers, bufs: KVBuffers, re
     acc.last_base[name] = sload.describe()
 
 
-def _emulation_check(acc: _WarmReps, cap: float | None) -> dict:
-    """Achieved read rate of every emulated device in the bare retrievals against its cap (10% tolerance)."""
-    if not cap:
+def _emulation_check(acc: _WarmReps, emulated: bool) -> dict:
+    """Achieved read rate of every emulated device in the bare retrievals against its own cap (10% tolerance)."""
+    if not emulated:
         return {"emulated": False, "valid": True}
     devices, off = {}, {}
     for dev, (nbytes, busy) in acc.device_reads.items():
-        rate = nbytes / busy if busy > 0 else None
+        rate, cap = (nbytes / busy if busy > 0 else None), acc.device_caps[dev]
         devices[dev] = {"read_bytes": nbytes, "read_busy_s": busy, "achieved_read_bytes_per_s": rate}
+        devices[dev]["cap_read_bytes_per_s"] = cap
         if rate is not None and nbytes >= 4 * (1 << 20):
             devices[dev]["off_by"] = rate / cap - 1
             if abs(rate / cap - 1) > 0.10:
                 off[dev] = rate / cap - 1
+    caps = set(acc.device_caps.values())
     return {
         "emulated": True,
-        "cap_read_bytes_per_s": cap,
+        "cap_read_bytes_per_s": caps.pop() if len(caps) == 1 else None,  # per device when they differ
         "devices": devices,
         "valid": not off,
         "off_by_more_than_10pct": off,
@@ -339,16 +367,28 @@ def _method_result(acc: _WarmReps, name: str, kv_bytes: int, store_s: float, tie
     }
 
 
-def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress, cold, ssds: int | None = None) -> dict:
+def _mode(
+    model,
+    ids,
+    cfg: BenchConfig,
+    workdir: Path,
+    emulated: bool,
+    progress,
+    cold,
+    ssds: int | None = None,
+    caps: list | None = None,
+    reps: int | None = None,
+) -> dict:
     """One run (emulated caps or raw). ``cold``: (logits, per-layer KV) of the full recompute.
 
     ``ssds``: how many SSD slabs kvpool stripes over (default ``cfg.ssds``); the baselines get as
-    many disks (one path per disk), except ``serial_one_disk`` (one disk tier).
+    many disks (one path per disk), except ``serial_one_disk`` (one disk tier). ``caps``: one
+    emulated read cap per SSD (sets the SSD count); ``reps``: warm reps (default ``cfg.reps``).
     """
-    ssds = cfg.ssds if ssds is None else ssds
+    ssds = len(caps) if caps else (cfg.ssds if ssds is None else ssds)
     T = ids.shape[1]
     prefix_chunks = (T - 1) // cfg.chunk_tokens
-    layout, devs, pool, baselines = _build_caches(model, cfg, workdir, emulated, ssds, prefix_chunks)
+    layout, devs, pool, baselines = _build_caches(model, cfg, workdir, emulated, ssds, prefix_chunks, caps)
     try:
         ref, kv = cold  # the cold request's KV (from the recompute) goes into every cache
         stored, pool_store_s = _timed_put(pool, ids[0].tolist(), kv)
@@ -357,7 +397,7 @@ def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress,
         progress(f"{'emulated' if emulated else 'raw'} ({ssds} SSDs): stored {stored} chunks in {pool_store_s:.2f}s")
         acc = _WarmReps()
         names = list(baselines)
-        for rep in range(cfg.reps):
+        for rep in range(cfg.reps if reps is None else reps):
             _pool_rep(model, ids, pool, bufs, ref, acc)
             acc.add("in_memory.ttft", _in_memory_ttft(model, ids, layout, kv, bufs, prefix_chunks * cfg.chunk_tokens))
             for name in names[rep % len(names) :] + names[: rep % len(names)]:  # rotate who goes first
@@ -369,6 +409,8 @@ def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress,
         return {
             "emulated": emulated,
             "ssds": ssds,
+            "ssd_read_caps": [s.throttle.read_bytes_per_s for s in devs.stores if s.kind == "ssd" and s.throttle]
+            or None,
             "cached_tokens": acc.cached_tokens,
             "kv_bytes": kv_bytes,
             "kvpool": {
@@ -391,7 +433,7 @@ def _mode(model, ids, cfg: BenchConfig, workdir: Path, emulated: bool, progress,
             "in_memory_ttft_s": m["in_memory.ttft"],
             "max_abs_logit_diff_vs_recompute": max(acc.diffs),
             "emulation": devs.emulated if emulated else False,
-            "emulation_check": _emulation_check(acc, cfg.ssd_read_cap if emulated else None),
+            "emulation_check": _emulation_check(acc, emulated),
         }
     finally:
         pool.close()
@@ -412,7 +454,7 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
         if own:
             shutil.rmtree(root, ignore_errors=True)
         else:
-            for sub in ("emulated", "emulated_few", "raw", "chunks", "pages"):
+            for sub in ("emulated", "emulated_few", "emulated_mixed", "emulated_io_bound", "raw", "chunks", "pages"):
                 shutil.rmtree(root / sub, ignore_errors=True)
     safety = None
     if cfg.safety_pairs or cfg.safety_kills:
@@ -448,7 +490,7 @@ def _measure(cfg: BenchConfig, root: Path, progress) -> dict:
     """Every measured run: recompute, the emulated and raw runs, chunk reads, small pages."""
     model = build_model(cfg)
     ids = stdlib_tokens(cfg.tokens)
-    out: dict = {"few": None, "chunk_read": None, "small": None}
+    out: dict = {"few": None, "mixed": None, "io_bound": None, "chunk_read": None, "small": None}
     with torch.no_grad():
         rec = []
         for _ in range(max(1, min(cfg.reps, cfg.recompute_reps))):
@@ -462,6 +504,17 @@ def _measure(cfg: BenchConfig, root: Path, progress) -> dict:
         out["emulated"] = _mode(model, ids, cfg, root / "emulated", True, progress, cold)
         if cfg.compare_ssds and cfg.compare_ssds != cfg.ssds:
             out["few"] = _mode(model, ids, cfg, root / "emulated_few", True, progress, cold, ssds=cfg.compare_ssds)
+        extra_reps = min(cfg.reps, cfg.extra_run_reps)
+        if cfg.mixed_ssd_read_caps:
+            caps = list(cfg.mixed_ssd_read_caps)
+            out["mixed"] = _mode(
+                model, ids, cfg, root / "emulated_mixed", True, progress, cold, caps=caps, reps=extra_reps
+            )
+        if cfg.io_bound_ssd_read_cap:
+            caps = [cfg.io_bound_ssd_read_cap] * cfg.ssds
+            out["io_bound"] = _mode(
+                model, ids, cfg, root / "emulated_io_bound", True, progress, cold, caps=caps, reps=extra_reps
+            )
         out["raw"] = _mode(model, ids, cfg, root / "raw", False, progress, cold)
     if cfg.read_chunks:
         progress("chunk reads: get_chunk / read_chunk / HTTP GET vs torch.load (real disk, cold)")
@@ -510,6 +563,7 @@ def _headline(cfg: BenchConfig, runs: dict) -> tuple[dict, dict, dict]:
         results[f"emulated_{tag}"] = few
         results[f"ratios_emulated_{tag}"] = h_few
     results.update({"raw": raw, "ratios_emulated": h_emu, "ratios_raw": h_raw})
+    _extra_runs(cfg, runs, recompute, put, results)
     if runs["chunk_read"] is not None:
         results["chunk_read"] = cr = runs["chunk_read"]
         put("get_chunk_bw_ratio_vs_torch_load", cr["get_chunk_bw_ratio_vs_torch_load"], "real disk, no caps")
@@ -519,6 +573,31 @@ def _headline(cfg: BenchConfig, runs: dict) -> tuple[dict, dict, dict]:
         put("fs_time_ratio_vs_files_small_chunks", small["fs_time_ratio_vs_files_small_chunks"], label)
         put("fs_time_frac_files_small_chunks", small["fs_time_frac_files_small_chunks"], label)
     return headline, labels, results
+
+
+def _extra_runs(cfg: BenchConfig, runs: dict, recompute: float, put, results: dict) -> None:
+    """Headline keys and results of the mixed-speed and I/O-bound emulated runs, each labelled."""
+    mb = [f"{c / 1e6:.0f}" for c in cfg.mixed_ssd_read_caps or ()]
+    labels = {
+        "mixed_speed": f"emulated, mixed speeds: {len(mb)} SSDs with read caps {'/'.join(mb)} MB/s (token bucket) "
+        "on one disk; the baselines' disk i has SSD i's cap",
+        "io_bound": f"emulated, I/O-bound: {cfg.ssds} SSDs x {(cfg.io_bound_ssd_read_cap or 0) / 1e6:.0f} MB/s read "
+        "caps on one disk (slower disks than the headline run, so retrieval dominates TTFT)",
+    }
+    for tag, run in (("mixed_speed", runs["mixed"]), ("io_bound", runs["io_bound"])):
+        if run is None:
+            continue
+        run["label"] = labels[tag]
+        h = _ratios(run, recompute)
+        for k in (
+            "ttft_ratio_vs_best_equal_bw",
+            "ttft_ratio_floor_vs_best_equal_bw",
+            "retrieval_bw_ratio_vs_best_equal_bw",
+        ):
+            put(f"{k}_{tag}", h[k], labels[tag])
+        put(f"emulated_run_valid_{tag}", run["emulation_check"]["valid"], labels[tag])
+        results[f"emulated_{tag}"] = run
+        results[f"ratios_emulated_{tag}"] = h
 
 
 def _ratios(r: dict, recompute_s: float) -> dict:

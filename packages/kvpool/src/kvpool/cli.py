@@ -130,6 +130,8 @@ def _modes(res: dict) -> list[str]:
 
 
 def _label(r: dict) -> str:
+    if r.get("label"):
+        return r["label"] + ("" if r.get("emulation_check", {}).get("valid", True) else " INVALID: caps not achieved")
     n = r.get("ssds")
     ssd = f"{n} SSDs" if n else "SSDs"
     if not r["emulated"]:

@@ -81,6 +81,7 @@ def build_devices(
     numa_nodes: Sequence[int] | None = None,
     numa: bool = True,
     io_backend: str = "preadv",
+    ssd_read_caps: Sequence[float] | None = None,
 ) -> DeviceSet:
     """Memory arenas plus one slab per SSD path; bandwidths measured unless given.
 
@@ -88,12 +89,22 @@ def build_devices(
     host's online nodes, so modules spread over the nodes); ``numa=False`` binds nothing. A node
     that cannot be bound leaves an unbound arena with a warning, never an error. ``io_backend``:
     how the SSD slabs are read ("preadv", "io_uring", or "auto": io_uring where the kernel allows).
+    ``ssd_read_caps``: one emulated read cap per SSD path (SSDs of mixed speeds), in place of
+    the one ``ssd_read_cap`` for all.
     """
     if memory_modules < 0:
         raise ValueError(f"memory_modules must be >= 0, not {memory_modules!r}")
     nodes = list(numa_nodes) if numa_nodes is not None else online_nodes()
     if numa and memory_modules and not nodes:
         raise ValueError("numa_nodes must name at least one node (or pass numa=False)")
+    if ssd_read_caps is not None:
+        read_caps: list[float | None] = [float(c) for c in ssd_read_caps]
+        if len(read_caps) != len(ssd_paths) or any(not c or c <= 0 for c in read_caps):
+            raise ValueError(
+                f"ssd_read_caps must give one positive cap per SSD path ({len(ssd_paths)}), not {list(ssd_read_caps)}"
+            )
+    else:
+        read_caps = [ssd_read_cap] * len(ssd_paths)
     out = DeviceSet()
     for i in range(memory_modules):
         thr = Throttle(memory_read_cap) if memory_read_cap else None
@@ -101,7 +112,7 @@ def build_devices(
         out.stores.append(MemoryStore(f"mem{i}", memory_bytes, throttle=thr, numa_node=node))
     for i, p in enumerate(ssd_paths):
         name = f"ssd{i}"
-        thr = Throttle(ssd_read_cap, ssd_write_cap) if (ssd_read_cap or ssd_write_cap) else None
+        thr = Throttle(read_caps[i], ssd_write_cap) if (read_caps[i] or ssd_write_cap) else None
         try:
             out.stores.append(PassthroughStore(name, p, ssd_bytes, throttle=thr, io_backend=io_backend))
         except DeviceUnavailable as e:
@@ -115,7 +126,8 @@ def build_devices(
         elif measure:
             out.bandwidths[s.name] = measure_read_bandwidth(s)
         else:
-            out.bandwidths[s.name] = float(ssd_read_cap or 1e9) if s.kind == "ssd" else float(memory_read_cap or 1e10)
+            cap = read_caps[int(s.name[3:])] if s.kind == "ssd" else memory_read_cap
+            out.bandwidths[s.name] = float(cap or (1e9 if s.kind == "ssd" else 1e10))
     caps = {s.name: s.throttle.describe() for s in out.stores if s.throttle is not None}
     out.emulated = (
         {"devices": caps, "note": "per-device bandwidth caps (token bucket) on one physical disk"} if caps else {}
