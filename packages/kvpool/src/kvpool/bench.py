@@ -478,7 +478,11 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
             "reported as a row. Every baseline has the same memory tier and, when emulated, the same per-disk "
             "cap. Emulated runs are valid only when every capped device achieved its cap within 10% "
             "(results.<run>.emulation_check). *_floor_*: TTFT with the KV already in place (no loader can "
-            "beat it) over the best baseline's."
+            "beat it) over the best baseline's. *_mixed_speed: emulated SSDs of mixed speeds "
+            "(config.mixed_ssd_read_caps), the baselines' disk i at SSD i's cap, the case bandwidth-weighted "
+            "placement is for; *_io_bound: slower emulated SSDs (config.io_bound_ssd_read_cap) so retrieval, not "
+            "the suffix's compute, dominates TTFT, the cap chosen on development seed 1 (the bench reports "
+            "config.seed). Both are extra labelled runs; the headline keys above are unchanged."
         ),
         "emulated": runs["emulated"]["emulation"],
         "safety": safety,
