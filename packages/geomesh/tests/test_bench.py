@@ -17,7 +17,7 @@ def test_corpus_is_real_python_text():
 
 def test_small_bench_side_by_side():
     cfg = BenchConfig(
-        outer_steps=3,
+        outer_steps=4,  # room after the loss: the survivors must meet it at a later sync
         inner_steps=3,
         batch=2,
         hidden=32,
@@ -72,8 +72,9 @@ def test_small_bench_side_by_side():
     loss = res["worker_loss"]
     assert loss["lost_machine"] == "euw-v100" and h["worker_loss_survived"] is loss["survived"]
     assert loss["tokens"] >= res["results"]["diloco-fp32"]["tokens"]
+    assert loss["quorum_lost"] == ["euw-v100"] and loss["survived"] is True
     per = loss["syncs_per_worker"]
-    assert per["euw-v100"] == 2 and per["use-a100"] == per["aps-t4"] == loss["syncs"] > 2
+    assert per["use-a100"] == per["aps-t4"] == loss["syncs"] >= per["euw-v100"] >= 2
     # no namespaces here: no link counters, and the JSON says so instead of a number
     assert h["bytes_ratio_vs_fp32_measured"] is None and h["bytes_measured"].startswith("not available")
     for key in (

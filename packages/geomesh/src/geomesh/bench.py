@@ -583,6 +583,8 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
         res["stopped_at_time_cap"] = bool(outs[0].get("capped"))
     if "phases" in outs[0]:
         res["phases_per_worker"] = {o["machine"]: o["phases"] for o in outs}
+    if outs[0].get("lost"):
+        res["quorum_lost"] = outs[0]["lost"]  # the workers the survivors' quorum went on without
     if "plan" in outs[0]:
         res["plan"] = outs[0]["plan"]
         # every worker's measured (batch, s/step) pairs of the profiling phase: [b, s, b/2, s, post-sync s]
@@ -808,7 +810,9 @@ def _worker_loss(cfg: BenchConfig, data: tuple, target: float, net, progress) ->
     out.update({k: r[k] for k in ("wall_s", "tokens", "final_ppl", "time_to_target_s", "syncs", "curve")})
     workers = [len(p) for p in r.get("phases_per_worker", {}).values()]
     out["syncs_per_worker"] = dict(zip(r.get("phases_per_worker", {}), workers))
-    out["survived"] = r["time_to_target_s"] is not None
+    out["quorum_lost"] = r.get("quorum_lost", [])
+    # survived: the others met the loss in a collective, formed a quorum without it, and reached the target
+    out["survived"] = r["time_to_target_s"] is not None and out["quorum_lost"] == [machine]
     return out
 
 
