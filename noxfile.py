@@ -197,6 +197,9 @@ def _run_benches(session: nox.Session, name: str, script: str, out: Path) -> dic
             merged = res
         else:
             merged.setdefault("headline", {}).update(res.get("headline", {}))
+            if res.get("emulated"):  # e.g. sysprdict's simulated blockchain data: listed under emulation
+                first = merged.get("emulated")
+                merged["emulated"] = {**({"bench": first} if first else {}), sub: res["emulated"]}
     return merged
 
 

@@ -184,7 +184,15 @@ def update_guides(bench: dict, guides: Path, packages: Path | None = None) -> li
             continue
         head, rest = text.split(BEGIN, 1)
         tail = rest.split(END, 1)[1]
-        table = "\n".join(["", "_Written by `nox -s bench`; do not edit by hand._", "", *package_table(name, res), ""])
+        table = "\n".join(
+            [
+                "",
+                "_Written by `docs/make_results.py` from the bench JSON (`nox -s bench` runs both); do not edit by hand._",
+                "",
+                *package_table(name, res),
+                "",
+            ]
+        )
         _atomic_write(page, head + BEGIN + "\n" + table + "\n" + END + tail)
         done.append(page)
     return done
