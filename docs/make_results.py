@@ -41,6 +41,10 @@ def _atomic_write(path: Path, text: str) -> None:
 def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {_fmt(x)}" for k, x in v.items())
     return str(v)
 
 
