@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import hwtopo
 
@@ -101,6 +102,37 @@ def check_fits(
     return pred
 
 
+def _largest_fitting(
+    peak: Callable[[int], MemoryPrediction], p1: MemoryPrediction, budget: float, max_batch: int
+) -> tuple[int, MemoryPrediction]:
+    """The largest batch (<= ``max_batch``) whose predicted peak fits ``budget``, given that batch 1 fits:
+    a linear guess from batches 1 and 2, doubling past it while it fits, then bisection on exact traces."""
+    p2 = peak(2)
+    slope = max(p2.peak_bytes - p1.peak_bytes, 1.0)
+    guess = int(min(max_batch, 1 + (budget - p1.peak_bytes) // slope))
+    lo, lo_pred = 1, p1  # largest known to fit
+    hi = guess + 1  # smallest known (or assumed) not to fit
+    g = peak(guess) if guess > 1 else p1
+    if guess > 1 and g.peak_bytes <= budget:
+        lo, lo_pred = guess, g
+        while hi <= max_batch:
+            gh = peak(hi)
+            if gh.peak_bytes > budget:
+                break
+            lo, lo_pred, hi = hi, gh, hi * 2
+        hi = min(hi, max_batch + 1)
+    elif guess > 1:
+        hi = guess
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        pm = peak(mid)
+        if pm.peak_bytes <= budget:
+            lo, lo_pred = mid, pm
+        else:
+            hi = mid
+    return lo, lo_pred
+
+
 def largest_batch(
     model: str | ZooModel,
     memory: float | str,
@@ -142,29 +174,7 @@ def largest_batch(
                 zm.name, False, 0, seq_len, image_size, precision, optimizer, ck, limit, p1.peak_bytes, 0.0, 0.0
             )
             continue
-        p2 = peak(2)
-        slope = max(p2.peak_bytes - p1.peak_bytes, 1.0)
-        guess = int(min(max_batch, 1 + (budget - p1.peak_bytes) // slope))
-        lo, lo_pred = 1, p1  # largest known to fit
-        hi = guess + 1  # smallest known (or assumed) not to fit
-        g = peak(guess) if guess > 1 else p1
-        if guess > 1 and g.peak_bytes <= budget:
-            lo, lo_pred = guess, g
-            while hi <= max_batch:
-                gh = peak(hi)
-                if gh.peak_bytes > budget:
-                    break
-                lo, lo_pred, hi = hi, gh, hi * 2
-            hi = min(hi, max_batch + 1)
-        elif guess > 1:
-            hi = guess
-        while hi - lo > 1:  # bisection on exact traces
-            mid = (lo + hi) // 2
-            pm = peak(mid)
-            if pm.peak_bytes <= budget:
-                lo, lo_pred = mid, pm
-            else:
-                hi = mid
+        lo, lo_pred = _largest_fitting(peak, p1, budget, max_batch)
         res = FitResult(
             zm.name,
             True,
