@@ -1,11 +1,11 @@
 """hwtopo.httpguard: bounded JSON without recursion, bind checks, and the aiohttp middleware."""
 
-import asyncio
 import sys
 
 import pytest
 
 from hwtopo.httpguard import BadRequest, check_bind, middleware, parse_json, read_json, token_from_env
+from hwtopo.testing import Answer, assert_client_errors, send_requests, serve_app
 
 
 def test_parse_json_accepts_ordinary_bodies():
@@ -73,9 +73,8 @@ def test_token_from_env(monkeypatch):
     assert token_from_env("HWTOPO_TEST_TOKEN") is None
 
 
-def _client_run(token, fn, max_body=1000):
+def _app(token, max_body):
     from aiohttp import web
-    from aiohttp.test_utils import TestClient, TestServer
 
     async def echo(request):
         body = await read_json(request, max_bytes=max_body)
@@ -86,18 +85,14 @@ def _client_run(token, fn, max_body=1000):
     async def boom(request):
         raise RuntimeError("secret internals")
 
-    async def main():
-        app = web.Application(middlewares=[middleware(token, max_body)], client_max_size=max_body)
-        app.router.add_post("/echo", echo)
-        app.router.add_get("/boom", boom)
-        client = TestClient(TestServer(app))
-        await client.start_server()
-        try:
-            return await fn(client)
-        finally:
-            await client.close()
+    app = web.Application(middlewares=[middleware(token, max_body)], client_max_size=max_body)
+    app.router.add_post("/echo", echo)
+    app.router.add_get("/boom", boom)
+    return app
 
-    return asyncio.run(main())
+
+def _client_run(token, fn, max_body=1000):
+    return serve_app(lambda: _app(token, max_body), fn)
 
 
 def test_middleware_token_accept_and_reject():
@@ -155,3 +150,19 @@ def test_middleware_rejects_oversized_bodies_with_413():
     declared, streamed = _client_run(None, fn, max_body=1000)
     assert declared[0] == 413 and "the limit is 1000 bytes" in declared[1]["error"]
     assert streamed[0] == 413 and "1000 bytes" in streamed[1]["error"]
+
+
+def test_a_request_corpus_passes_only_when_every_answer_is_a_clean_4xx():
+    corpus = [("POST", "/echo", b"{", {}), ("POST", "/echo", b"[1]", {}), ("GET", "/echo", None, {})]
+    answers = _client_run(None, lambda c: send_requests(c, corpus))
+    assert [(a.method, a.body, a.status) for a in answers] == [
+        ("POST", b"{", 400),
+        ("POST", b"[1]", 400),
+        ("GET", b"", 405),
+    ]
+    assert_client_errors(answers)
+    (boom,) = _client_run(None, lambda c: send_requests(c, [("GET", "/boom", None, {})]))
+    with pytest.raises(AssertionError, match="500"):
+        assert_client_errors([boom])
+    with pytest.raises(AssertionError, match="Traceback"):
+        assert_client_errors([Answer("GET", "/", b"", 404, 'Traceback (most recent call last):\n  File "x"')])

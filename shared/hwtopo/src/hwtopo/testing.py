@@ -9,18 +9,36 @@
 ``{tmp}`` in an argv or needle stands for ``tmp``. A bad input must exit with ``code`` (2 for
 usage, 1 for a runtime failure), name what was wrong (``needle``), print no traceback, and leave
 ``tmp`` as it was: no work started, no directory created.
+
+The same module holds what the packages' safety tests share: a pickle payload that betrays a
+loader which executes code (``Payload``), and the loop that sends a corpus of malformed HTTP
+requests to a server and checks that every answer is a 4xx without a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
+import os
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CliResult", "run_cli", "assert_fails"]
+__all__ = [
+    "CliResult",
+    "run_cli",
+    "assert_fails",
+    "scratch_tree",
+    "assert_version",
+    "Payload",
+    "Answer",
+    "send_requests",
+    "assert_client_errors",
+    "serve_app",
+]
 
 
 @dataclass(frozen=True)
@@ -70,3 +88,87 @@ def assert_fails(
         assert res.err.strip().splitlines()[-1].startswith(prog), res.err[-300:]
     assert _tree(tmp) == before, f"{argv!r} changed {tmp}: {sorted(set(_tree(tmp)) ^ set(before))}"
     return res
+
+
+def scratch_tree(root: Path, files: Mapping[str, str | bytes] | None = None) -> Path:
+    """``root`` with the paths bad-input cases point at: an empty ``dir/``, a ``file`` holding "x",
+    and each of ``files`` (a path relative to ``root``, its parents created) with its content."""
+    (root / "dir").mkdir()
+    (root / "file").write_text("x")
+    for name, content in (files or {}).items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    return root
+
+
+def assert_version(main: Callable[[list[str]], int], prog: str, version: str | None = None) -> str:
+    """``--version`` exits 0 and prints ``prog <version>``; any version when ``version`` is None."""
+    res = run_cli(main, ["--version"])
+    line = res.out.strip()
+    assert res.code == 0, f"--version exit {res.code}: {res.err[-300:]}"
+    if version is None:
+        assert line.startswith(f"{prog} "), f"--version printed {line!r}, wanted {prog} <version>"
+    else:
+        assert line == f"{prog} {version}", f"--version printed {line!r}, wanted {prog} {version}"
+    return line
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates ``marker``: a loader that executes code
+    from a user's file gives itself away by the marker appearing."""
+
+    def __init__(self, marker: str | os.PathLike):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(self.marker)}",)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a server said to one request of a corpus (``body``: its first 40 bytes)."""
+
+    method: str
+    path: str
+    body: bytes
+    status: int
+    text: str
+
+
+async def send_requests(
+    session: Any, corpus: Sequence[tuple[str, str, bytes | None, dict]], base: str = ""
+) -> list[Answer]:
+    """Send each ``(method, path, body, headers)`` of ``corpus`` through ``session`` (an aiohttp
+    ClientSession with ``base`` its server's URL, or an aiohttp TestClient) one after another."""
+    out = []
+    for method, path, body, headers in corpus:
+        async with session.request(method, base + path, data=body, headers=headers) as r:
+            out.append(Answer(method, path, (body or b"")[:40], r.status, await r.text()))
+    return out
+
+
+def assert_client_errors(answers: Sequence[Answer]) -> None:
+    """Every answer is a 4xx (the request was wrong, not the server) and shows no traceback."""
+    for a in answers:
+        assert 400 <= a.status < 500, (a.method, a.path, a.body, a.status, a.text)
+        assert "Traceback" not in a.text and 'File "' not in a.text, (a.method, a.path, a.body, a.text)
+
+
+def serve_app(make_app: Callable[[], Any], fn: Callable[[Any], Awaitable[Any]]) -> Any:
+    """``fn(client)`` against the aiohttp app ``make_app()`` (built inside the event loop, as
+    handlers that hold loop objects need) on a loopback test server; the server is closed after."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def main():
+        client = TestClient(TestServer(make_app()))
+        await client.start_server()
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
