@@ -1,24 +1,14 @@
 """The training state bicache resumes from loads without unpickling anything but tensors and plain values."""
 
 import logging
-import os
 
 import pytest
 import torch
 
 from bicache.train import Recipe, load_train_state, train
+from hwtopo.testing import Payload
 
 TINY = dict(layers=1, local_layers=0, hidden=16, heads=2, batch=4, eval_every=1, val_requests=8, target=2.0)
-
-
-class _Payload:
-    """Unpickling this runs a shell command that creates ``marker``."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def test_resume_reads_the_state_it_wrote_and_continues_exactly(tmp_path, caplog):
@@ -38,7 +28,7 @@ def test_resume_reads_the_state_it_wrote_and_continues_exactly(tmp_path, caplog)
 def test_a_crafted_train_state_never_runs_its_payload(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "train-state.pt"
-    torch.save({"model": _Payload(marker), "step": 3}, path)
+    torch.save({"model": Payload(marker), "step": 3}, path)
     torch.load(path, weights_only=False)  # the payload is live: a plain unpickle runs it
     assert marker.exists()
     marker.unlink()

@@ -2,23 +2,14 @@ import asyncio
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from bicache.engine import Engine
 from bicache.server import make_app
+from hwtopo.testing import assert_client_errors, send_requests, serve_app
 
 
 def _run(dlm, fn, engine=None, **app_kw):
-    async def main():
-        eng = engine or Engine(dlm, mode="block", max_batch=4)
-        client = TestClient(TestServer(make_app(eng, **app_kw)))
-        await client.start_server()
-        try:
-            return await fn(client)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
+    return serve_app(lambda: make_app(engine or Engine(dlm, mode="block", max_batch=4), **app_kw), fn)
 
 
 def test_bad_json_is_400(dlm):
@@ -250,13 +241,4 @@ def test_malformed_request_corpus_gets_no_500_and_no_traceback(dlm):
     corpus = _corpus()
     assert len(corpus) >= 50
 
-    async def fn(c):
-        out = []
-        for method, path, body, headers in corpus:
-            r = await c.request(method, path, data=body, headers=headers)
-            out.append((method, path, (body or b"")[:40], r.status, await r.text()))
-        return out
-
-    for method, path, body, status, text in _run(dlm, fn):
-        assert 400 <= status < 500, (method, path, body, status, text)
-        assert "Traceback" not in text and 'File "' not in text, (method, path, body, text)
+    assert_client_errors(_run(dlm, lambda c: send_requests(c, corpus)))
