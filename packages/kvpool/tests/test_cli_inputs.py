@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hwtopo.testing import assert_fails
+from hwtopo.testing import assert_fails, assert_version, scratch_tree
 from kvpool.cli import main
 
 # (argv with {tmp} for the test's directory, text the message must contain)
@@ -52,9 +52,7 @@ CASES = [
 @pytest.fixture
 def tmp(tmp_path, monkeypatch):
     monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
-    (tmp_path / "dir").mkdir()
-    (tmp_path / "file").write_text("x")
-    return tmp_path
+    return scratch_tree(tmp_path)
 
 
 @pytest.mark.parametrize("argv, needle", CASES, ids=[c[0] for c in CASES])
@@ -62,7 +60,6 @@ def test_malformed_input(argv, needle, tmp):
     assert_fails(main, argv, 2, needle, tmp=tmp, prog="kvpool")
 
 
-def test_version_and_options_after_the_command(capsys):
-    assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip().startswith("kvpool ")
+def test_version_and_options_after_the_command():
+    assert_version(main, "kvpool")
     assert main(["bench", "--quiet", "--debug", "--tokens", "0"]) == 2

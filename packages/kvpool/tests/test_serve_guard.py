@@ -10,6 +10,7 @@ pytest.importorskip("aiohttp")
 
 import aiohttp  # noqa: E402
 
+from hwtopo.testing import assert_client_errors, send_requests  # noqa: E402
 from kvpool import KVPool, MemoryStore  # noqa: E402
 from kvpool.serve import BackgroundServer, PoolClient, parse_layout, serve_forever  # noqa: E402
 
@@ -95,21 +96,15 @@ def test_malformed_request_corpus_gets_no_500_and_no_traceback():
     assert len(corpus) >= 50
 
     async def send(url):
-        out = []
         async with aiohttp.ClientSession() as s:
-            for method, path, body, headers in corpus:
-                async with s.request(method, url + path, data=body, headers=headers) as r:
-                    out.append((method, path, (body or b"")[:40], r.status, await r.text()))
-        return out
+            return await send_requests(s, corpus, url)
 
     with _pool() as pool, BackgroundServer(pool) as srv:
         out = asyncio.run(send(srv.url))
         stored = pool.stats()["counters"]["chunks_stored"]
     assert stored == 0
-    for method, path, body, status, text in out:
-        assert 400 <= status < 500, (method, path, body, status, text)
-        assert "Traceback" not in text and 'File "' not in text, (method, path, body, text)
-    deep = [json.loads(t) for m, p, b, st, t in out if b.startswith(b"[[[[")]
+    assert_client_errors(out)
+    deep = [json.loads(a.text) for a in out if a.body.startswith(b"[[[[")]
     assert "100000 levels deep; the limit is 64" in deep[0]["error"]
 
 
