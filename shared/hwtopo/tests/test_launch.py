@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from hwtopo.launch import RankError, init_from_env, spawn  # noqa: E402
+from hwtopo.launch import RankError, init_from_env, rendezvous_store, restart_count, spawn  # noqa: E402
 
 
 def _sum_ranks(rank: int, world: int, scale: float) -> dict:
@@ -53,6 +53,29 @@ def test_a_killed_rank_is_blamed_rather_than_the_survivors():
     with pytest.raises(RankError, match=r"rank 2 .*killed by SIGKILL") as info:
         spawn(_killed_on_two, 3, pg_timeout_s=20)
     assert info.value.rank == 2 and info.value.exitcode == -signal.SIGKILL
+
+
+def _killed_once(rank: int, world: int, always: bool) -> dict:
+    store = rendezvous_store(30)
+    if rank == 1 and (always or restart_count() == 0):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1:  # the replacement reaches its peers through the job's store, not the default group
+        store.set("replacement", str(os.getpid()))
+    else:
+        store.wait(["replacement"])
+        dist.destroy_process_group()  # its default group lost rank 1 for good
+    return {"restarts": restart_count(), "grouped": dist.is_initialized(), "pid": os.getpid()}
+
+
+def test_a_killed_rank_is_started_again_once_and_meets_its_peers_in_the_store():
+    got = spawn(_killed_once, 3, (False,), pg_timeout_s=20, max_restarts=1)
+    assert [g["restarts"] for g in got] == [0, 1, 0]
+    assert [g["grouped"] for g in got] == [False, False, False]
+    assert len({g["pid"] for g in got}) == 3
+    # a rank that keeps dying spends the restarts, then is blamed as before
+    with pytest.raises(RankError, match=r"rank 1 .*killed by SIGKILL") as info:
+        spawn(_killed_once, 3, (True,), pg_timeout_s=20, max_restarts=1)
+    assert info.value.rank == 1
 
 
 class _Opaque:
@@ -176,3 +199,5 @@ def test_bad_arguments_name_the_field():
         spawn(_sum_ranks, 0)
     with pytest.raises(ValueError, match="threads must be a positive integer"):
         spawn(_sum_ranks, 1, threads=0)
+    with pytest.raises(ValueError, match="max_restarts must be a non-negative integer"):
+        spawn(_sum_ranks, 1, max_restarts=-1)

@@ -35,11 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankError", "spawn", "init_from_env", "pick_backend", "free_port", "is_launched"]
+__all__ = [
+    "RankError",
+    "spawn",
+    "init_from_env",
+    "pick_backend",
+    "free_port",
+    "is_launched",
+    "restart_count",
+    "rendezvous_store",
+]
 
 log = logging.getLogger(__name__)
 
 RDZV_VAR = "HWTOPO_RDZV"  # the file store a rank started by spawn() joins; unset under torchrun
+RESTART_VAR = "HWTOPO_RESTART_COUNT"  # how many times spawn() has started this rank again (0: first start)
 BACKEND_VAR = "MLSYSKIT_BACKEND"  # gloo or nccl, overriding the automatic choice
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Messages a rank reports when a peer vanished: a consequence, never the first cause.
@@ -68,6 +78,30 @@ def free_port(host: str = "127.0.0.1") -> int:
 def is_launched() -> bool:
     """True inside a rank of :func:`spawn`, ``torchrun`` or ``accelerate launch``."""
     return RDZV_VAR in os.environ or all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def restart_count() -> int:
+    """How many times :func:`spawn` has started this rank again after it died (0 on its first start)."""
+    return int(os.environ.get(RESTART_VAR, "0"))
+
+
+def rendezvous_store(timeout_s: float = 120.0):
+    """A client of the store this rank's job rendezvoused through (spawn's file store, or torchrun's
+    TCP store at MASTER_ADDR:MASTER_PORT): how a restarted rank, which cannot join the default
+    group its peers formed, finds them again."""
+    import torch.distributed as dist
+
+    timeout = _dt.timedelta(seconds=timeout_s)
+    init = os.environ.get(RDZV_VAR)
+    if init is not None:
+        store = dist.FileStore(init.removeprefix("file://"), -1)  # -1: never delete the peers' file
+        store.set_timeout(timeout)
+        return store
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RankError(f"environment variable {missing[0]} is not set: start with torchrun or hwtopo.launch.spawn")
+    port = int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=False, timeout=timeout)
 
 
 def pick_backend(backend: str = "auto") -> str:
@@ -171,7 +205,7 @@ def _rank_main(rank: int, job: _Job) -> None:
     handle = None
     try:
         handle = job.setup(rank) if job.setup is not None else None
-        if job.init_group:
+        if job.init_group and restart_count() == 0:  # a restarted rank's peers formed the group without it
             init_from_env(job.backend, job.pg_timeout_s)
         value = job.fn(rank, job.world, *job.args)
         _check_plain(value)
@@ -247,10 +281,19 @@ def _describe_exit(code: int | None) -> str:
 class _Watch:
     """The launcher's view of its ranks: who reported what, who died, in which order."""
 
-    def __init__(self, procs: list, out_dir: Path):
+    def __init__(
+        self,
+        procs: list,
+        out_dir: Path,
+        restart: Callable[[int, int], Any] | None = None,
+        max_restarts: int = 0,
+    ):
         self.procs, self.out_dir = procs, out_dir
         self.payloads: dict[int, dict] = {}
         self.failed_at: dict[int, float] = {}
+        # restart(rank, count) starts a rank again; at most max_restarts times over all ranks
+        self.restart, self.restarts_left = restart, max_restarts
+        self.restarts: list[int] = []
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -259,9 +302,14 @@ class _Watch:
                 got = _read_payload(self.out_dir / f"rank{r}.pt")
                 if got is not None:
                     self.payloads[r] = got
-            failed = (r in self.payloads and not self.payloads[r]["ok"]) or (
-                r not in self.payloads and p.exitcode not in (None, 0)
-            )
+            died = r not in self.payloads and p.exitcode not in (None, 0)
+            if died and self.restart is not None and self.restarts_left > 0:
+                self.restarts_left -= 1
+                self.restarts.append(r)
+                log.warning("rank %d %s: starting it again", r, _describe_exit(p.exitcode))
+                self.procs[r] = self.restart(r, self.restarts.count(r))
+                continue
+            failed = (r in self.payloads and not self.payloads[r]["ok"]) or died
             if failed:
                 self.failed_at.setdefault(r, now)
 
@@ -334,6 +382,7 @@ def spawn(
     env: dict[str, str] | None = None,
     start_method: str = "spawn",
     init_group: bool = True,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` local ranks; their return values, by rank.
 
@@ -341,11 +390,17 @@ def spawn(
     returns is closed at the end if it has ``close()``. ``env`` is added to every rank's environment
     before its interpreter starts. ``init_group=False`` leaves joining to ``fn``
     (:func:`init_from_env`). ``fork`` starts faster than ``spawn`` where torch is not yet threaded.
+    ``max_restarts``: a rank that dies without a result (killed, or exited without reporting) is
+    started again, up to this many times over all ranks; the new process sees
+    :func:`restart_count` > 0, does not join the default group (its peers formed it already) and
+    finds them through :func:`rendezvous_store`. A rank that raised is a failure as before.
     """
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"world must be a positive integer, not {world!r}")
     if not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, not {threads!r}")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a non-negative integer, not {max_restarts!r}")
     if timeout_s <= 0 or pg_timeout_s <= 0:
         raise ValueError(f"timeout_s and pg_timeout_s must be > 0, not {timeout_s!r} and {pg_timeout_s!r}")
     import torch.multiprocessing as mp
@@ -357,13 +412,20 @@ def spawn(
         rdzv = f"file://{Path(tmp) / 'store'}"
         # typeshed types get_context(str) as BaseContext, which lacks the Process every real context has
         process = ctx.Process  # type: ignore[attr-defined]
-        procs = [process(target=_rank_main, args=(r, job), name=f"rank{r}", daemon=False) for r in range(world)]
+        procs: list = []
+
+        def start(r: int, restarts: int) -> Any:
+            p = process(target=_rank_main, args=(r, job), name=f"rank{r}", daemon=False)
+            extra = {**(env or {}), RESTART_VAR: str(restarts)}
+            with _environ(_rank_env(r, world, threads, rdzv, extra)):
+                p.start()
+            return p
+
         previous = signal.signal(signal.SIGTERM, _sigterm_to_exit) if main else None
         try:
-            for r, p in enumerate(procs):
-                with _environ(_rank_env(r, world, threads, rdzv, dict(env or {}))):
-                    p.start()
-            watch = _Watch(procs, Path(tmp))
+            for r in range(world):
+                procs.append(start(r, 0))
+            watch = _Watch(procs, Path(tmp), start, max_restarts)
             _supervise(watch, timeout_s)
             return [watch.payloads[r]["value"] for r in range(world)]
         finally:
