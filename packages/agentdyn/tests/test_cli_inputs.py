@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agentdyn.cli import main
-from hwtopo.testing import assert_fails
+from hwtopo.testing import assert_fails, assert_version, scratch_tree
 
 # (argv with {tmp} for the test's directory and {{ for a literal brace, text the message must contain)
 CASES = [
@@ -69,10 +69,7 @@ CASES = [
 @pytest.fixture
 def tmp(tmp_path, monkeypatch):
     monkeypatch.delenv("AGENTDYN_TOKEN", raising=False)
-    (tmp_path / "dir").mkdir()
-    (tmp_path / "file").write_text("x")
-    (tmp_path / "garbage.json").write_bytes(b"\xff\xfe not json")
-    return tmp_path
+    return scratch_tree(tmp_path, {"garbage.json": b"\xff\xfe not json"})
 
 
 @pytest.mark.parametrize("argv, needle", CASES, ids=[c[0] for c in CASES])
@@ -80,7 +77,6 @@ def test_malformed_input(argv, needle, tmp):
     assert_fails(main, argv, 2, needle, tmp=tmp, prog="agentdyn")
 
 
-def test_version_and_options_after_the_command(capsys):
-    assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip().startswith("agentdyn ")
+def test_version_and_options_after_the_command():
+    assert_version(main, "agentdyn")
     assert main(["bench", "--quiet", "--debug", "--per-type", "0"]) == 2

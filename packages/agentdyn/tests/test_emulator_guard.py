@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from agentdyn.emulator import EmulatorConfig, LLMEmulator
+from hwtopo.testing import Answer, assert_client_errors, send_requests
 
 FAST = EmulatorConfig(ttft_s=0.0, ttft_sigma=0.0, tokens_per_s=1e6, tps_sigma=0.0)
 GOOD = {"messages": [{"role": "system", "content": "task_type: rag_qa"}, {"role": "user", "content": "{}"}]}
@@ -42,17 +43,13 @@ MALFORMED: list[tuple[str, str, bytes]] = [
 ]
 
 
-async def _answers(emu: LLMEmulator, requests, headers=None) -> list[tuple[int, str]]:
+async def _answers(emu: LLMEmulator, requests, headers=None) -> list[Answer]:
     url = (await emu.start()).rsplit("/v1", 1)[0]
-    out = []
     try:
         async with aiohttp.ClientSession() as s:
-            for method, path, body in requests:
-                async with s.request(method, url + path, data=body, headers=headers or {}) as r:
-                    out.append((r.status, await r.text()))
+            return await send_requests(s, [(m, p, b, headers or {}) for m, p, b in requests], url)
     finally:
         await emu.stop()
-    return out
 
 
 # Odd but answerable: content as a list of parts (as OpenAI allows), a question of another type.
@@ -61,26 +58,21 @@ ODD = [_user(["a", "list"]), _user('{"question": 5}'), _user("not json at all")]
 
 def test_odd_inputs_are_answered_not_crashed_on():
     requests = [("POST", "/v1/chat/completions", json.dumps(b).encode()) for b in ODD]
-    for status, text in asyncio.run(_answers(LLMEmulator(FAST), requests)):
-        assert status < 500 and "Traceback" not in text, (status, text[:200])
+    for a in asyncio.run(_answers(LLMEmulator(FAST), requests)):
+        assert a.status < 500 and "Traceback" not in a.text, (a.status, a.text[:200])
 
 
 def test_malformed_requests_get_client_errors_without_tracebacks():
-    answers = asyncio.run(_answers(LLMEmulator(FAST), MALFORMED))
-    for (method, path, body), (status, text) in zip(MALFORMED, answers):
-        assert 400 <= status < 500, (method, path, body[:40], status, text[:200])
-        assert "Traceback" not in text
-    assert (
-        asyncio.run(_answers(LLMEmulator(FAST), [("POST", "/v1/chat/completions", json.dumps(GOOD).encode())]))[0][0]
-        == 200
-    )
+    assert_client_errors(asyncio.run(_answers(LLMEmulator(FAST), MALFORMED)))
+    good = [("POST", "/v1/chat/completions", json.dumps(GOOD).encode())]
+    assert asyncio.run(_answers(LLMEmulator(FAST), good))[0].status == 200
 
 
 @pytest.mark.parametrize("header, status", [(None, 401), ("Bearer wrong", 401), ("Bearer s3cret", 200)])
 def test_token_is_required_when_set(header, status):
     headers = {"Authorization": header} if header else {}
     req = [("POST", "/v1/chat/completions", json.dumps(GOOD).encode())]
-    got = asyncio.run(_answers(LLMEmulator(FAST, token="s3cret"), req, headers))[0][0]
+    got = asyncio.run(_answers(LLMEmulator(FAST, token="s3cret"), req, headers))[0].status
     assert got == status
 
 

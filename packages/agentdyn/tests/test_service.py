@@ -21,6 +21,7 @@ from agentdyn.runtime import Harness
 from agentdyn.sandbox import SandboxUnavailable, missing_layers, zombie_children
 from agentdyn.service import make_app
 from agentdyn.servicecheck import service_leftovers
+from hwtopo.testing import assert_client_errors, send_requests
 
 # a host without every sandbox layer (CI runners are not root) serves with --unsafe-no-sandbox
 UNSAFE = bool(missing_layers())
@@ -317,20 +318,15 @@ def test_malformed_request_corpus_gets_no_500_and_no_traceback():
 
     async def go():
         h = Harness(emulator=_fast(), site_pages=30)
-        out = []
         async with _served(h) as url, aiohttp.ClientSession() as s:
-            for method, path, body, headers in corpus:
-                async with s.request(method, url + path, data=body, headers=headers) as r:
-                    out.append((method, path, (body or b"")[:40], r.status, await r.text()))
+            out = await send_requests(s, corpus, url)
             accepted = h.runtime.completed + h.runtime.failed
         return out, accepted
 
     out, ran = asyncio.run(go())
     assert ran == 0  # nothing malformed reached the agent
-    for method, path, body, status, text in out:
-        assert 400 <= status < 500, (method, path, body, status, text)
-        assert "Traceback" not in text and 'File "' not in text, (method, path, body, text)
-    deep = [json.loads(t) for m, p, b, st, t in out if b.startswith(b"[[[[")]
+    assert_client_errors(out)
+    deep = [json.loads(a.text) for a in out if a.body.startswith(b"[[[[")]
     assert deep[0]["field"] == "body" and "100000 levels deep; the limit is 64" in deep[0]["error"]
 
 
