@@ -221,3 +221,17 @@ def test_output_dir_tolerates_a_peer_creating_it_at_the_same_moment(tmp_path, mo
     monkeypatch.setattr(type(target), "exists", lambda self: False if self == target else real_exists(self))
     target.mkdir()  # the peer won
     assert console.output_dir(target, "--ckpt-dir") == target
+
+
+def test_bench_doc_keys_in_order_and_write_json(tmp_path):
+    import json
+
+    doc = console.bench_doc("pkg", "1.0", {"seed": 1}, {"a": {"t": 1.5}}, {"speedup": 2.0}, emulated=False)
+    assert list(doc) == ["package", "version", "config", "machine", "results", "headline", "emulated"]
+    assert doc["machine"]["machines"] and doc["headline"] == {"speedup": 2.0}
+    console.write_json(tmp_path / "b.json", {**doc, "where": tmp_path})
+    text = (tmp_path / "b.json").read_text()
+    assert text.endswith("}\n") and json.loads(text)["where"] == str(tmp_path)
+    with pytest.raises(ValueError):
+        console.write_json(tmp_path / "c.json", {"x": float("nan")}, allow_nan=False)
+    assert not (tmp_path / "c.json").exists()

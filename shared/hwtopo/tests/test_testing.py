@@ -5,7 +5,8 @@ import pickle
 import pytest
 import torch
 
-from hwtopo.testing import Payload, assert_version, scratch_tree
+from hwtopo import console
+from hwtopo.testing import Payload, assert_plot_skipped, assert_version, scratch_tree
 
 
 def test_payload_runs_its_command_when_unpickled_and_not_under_weights_only(tmp_path):
@@ -38,3 +39,19 @@ def test_assert_version_checks_exit_and_line():
         assert_version(main, "other")
     with pytest.raises(AssertionError, match="exit 2"):
         assert_version(lambda argv: 2, "tool")
+
+
+def test_a_plot_without_matplotlib_is_skipped_with_the_install_hint(monkeypatch, tmp_path, caplog):
+    def plot(path):
+        plt = console.pyplot("demo")
+        if plt is None:
+            return False
+        path.write_text("a plot")
+        return True
+
+    assert_plot_skipped(plot, tmp_path / "p.png", "demo", monkeypatch, caplog)
+    with pytest.raises(AssertionError, match="mlsyskit-other"):
+        assert_plot_skipped(plot, tmp_path / "p.png", "other", monkeypatch, caplog)
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="matplotlib"):
+        assert_plot_skipped(lambda p: p.write_text("x") and False, tmp_path / "q.png", "demo", monkeypatch, caplog)

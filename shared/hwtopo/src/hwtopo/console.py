@@ -15,6 +15,7 @@ output paths are checked before any work and only the directory the user named i
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -23,6 +24,9 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .probe import probe_cluster
+from .spec import atomic_write_text, to_dict
 
 __all__ = [
     "UsageError",
@@ -37,6 +41,8 @@ __all__ = [
     "size",
     "output_file",
     "output_dir",
+    "bench_doc",
+    "write_json",
     "progress",
     "table",
     "cache_dir",
@@ -209,6 +215,19 @@ def output_dir(path: str | os.PathLike, field: str) -> Path:
     if not os.access(p, os.W_OK | os.X_OK):
         raise UsageError(f"{field} {str(p)!r} is not writable")
     return p
+
+
+def bench_doc(package: str, version: str, config: Any, results: Any, headline: Any, **extra: Any) -> dict:
+    """The ``bench --json`` document: package, version, config, the machine as hwtopo probes it,
+    results and headline, in that order, then the package's own keys (``extra``)."""
+    doc = {"package": package, "version": version, "config": config, "machine": to_dict(probe_cluster())}
+    return {**doc, "results": results, "headline": headline, **extra}
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, allow_nan: bool = True) -> None:
+    """``obj`` as indented JSON at ``path``, written whole or not at all; values JSON has no type
+    for (paths, dtypes) as their text. ``allow_nan=False`` refuses NaN and infinities."""
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str, allow_nan=allow_nan) + "\n")
 
 
 class _Lines:

@@ -22,6 +22,7 @@ import contextlib
 import io
 import os
 import shlex
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "send_requests",
     "assert_client_errors",
     "serve_app",
+    "assert_plot_skipped",
 ]
 
 
@@ -172,3 +174,14 @@ def serve_app(make_app: Callable[[], Any], fn: Callable[[Any], Awaitable[Any]]) 
             await client.close()
 
     return asyncio.run(main())
+
+
+def assert_plot_skipped(plot: Callable[[Path], Any], path: Path, package: str, monkeypatch: Any, caplog: Any) -> None:
+    """With matplotlib missing, ``plot(path)`` returns False, logs the install hint of ``package``'s
+    ``plot`` extra (instead of skipping the plot silently) and writes nothing."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    caplog.set_level("WARNING", logger="hwtopo.console")  # an earlier --quiet run raised the root level
+    assert plot(path) is False
+    hint = f"pip install 'mlsyskit-{package}[plot]'"
+    assert hint in caplog.text, f"no {hint!r} in the log: {caplog.text[-300:]}"
+    assert not path.exists(), f"{path} was written without matplotlib"
