@@ -3,6 +3,7 @@ import json
 import pytest
 from conftest import tiny_model
 
+from hwtopo.testing import assert_plot_skipped
 from parser_moe.cli import main
 
 
@@ -97,12 +98,6 @@ def test_compress_writes_a_loadable_model(moe_dir, tmp_path, capsys):
 
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, caplog):
     # a missing optional extra is reported with the install hint instead of silently skipping the plot
-    import sys
-
     from parser_moe.cli import _plot
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    caplog.set_level("WARNING", logger="hwtopo.console")  # an earlier --quiet run raised the root level
-    assert _plot({}, tmp_path / "p.png") is False
-    assert "pip install 'mlsyskit-parser-moe[plot]'" in caplog.text
-    assert not (tmp_path / "p.png").exists()
+    assert_plot_skipped(lambda p: _plot({}, p), tmp_path / "p.png", "parser-moe", monkeypatch, caplog)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hwtopo.testing import assert_fails
+from hwtopo.testing import assert_fails, assert_version, scratch_tree
 from parser_moe.cli import main
 
 # (argv with {tmp} for the test's directory, exit code, text the message must contain)
@@ -49,11 +49,7 @@ CASES = [
 
 @pytest.fixture
 def tmp(tmp_path):
-    (tmp_path / "dir").mkdir()
-    (tmp_path / "file").write_text("x")
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "config.json").write_text("{not json")
-    return tmp_path
+    return scratch_tree(tmp_path, {"broken/config.json": "{not json"})
 
 
 @pytest.mark.parametrize("argv, code, needle", CASES, ids=[c[0] for c in CASES])
@@ -61,6 +57,5 @@ def test_malformed_input(argv, code, needle, tmp):
     assert_fails(main, argv, code, needle, tmp=tmp, prog="parser-moe")
 
 
-def test_version(capsys):
-    assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == "parser-moe 0.1.0"
+def test_version():
+    assert_version(main, "parser-moe", "0.1.0")

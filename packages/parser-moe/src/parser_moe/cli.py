@@ -7,7 +7,6 @@ and common options are hwtopo.console's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -165,23 +164,14 @@ def _run_bench(args, quick: bool) -> dict:
 def cmd_bench(args) -> int:
     json_path = console.output_file(args.json, "--json") if args.json else None
     res = _run_bench(args, args.quick)
-    import hwtopo
-
-    doc = {
-        "package": "parser-moe",
-        "version": __version__,
-        "config": res["config"],
-        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
-        "results": res["results"],
-        "headline": res["headline"],
-        "spread": res["spread"],
-        "emulated": False,
-    }
+    doc = console.bench_doc(
+        "parser-moe", __version__, res["config"], res["results"], res["headline"], spread=res["spread"], emulated=False
+    )
     print(_table(res["results"]))
     print()
     print(_headline_table(res["headline"]))
     if json_path:
-        hwtopo.atomic_write_text(json_path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        console.write_json(json_path, doc, allow_nan=False)
         print(f"wrote {json_path}")
     return 0
 
