@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from hwtopo.testing import assert_plot_skipped
 from kvpool.cli import main
 
 
@@ -78,12 +79,6 @@ def test_demo_writes_report_and_plot(tmp_path):
 
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, caplog):
     # a missing optional extra is reported with the install hint instead of silently skipping the plot
-    import sys
-
     from kvpool.cli import _plot
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    caplog.set_level("WARNING", logger="hwtopo.console")  # an earlier --quiet run raised the root level
-    assert _plot({}, tmp_path / "p.png") is False
-    assert "pip install 'mlsyskit-kvpool[plot]'" in caplog.text
-    assert not (tmp_path / "p.png").exists()
+    assert_plot_skipped(lambda p: _plot({}, p), tmp_path / "p.png", "kvpool", monkeypatch, caplog)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-import hwtopo
+from hwtopo import console
 
 from . import __version__
 from .baselines import SerialLoad, SerialTiers
@@ -461,18 +461,17 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
         progress("safety: same-key PUT/GET race over kvpool serve, kill -9 during puts")
         safety = safety_counts(cfg.safety_pairs, cfg.safety_kills, directory=workdir)
     headline, labels, results = _headline(cfg, runs)
-    return {
-        "package": "kvpool",
-        "version": __version__,
-        "config": asdict(cfg),
-        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
-        "results": results,
-        "headline": headline,
-        "headline_labels": labels,
-        "baselines": {
+    return console.bench_doc(
+        "kvpool",
+        __version__,
+        asdict(cfg),
+        results,
+        headline,
+        headline_labels=labels,
+        baselines={
             name: {"every_disk": every, "file_format": fmt, "loader": loader} for name, every, fmt, loader in BASELINES
         },
-        "headline_conditions": (
+        headline_conditions=(
             "*_best_equal_bw: kvpool against the fastest (by median TTFT) of the baselines given every disk "
             f"kvpool has ({', '.join(EQUAL_BW)}); serial_one_disk is the paper's one-disk-tier comparison, "
             "reported as a row. Every baseline has the same memory tier and, when emulated, the same per-disk "
@@ -484,10 +483,10 @@ def run_bench(cfg: BenchConfig, workdir: str | os.PathLike | None = None, progre
             "the suffix's compute, dominates TTFT, the cap chosen on development seed 1 (the bench reports "
             "config.seed). Both are extra labelled runs; the headline keys above are unchanged."
         ),
-        "emulated": runs["emulated"]["emulation"],
-        "safety": safety,
-        "notes": {"why_not_84pct_in_filesystem": WHY_NOT_84PCT},
-    }
+        emulated=runs["emulated"]["emulation"],
+        safety=safety,
+        notes={"why_not_84pct_in_filesystem": WHY_NOT_84PCT},
+    )
 
 
 def _measure(cfg: BenchConfig, root: Path, progress) -> dict:

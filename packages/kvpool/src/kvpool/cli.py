@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -202,9 +201,7 @@ def cmd_bench(args) -> int:
     print()
     print(_headline_table(res["headline"], res.get("headline_labels")))
     if json_path:
-        import hwtopo
-
-        hwtopo.atomic_write_text(json_path, json.dumps(res, indent=2, default=str) + "\n")
+        console.write_json(json_path, res)
     return 0
 
 
@@ -240,7 +237,7 @@ def cmd_demo(args) -> int:
     if plotted:
         text.append("bandwidth.png: retrieval bandwidth per kvpool device and in total, vs the best baseline.")
     hwtopo.atomic_write_text(out / "report.md", "\n".join(text) + "\n")
-    hwtopo.atomic_write_text(out / "results.json", json.dumps(res, indent=2, default=str) + "\n")
+    console.write_json(out / "results.json", res)
     return 0
 
 
