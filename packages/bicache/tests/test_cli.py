@@ -38,3 +38,28 @@ def test_demo_writes_report_and_drift_plot(tmp_path, capsys, monkeypatch):
     report = (tmp_path / "d" / "report.md").read_text()
     assert "| none " in report and "| under the bound " in report and "drift.png" in report
     assert (tmp_path / "d" / "drift.png").stat().st_size > 0
+
+
+def test_bench_json_envelope_on_a_fixed_result(tmp_path, capsys, monkeypatch):
+    # the bench's JSON layer on a fixed result: the shared keys first, bicache's own after them
+    import json
+    import types
+
+    import bicache.bench
+    import bicache.cli
+
+    res = {
+        "config": {"quick": True},
+        "results": {"none": {"0.5": {"accuracy": 0.9, "tokens_per_cpu_s": 120.0}}},
+        "headline": {"speedup": 1.9},
+        "round_ratios": [1.8, 2.0],
+        "calibration": {"samples": 4},
+        "policy": [{"fraction": 0.5, "depth": 2}],
+    }
+    monkeypatch.setattr(bicache.cli, "_model", lambda args: types.SimpleNamespace(num_layers=2))
+    monkeypatch.setattr(bicache.bench, "run_bench", lambda dlm, **kw: res)
+    assert main(["bench", "--quick", "--json", str(tmp_path / "b.json"), "--quiet"]) == 0
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert list(doc)[:6] == ["package", "version", "config", "machine", "results", "headline"]
+    assert doc["package"] == "bicache" and doc["headline"] == {"speedup": 1.9} and doc["machine"]["machines"]
+    assert doc["round_ratios"] == [1.8, 2.0] and doc["emulated"] is False and doc["policy"] == res["policy"]

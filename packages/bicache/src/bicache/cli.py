@@ -69,17 +69,11 @@ def cmd_calibrate(args) -> int:
     policy = depth.DepthPolicy(cal, bound)
     rows = policy.table()
     if json_path:
-        _write_json(json_path, {"calibration": cal.to_dict(), "bound": bound, "policy": rows})
+        console.write_json(json_path, {"calibration": cal.to_dict(), "bound": bound, "policy": rows})
     print(f"drift bound {bound:.4g} ({dlm.num_layers} layers)")
     keys = ("fraction", "depth", "drift_by_depth", "reason")
     print(console.table([[r[k] for k in keys] for r in rows], ["shared fraction", "depth", "drift by depth", "reason"]))
     return 0
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    import hwtopo
-
-    hwtopo.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _table(results: dict, fractions: list[str]) -> str:
@@ -96,29 +90,26 @@ def _table(results: dict, fractions: list[str]) -> str:
 
 
 def cmd_bench(args) -> int:
-    import hwtopo
-
     from .bench import run_bench
 
     json_path = console.output_file(args.json, "--json") if args.json else None
     dlm = _model(args)
     out = run_bench(dlm, quick=args.quick, progress=not args.quiet, bound=args.bound)
-    doc = {
-        "package": "bicache",
-        "version": __version__,
-        "config": out["config"],
-        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
-        "results": out["results"],
-        "headline": out["headline"],
-        "round_ratios": out["round_ratios"],
-        "emulated": False,
-        "calibration": out["calibration"],
-        "policy": out["policy"],
-        "note": "CPU time of the decoding thread (and wall-clock, *_wall), variants interleaved in rounds of one "
+    doc = console.bench_doc(
+        "bicache",
+        __version__,
+        out["config"],
+        out["results"],
+        out["headline"],
+        round_ratios=out["round_ratios"],
+        emulated=False,
+        calibration=out["calibration"],
+        policy=out["policy"],
+        note="CPU time of the decoding thread (and wall-clock, *_wall), variants interleaved in rounds of one "
         "run; the machine may be shared/loaded",
-    }
+    )
     if json_path:
-        _write_json(json_path, doc)
+        console.write_json(json_path, doc)
     fr = list(next(iter(out["results"].values())).keys())
     print(_table(out["results"], fr))
     print(json.dumps(out["headline"], indent=2))
