@@ -7,6 +7,7 @@ import pytest
 import torch
 from dist_helpers import small_cfg
 
+from hwtopo.testing import Payload
 from xronos.partition import PartitionError
 from xronos.runner import (
     COMMIT_MARKER,
@@ -75,20 +76,10 @@ def test_each_rank_removes_its_own_files_and_the_last_one_the_directory(tmp_path
     assert not d.exists()
 
 
-class _Payload:
-    """Unpickling this runs a shell command that creates ``marker``."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 def _crafted_checkpoint(path, marker):
     cfg = small_cfg()
     torch.save(
-        {"model": _Payload(marker), "opt": {}, "step": 2, "partition": None, "config": cfg.to_dict()},
+        {"model": Payload(marker), "opt": {}, "step": 2, "partition": None, "config": cfg.to_dict()},
         path,
     )
     # the payload is live: a plain unpickle would have run it

@@ -428,51 +428,39 @@ def cmd_bench(args) -> int:
     head = combine_seeds({seed: run[2] for seed, run in runs.items()})
     print(json.dumps(head, indent=2))
     if json_path is not None:
-        import hwtopo
-
-        doc = _bench_doc(args, cfgs[0], speeds, runs, head)
-        hwtopo.atomic_write_text(json_path, json.dumps(doc, indent=2, default=str) + "\n")
+        console.write_json(json_path, _bench_doc(args, cfgs[0], speeds, runs, head))
     return 0
 
 
 def _bench_doc(args, cfg, speeds: list[float], runs: dict, head: dict) -> dict:
     """The bench JSON: config (seeds listed), machine, per-seed results, headline over the seeds."""
-    import hwtopo
-
     from .bench import DEVELOPMENT_SEEDS, emulation_info
     from .launch import worker_env
 
     first = next(iter(runs.values()))
     summary = first[1]
-    return {
-        "package": "xronos",
-        "version": __version__,
-        "config": {
-            **{k: v for k, v in cfg.to_dict().items() if k != "seed"},
-            "speeds": speeds,
-            "quick": bool(args.quick),
-            "wall_s": sum(run[3] for run in runs.values()),
-            "seeds": {
-                "reported": list(runs),
-                "development": list(DEVELOPMENT_SEEDS),
-                "held_out": not set(runs) & set(DEVELOPMENT_SEEDS),
-                "note": "the rebalancer's settings (calibration margin, window minimum, threshold) were chosen "
-                "on the development seeds; the headline is the median over the reported seeds",
-            },
-            "note": "measured on a shared, loaded machine; ratios are from interleaved runs, one per seed",
-            "worker_env": worker_env(),  # what spawn adds to every rank's environment (all variants alike)
-            "emulated": summary["machine_load"]["emulated"],
+    config = {
+        **{k: v for k, v in cfg.to_dict().items() if k != "seed"},
+        "speeds": speeds,
+        "quick": bool(args.quick),
+        "wall_s": sum(run[3] for run in runs.values()),
+        "seeds": {
+            "reported": list(runs),
+            "development": list(DEVELOPMENT_SEEDS),
+            "held_out": not set(runs) & set(DEVELOPMENT_SEEDS),
+            "note": "the rebalancer's settings (calibration margin, window minimum, threshold) were chosen "
+            "on the development seeds; the headline is the median over the reported seeds",
         },
-        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
-        "results": {
-            f"seed_{seed}": {**run[1], "profiles": [r["profile"] for r in run[0]]} for seed, run in runs.items()
-        },
-        "headline": head,
-        "emulated": {
-            **emulation_info(speeds, summary["machine_load"]["cpu_share"], args.emulate),
-            "dilation_per_rank": {f"seed_{seed}": [r.get("dilation") for r in run[0]] for seed, run in runs.items()},
-        },
+        "note": "measured on a shared, loaded machine; ratios are from interleaved runs, one per seed",
+        "worker_env": worker_env(),  # what spawn adds to every rank's environment (all variants alike)
+        "emulated": summary["machine_load"]["emulated"],
     }
+    results = {f"seed_{seed}": {**run[1], "profiles": [r["profile"] for r in run[0]]} for seed, run in runs.items()}
+    emulated = {
+        **emulation_info(speeds, summary["machine_load"]["cpu_share"], args.emulate),
+        "dilation_per_rank": {f"seed_{seed}": [r.get("dilation") for r in run[0]] for seed, run in runs.items()},
+    }
+    return console.bench_doc("xronos", __version__, config, results, head, emulated=emulated)
 
 
 def _save_target(text: str) -> Path:
