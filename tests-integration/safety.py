@@ -48,6 +48,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from hwtopo.testing import Payload
+
 PACKAGES = ("hwtopo", "xronos", "geomesh", "cona", "bicache", "kvpool", "parser-moe", "sysprdict", "agentdyn")
 # the counts that must be zero, per part; everything else in a part describes what was tried
 BAD = {
@@ -62,16 +64,6 @@ NOWHERE = "/proc/none"  # a directory nobody can create, root included
 
 
 # ------------------------------------------------------------------------------- payloads ---
-
-
-class Payload:
-    """Unpickling this runs a shell command that creates ``marker``."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.system, (f"touch {shlex.quote(self.marker)}",)
 
 
 def write_payload(path: Path, marker: Path, torch_format: bool = True) -> Path:
