@@ -9,22 +9,24 @@ from cona.config import BenchConfig
 from cona.dist import launch
 from cona.probe import CostModel
 
+# the small bench both workers run: no oracle, no probe cache, a short corpus
+SMALL = dict(micro_batches=(8, 32), val_samples=16, oracle=False, probe_cache=False, seeds=1, corpus_bytes=200_000)
+
+
+def _trainer(cfg: BenchConfig):
+    """A Trainer whose cost model is a table, so nothing is probed."""
+    from cona import bench
+
+    tr = bench.Trainer(cfg)
+    tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})
+    return tr
+
 
 def _worker(rank, world):
     from cona import bench
 
-    cfg = BenchConfig(
-        world=world,
-        global_batches=(32, 64),
-        micro_batches=(8, 32),
-        val_samples=16,
-        oracle=False,
-        probe_cache=False,
-        seeds=1,
-        corpus_bytes=200_000,
-    )
-    tr = bench.Trainer(cfg)
-    tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})  # a table, no probing
+    cfg = BenchConfig(world=world, global_batches=(32, 64), **SMALL)
+    tr = _trainer(cfg)
     st0 = tr.gns_at_step0()
     out = {"strategy": st0.strategy.name, "warm_s": st0.warm_s, "seconds": st0.seconds, "pairs": len(st0.pairs)}
     try:
@@ -66,18 +68,12 @@ def _seed_worker(rank, world, trains):
     cfg = BenchConfig(
         world=world,
         global_batches=(64,),
-        micro_batches=(8, 32),
-        val_samples=16,
-        oracle=False,
-        probe_cache=False,
-        seeds=1,
-        corpus_bytes=200_000,
         budget_s=0.4,
         target_ppl=1.5,
         step0_warm_batches=1 if trains else 0,
+        **SMALL,
     )
-    tr = bench.Trainer(cfg)
-    tr.cost = CostModel({c: 0.001 * c.global_batch for c in tr.candidates})
+    tr = _trainer(cfg)
     starts, handed = {}, []
     plain, first = tr.variant, tr.first_step
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -170,7 +169,7 @@ def cmd_bench(args) -> int:
         print(f"note: {n}", file=sys.stderr)
     print(table(res))
     if args.json:
-        hwtopo.atomic_write_text(args.json, json.dumps(res, indent=2, default=str) + "\n")
+        console.write_json(args.json, res)
         if not args.quiet:
             print(f"wrote {args.json}", file=sys.stderr)
     return 0
@@ -195,7 +194,7 @@ def cmd_demo(args) -> int:
     head = f"# cona demo\n\nTime to a target validation perplexity on a tiny Llama (Python stdlib text), {when}.\n\n"
     report = f"{head}{shown}\n## The chain cona chose\n\n{chain}\n{notes}{plot if plotted else ''}"
     hwtopo.atomic_write_text(out / "report.md", report)
-    hwtopo.atomic_write_text(out / "result.json", json.dumps(res, indent=2, default=str) + "\n")
+    console.write_json(out / "result.json", res)
     if not args.quiet:
         print(f"wrote {out / 'report.md'}", file=sys.stderr)
     return 0
