@@ -32,3 +32,23 @@ def test_serve_beyond_loopback_needs_a_token(capsys, monkeypatch):
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--token" in err[0]
+
+
+def test_bench_json_envelope_on_a_fixed_result(tmp_path, monkeypatch):
+    # the bench's JSON layer on a fixed result: the shared keys first, agentdyn's own after them
+    import agentdyn.bench
+    import agentdyn.report
+
+    async def fake_bench(cfg, **kw):
+        return {"results": {"baseline": {"p50_s": 1.0}}, "headline": {"speedup": 1.5}, "order": ["baseline"]}
+
+    monkeypatch.setattr(agentdyn.bench, "bench", fake_bench)
+    monkeypatch.setattr(agentdyn.report, "bench_table", lambda out: "table")
+    assert main(["bench", "--quick", "--json", str(tmp_path / "b.json"), "--quiet"]) == 0
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert list(doc) == [
+        *("package", "version", "config", "machine", "results", "headline", "emulated", "profiles", "order"),
+        *("loads", "host", "service", "sandbox", "wall_s", "sampler_overhead", "group_watcher_overhead", "note"),
+    ]
+    assert doc["package"] == "agentdyn" and doc["headline"] == {"speedup": 1.5} and doc["order"] == ["baseline"]
+    assert doc["config"]["quick"] is True and doc["config"]["repeats"] == 1 and doc["emulated"]["llm"]

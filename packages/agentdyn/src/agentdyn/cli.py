@@ -56,12 +56,6 @@ def _progress(args):
     return lambda msg: print(f"[agentdyn] {msg}", file=sys.stderr, flush=True)
 
 
-def _write_json(path: str | Path, obj: dict) -> None:
-    import hwtopo
-
-    hwtopo.atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
-
-
 def _emulator(args):
     from .emulator import EmulatorConfig
 
@@ -294,27 +288,19 @@ def _workload(args, one_seed: bool = False):
 
 
 def _bench_json(out: dict, cfg, quick: bool) -> dict:
-    import hwtopo
-
-    return {
-        "package": "agentdyn",
-        "version": __version__,
-        "config": {**cfg.to_dict(), "quick": quick},
-        "machine": hwtopo.to_dict(hwtopo.probe_cluster()),
-        "results": out["results"],
-        "headline": out["headline"],
-        "emulated": {"llm": cfg.emulator.describe(), "web_link": {"emulated": True, "latency_s": cfg.site_latency_s}},
-        "profiles": out.get("profiles"),
-        "order": out.get("order"),
-        "loads": out.get("loads"),
-        "host": out.get("host"),
-        "service": out.get("service"),
-        "sandbox": out.get("sandbox"),
-        "wall_s": out.get("wall_s"),
-        "sampler_overhead": out.get("sampler_overhead"),
-        "group_watcher_overhead": out.get("watcher_overhead"),
-        "note": "measured side by side in one process, one variant after another; the host may be shared",
-    }
+    extra = {k: out.get(k) for k in ("profiles", "order", "loads", "host", "service", "sandbox", "wall_s")}
+    return console.bench_doc(
+        "agentdyn",
+        __version__,
+        {**cfg.to_dict(), "quick": quick},
+        out["results"],
+        out["headline"],
+        emulated={"llm": cfg.emulator.describe(), "web_link": {"emulated": True, "latency_s": cfg.site_latency_s}},
+        **extra,
+        sampler_overhead=out.get("sampler_overhead"),
+        group_watcher_overhead=out.get("watcher_overhead"),
+        note="measured side by side in one process, one variant after another; the host may be shared",
+    )
 
 
 def cmd_bench(args) -> int:
@@ -332,7 +318,7 @@ def cmd_bench(args) -> int:
     print(bench_table(out))
     print(json.dumps(out["headline"], indent=2))
     if json_path:
-        _write_json(json_path, doc)
+        console.write_json(json_path, doc)
     return 0
 
 
@@ -348,7 +334,7 @@ def cmd_characterize(args) -> int:
         raise console.UsageError(str(e)) from None
     args.out = str(console.output_dir(args.out, "--out"))
     out = asyncio.run(characterize(cfg, progress=_progress(args)))
-    _write_json(os.path.join(args.out, "characterize.json"), out)  # saved before anything else can fail
+    console.write_json(os.path.join(args.out, "characterize.json"), out)  # saved before anything else can fail
     plots = plot_characterize(out, args.out)
     md = characterize_markdown(out)
     body = (
@@ -368,7 +354,7 @@ def cmd_demo(args) -> int:
     cfg = _workload(args, one_seed=True)
     args.out = str(console.output_dir(args.out, "--out"))
     out = asyncio.run(bench(cfg, progress=_progress(args)))
-    _write_json(os.path.join(args.out, "bench.json"), _bench_json(out, cfg, True))  # saved before plotting
+    console.write_json(os.path.join(args.out, "bench.json"), _bench_json(out, cfg, True))  # saved before plotting
     table = bench_table(out)
     plot = plot_bench(out, os.path.join(args.out, "latency.png"))
     head = out["headline"]
