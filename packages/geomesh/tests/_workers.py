@@ -212,3 +212,100 @@ def time_boxed(rank, world):
         "batches": batches,
         "cycle_s": clock.cycle_s,
     }
+
+
+def _wait_for(cond, what: str, timeout_s: float = 60.0) -> None:
+    """Poll ``cond`` until true; a clear failure instead of a hang."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:g} s")
+        time.sleep(0.02)
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def rejoins(rank, world, pid_dir, outer_steps=8):
+    """Rank 1 stops in its inner phase after outer step 2 and waits to be SIGKILLed by the test; the
+    launcher starts a replacement, which joins the survivors at an outer-step boundary."""
+    import time
+
+    from geomesh import Quorum
+    from hwtopo.launch import restart_count
+
+    replacement = restart_count() > 0
+    model = tiny_model(seed=10 + rank + 7 * replacement)  # its own init: the outer state must overwrite it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    q = Quorum(grace_s=0.5, timeout_s=30, join=replacement, join_timeout_s=60)
+    dl = DiLoCo(model, opt, [2, 3, 5][rank], compression="sign", chunk_size=16, quorum=q)
+
+    def linear_batch(r, i, size=4):  # a task this model learns in a few outer steps
+        x = batch(r, i, size)[0]
+        return x, 0.3 * x.sum(dim=1, keepdim=True)
+
+    x_eval, y_eval = linear_batch(99, 0, size=256)
+
+    def eval_loss() -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(model(x_eval), y_eval))
+
+    joined_at, snaps, start_loss = dl.outer_step, {}, eval_loss()
+    step = 0
+    while dl.outer_step < outer_steps:
+        if rank == 1 and not replacement and dl.outer_step == 2 and dl.local_step == 1:
+            with open(os.path.join(pid_dir, "rank1.pid"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(60)  # the test kills it here
+            raise RuntimeError("rank 1 was not killed")
+        if rank != 1 and q.lost and not q.joined:  # hold on until the replacement asks (no race with the end)
+            _wait_for(q.join_pending, "a join request")
+        x, y = linear_batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if dl.step(tokens=x.shape[0]) is not None:
+            snaps[dl.outer_step] = _flat(model)
+    return {
+        "replacement": replacement,
+        "joined_at": joined_at,
+        "snaps": snaps,
+        "members": [h.members for h in dl.history],
+        "lost": q.lost,
+        "joined": q.joined,
+        "eval_loss": (start_loss, eval_loss()),
+        "outer_step": dl.outer_step,
+    }
+
+
+def stalls_once(rank, world, marks):
+    """Rank 2 is SIGSTOPped by the test in its inner phase after outer step 1; the others drop it after
+    their group's timeout and go on. Resumed once they have, it finds itself dropped."""
+    from geomesh import GeoMeshError, Quorum
+
+    model = tiny_model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    q = Quorum(grace_s=0.5, timeout_s=30)
+    dl = DiLoCo(model, opt, [2, 3, 5][rank], compression="sign", chunk_size=16, quorum=q)
+    step = 0
+    try:
+        while dl.outer_step < 4:
+            if rank == 2 and dl.outer_step == 1 and dl.local_step == 1:
+                with open(os.path.join(marks, "rank2.pid"), "w") as f:
+                    f.write(str(os.getpid()))
+                _wait_for(lambda: os.path.exists(os.path.join(marks, "resumed")), "the resume mark", 120)
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            dl.step(tokens=x.shape[0])
+            if q.lost:
+                open(os.path.join(marks, f"dropped-seen-by-{rank}"), "w").close()
+    except GeoMeshError as e:
+        return {"dropped": str(e)}
+    return {"params": _flat(model), "members": [h.members for h in dl.history], "lost": q.lost}

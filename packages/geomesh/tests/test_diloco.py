@@ -1,3 +1,8 @@
+import os
+import signal
+import threading
+import time
+
 import pytest
 import torch
 from _workers import (
@@ -7,9 +12,11 @@ from _workers import (
     loses_a_worker,
     mismatched,
     rebalanced,
+    rejoins,
     ring_and_gather,
     sign_reduce_scatter,
     stalls,
+    stalls_once,
     tiny_model,
     train,
 )
@@ -104,6 +111,60 @@ def test_survivors_drop_a_lost_worker_and_stay_identical(compression):
     assert h[1]["all_tokens"] == h[2]["all_tokens"] == [8, 20] and h[2]["weights"] == pytest.approx([8 / 28, 20 / 28])
 
 
+def _signal_when(path, sig, then=None, timeout_s=120.0):
+    """A thread that sends ``sig`` to the pid written at ``path`` once it appears, then runs ``then``."""
+
+    def run():
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if os.path.exists(path):
+            time.sleep(0.05)  # (the pid is written whole: a few bytes)
+            os.kill(int(open(path).read()), sig)
+            if then is not None:
+                then()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_killed_worker_is_replaced_and_rejoins_from_the_outer_state(tmp_path):
+    killer = _signal_when(tmp_path / "rank1.pid", signal.SIGKILL)
+    res = spawn(rejoins, 3, (str(tmp_path),), timeout_s=240, pg_timeout_s=60, start_method="fork", max_restarts=1)
+    killer.join(timeout=5)
+    new, a, b = res[1], res[0], res[2]
+    assert new["replacement"] and not a["replacement"] and not b["replacement"]
+    assert a["lost"] == b["lost"] == [1] and a["joined"] == b["joined"] == [1]
+    first = min(new["snaps"])  # the replacement's first sync: its weights are the survivors'
+    assert new["joined_at"] in (3, 4) and first == new["joined_at"] + 1
+    assert torch.equal(new["snaps"][first], a["snaps"][first]) and torch.equal(a["snaps"][first], b["snaps"][first])
+    # everyone reached the end together, with identical weights
+    assert new["outer_step"] == a["outer_step"] == b["outer_step"] == 8
+    assert torch.equal(new["snaps"][8], a["snaps"][8]) and torch.equal(b["snaps"][8], a["snaps"][8])
+    members = a["members"]
+    assert members[:2] == [[0, 1, 2]] * 2 and members[2] == [0, 2] and members[-1] == [0, 1, 2]
+    assert a["eval_loss"][1] < 0.8 * a["eval_loss"][0]  # and it trained
+
+
+def test_a_stalled_worker_is_dropped_after_the_group_timeout(tmp_path):
+    def resume():
+        marks = [tmp_path / f"dropped-seen-by-{r}" for r in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (tmp_path / "resumed").touch()
+        os.kill(int(open(tmp_path / "rank2.pid").read()), signal.SIGCONT)
+
+    stopper = _signal_when(tmp_path / "rank2.pid", signal.SIGSTOP, then=resume)
+    res = spawn(stalls_once, 3, (str(tmp_path),), timeout_s=240, pg_timeout_s=5, start_method="fork")
+    stopper.join(timeout=5)
+    assert "worker 2 was dropped from the quorum" in res[2]["dropped"]
+    a, b = res[0], res[1]
+    assert a["lost"] == b["lost"] == [2] and torch.equal(a["params"], b["params"])
+    assert a["members"][0] == [0, 1, 2] and a["members"][1:] == [[0, 1]] * 3
+
+
 def test_all_reduce_name_is_checked():
     model = tiny_model(0)
     with pytest.raises(ValueError, match="all_reduce must be one of"):
@@ -180,3 +241,13 @@ def test_time_boxed_phases_identical_outer_steps_and_slow_rank_does_fewer_tokens
         assert s["all_tokens"][0] > s["all_tokens"][2] > 0, s["all_tokens"]
     assert all(1 <= b <= 4 for r in res for b in r["batches"])
     assert res[0]["cycle_s"] == res[1]["cycle_s"] == res[2]["cycle_s"]  # re-timed identically everywhere
+
+
+def test_quorum_arguments_are_checked():
+    from geomesh import Quorum
+
+    with pytest.raises(ValueError, match=r"join_timeout_s \(0\) must be a number of seconds in \(0, 3600\]"):
+        Quorum(join_timeout_s=0)
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match="group must be None with a quorum"):
+        DiLoCo(model, torch.optim.AdamW(model.parameters()), 2, group=object(), quorum=Quorum())

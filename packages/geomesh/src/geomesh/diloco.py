@@ -75,6 +75,7 @@ class SyncStats:
     codec: dict = field(default_factory=dict)  # sign payload: SignCompressor.last_stats of this step
     collective: str = ""  # the algorithm the payload ran as (wan.COLLECTIVES), charged per hop alike
     collective_s: float = 0.0  # seconds in the payload's collective (emulated WAN time included)
+    members: list[int] = field(default_factory=list)  # the quorum's worker ids in this outer step (if any)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,16 +94,24 @@ def _comm_device(group=None) -> torch.device:
 
 
 def exchange_meta(
-    tokens: int, compute_s: float, world: int, group=None, sync_cpu_s: float = -1.0, post_s: float = -1.0
-) -> tuple[list[int], list[float], float, list[float], list[float]]:
+    tokens: int,
+    compute_s: float,
+    world: int,
+    group=None,
+    sync_cpu_s: float = -1.0,
+    post_s: float = -1.0,
+    join: bool = False,
+) -> tuple[list[int], list[float], float, list[float], list[float], bool]:
     """all_gather of (tokens, compute seconds, last sync's CPU seconds, last sync's seconds from the sync
-    point to the next phase): the sync point; its blocking time is straggler idle.
+    point to the next phase, whether this rank saw a worker asking to join): the sync point; its
+    blocking time is straggler idle.
 
     Returns every worker's tokens, measured throughput (tokens/s), the seconds this rank waited,
-    every worker's CPU seconds of its previous outer step and every worker's post-sync seconds of
-    its previous outer step (-1 where not measured yet).
+    every worker's CPU seconds of its previous outer step, every worker's post-sync seconds of
+    its previous outer step (-1 where not measured yet), and whether any rank saw a join request.
     """
-    meta = torch.tensor([float(tokens), compute_s, sync_cpu_s, post_s], dtype=torch.float64, device=_comm_device(group))
+    row = [float(tokens), compute_s, sync_cpu_s, post_s, float(join)]
+    meta = torch.tensor(row, dtype=torch.float64, device=_comm_device(group))
     t0 = time.perf_counter()
     if world > 1:
         got = [torch.zeros_like(meta) for _ in range(world)]
@@ -112,7 +121,8 @@ def exchange_meta(
     wait_s = time.perf_counter() - t0
     got = [g.cpu() for g in got]
     rates = [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got]
-    return [int(g[0]) for g in got], rates, wait_s, [float(g[2]) for g in got], [float(g[3]) for g in got]
+    joins = any(bool(g[4]) for g in got)
+    return [int(g[0]) for g in got], rates, wait_s, [float(g[2]) for g in got], [float(g[3]) for g in got], joins
 
 
 def reduce_kind(algo: str, nbytes: int, wan: WanEmulator | None) -> str:
@@ -179,6 +189,8 @@ class DiLoCo:
             raise ValueError(f"sign_collective must be one of {SIGN_COLLECTIVES}, not {sign_collective!r}")
         if not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be a positive integer, not {inner_steps!r}")
+        if quorum is not None and group is not None:
+            raise ValueError("group must be None with a quorum: the quorum's members form the default process group")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.inner_steps = inner_steps
@@ -191,12 +203,13 @@ class DiLoCo:
         # inner step fits before the common deadline; ``inner_steps`` is then not used
         self.phase_clock = phase_clock
         # a lost worker (dead or stalled past the group's timeout) is dropped at the next sync and the
-        # others go on; without a quorum the failure is raised as before
+        # others go on, and a new one joins at an outer-step boundary; without a quorum a failure is raised
         self.quorum = quorum
+        self._wan_all = wan  # every launch rank's machine: a quorum's members (launch ranks) pick theirs
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.worker_name = worker_name or f"rank{self.rank}"
+        self.worker_name = worker_name or f"rank{quorum.me if quorum is not None else self.rank}"
         self.synced = [torch.nn.Parameter(p.detach().clone().float(), requires_grad=False) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=True)
         shapes = [p.shape for p in self.params]
@@ -221,11 +234,19 @@ class DiLoCo:
         self._last_post_s = -1.0
         self._step_start = self._phase_start
         self._collective_s = 0.0
-        if self.world > 1:
+        self._start()
+
+    # --- set-up ---------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Start identical to the others: from rank 0's weights, or (joining) from the quorum's outer state."""
+        if self.quorum is not None and self.quorum.joining:
+            self.quorum.join()  # bounded by quorum.join_timeout_s
+            self._rewire()
+            self._share_outer_state()
+        elif self.world > 1:
             self._check_same_model()
             self._broadcast_initial()
 
-    # --- set-up ---------------------------------------------------------------------------------
     def _collective_name(self) -> str:
         if self.sign_reduce is not None:
             return "reduce_scatter+all_gather"
@@ -285,30 +306,76 @@ class DiLoCo:
         """Weights at the last sync minus current weights (the direction the outer step descends)."""
         return [s.detach() - p.detach().float() for s, p in zip(self.synced, self.params)]
 
-    def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float, list[float], list[float]]:
+    def _exchange_meta(self, compute_s: float) -> tuple[list[int], list[float], float, list[float], list[float], bool]:
         args = (self._last_sync_cpu_s, self._last_post_s)
-        try:
-            return exchange_meta(self.tokens, compute_s, self.world, self.group, *args)
-        except RuntimeError:  # gloo: a peer closed its connections, or the group's timeout passed
-            if self.quorum is None:
-                raise
-            self._regroup()
-            return exchange_meta(self.tokens, compute_s, self.world, self.group, *args)
+        for _ in range(self.world + 1):  # each failure drops at least the worker it met, or gives up
+            join = self.quorum is not None and self.quorum.join_pending()
+            try:
+                return exchange_meta(self.tokens, compute_s, self.world, self.group, *args, join=join)
+            except RuntimeError:  # gloo: a peer closed its connections, or the group's timeout passed
+                if self.quorum is None:
+                    raise
+                self.quorum.reform()
+                self._rewire()
+        raise GeoMeshError(f"worker {self.worker_name}: the sync point kept failing after {self.world + 1} quorums")
 
-    def _regroup(self) -> None:
-        """Continue with the workers the quorum found alive: their group, rank, links and exchange."""
+    def _rewire(self) -> None:
+        """Take the quorum's members as they are now: their group's rank, links and sign exchange."""
         assert self.quorum is not None
-        before = list(self.quorum.members)
-        self.group = self.quorum.reform()
         members = self.quorum.members
-        self.rank, self.world = members.index(before[self.rank]), len(members)
-        if self.wan is not None:
-            machines = [self.wan.machines[before.index(r)] for r in members]
-            self.wan = WanEmulator(self.wan.cluster, machines, latency_only=self.wan.latency_only)
-        self.rebalancer = None  # its plan shares the work with the lost worker; the phase clock re-times
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self._wan_all is not None:
+            w = self._wan_all
+            if max(members) >= len(w.machines):
+                raise GeoMeshError(f"worker id {max(members)} has no machine in the WanEmulator ({w.machines})")
+            self.wan = WanEmulator(w.cluster, [w.machines[i] for i in members], latency_only=w.latency_only)
+        self.rebalancer = None  # its plan shares the work among other workers; the phase clock re-times
         if self.sign_reduce is not None:
             comp = self.sign_reduce.compressor  # its error feedback carries over; the shards are re-cut
             self.sign_reduce = SignReduceScatter(comp, self.world, self.rank, self.group, self.wan)
+
+    def _admit(self) -> None:
+        """At an outer-step boundary: let the workers that asked join, and send them the outer state."""
+        assert self.quorum is not None
+        joined = self.quorum.admit()
+        self._rewire()
+        if not joined:
+            return
+        try:
+            self._share_outer_state()
+        except RuntimeError:  # a joiner vanished (or refused the state) while it was sent: go on without it
+            self.quorum.reform()
+            self._rewire()
+
+    def _share_outer_state(self) -> None:
+        """Broadcast the outer state (outer step, synced weights, outer momentum) from the quorum's
+        ``source`` member to everyone, so a worker that joined starts from exactly the members' state."""
+        assert self.quorum is not None
+        src = self.quorum.members.index(self.quorum.source)
+        dev = _comm_device()
+        mom = [self.outer_optimizer.state.get(s, {}).get("momentum_buffer") for s in self.synced]
+        digest = int(_shape_digest(self.params))
+        head = torch.tensor([self.outer_step, int(all(m is not None for m in mom)), digest], device=dev)
+        dist.broadcast(head, src=src)
+        if int(head[2]) != digest:
+            raise GeoMeshError(
+                f"worker {self.worker_name}: model parameter shapes differ from the quorum's (worker {self.quorum.source})"
+            )
+        self.outer_step = int(head[0])
+        tensors = list(self.synced)
+        if bool(head[1]):
+            for s in self.synced:
+                self.outer_optimizer.state[s].setdefault("momentum_buffer", torch.zeros_like(s))
+            tensors += [self.outer_optimizer.state[s]["momentum_buffer"] for s in self.synced]
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(dev)
+        dist.broadcast(flat, src=src)
+        with torch.no_grad():
+            off = 0
+            for t in tensors:
+                t.copy_(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
+            for s, p in zip(self.synced, self.params):
+                p.data.copy_(s.data.to(p.dtype))
 
     def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
         """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
@@ -348,7 +415,7 @@ class DiLoCo:
     def sync(self) -> SyncStats:
         """One synchronous outer step (all workers must call it the same number of times)."""
         compute_s = time.perf_counter() - self._phase_start
-        all_tokens, rates, wait_s, overheads, posts = self._exchange_meta(compute_s)
+        all_tokens, rates, wait_s, overheads, posts, join = self._exchange_meta(compute_s)
         t0 = time.perf_counter()  # the sync point: the all_gather released every worker at about this instant
         self._collective_s = 0.0
         deltas = self.pseudo_gradient()
@@ -375,6 +442,7 @@ class DiLoCo:
             codec=dict(self.compressor.last_stats) if self.compressor is not None else {},
             collective=self._collective_name(),
             collective_s=self._collective_s,
+            members=list(self.quorum.members) if self.quorum is not None else [],
         )
         if self.rebalancer is not None:
             names = [p.name for p in self.rebalancer.plan.profiles]
@@ -391,6 +459,8 @@ class DiLoCo:
         self.outer_step += 1
         self.local_step = 0
         self.tokens = 0
+        if join:  # every member saw the same flag in the meta exchange: all admit at this boundary
+            self._admit()
         self.start_phase(anchor=t0)
         # own CPU work of this outer step (not the collectives): the balancer keeps it in each cycle
         self._last_sync_cpu_s = max(0.0, self._phase_start - t0 - self._collective_s)
