@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from hwtopo.httpguard import BadRequest, check_bind, middleware, parse_json, read_json, token_from_env
-from hwtopo.testing import Answer, assert_client_errors, send_requests, serve_app
+from hwtopo.testing import Answer, assert_client_errors, malformed_json, send_requests, serve_app
 
 
 def test_parse_json_accepts_ordinary_bodies():
@@ -166,3 +166,14 @@ def test_a_request_corpus_passes_only_when_every_answer_is_a_clean_4xx():
         assert_client_errors([boom])
     with pytest.raises(AssertionError, match="Traceback"):
         assert_client_errors([Answer("GET", "/", b"", 404, 'Traceback (most recent call last):\n  File "x"')])
+
+
+def test_malformed_json_is_refused_by_the_parser_or_is_the_wrong_shape():
+    parsed = []
+    for body in malformed_json("keys"):
+        try:
+            parsed.append(parse_json(body, max_bytes=1 << 20))
+        except BadRequest:
+            pass
+    # what JSON can hold: no object, or an object whose field is a string Python cannot encode
+    assert parsed == [None, [], 42, "keys", {"keys": "\ud800"}]

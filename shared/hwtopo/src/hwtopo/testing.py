@@ -36,6 +36,7 @@ __all__ = [
     "assert_version",
     "Payload",
     "Answer",
+    "malformed_json",
     "send_requests",
     "assert_client_errors",
     "serve_app",
@@ -128,6 +129,33 @@ class Payload:
 
     def __reduce__(self):
         return os.system, (f"touch {shlex.quote(self.marker)}",)
+
+
+def malformed_json(field: str) -> list[bytes]:
+    """Request bodies no JSON endpoint may accept or fail on with a 500: not JSON, not an object,
+    not UTF-8, nested past any limit, numbers JSON has no value for, a lone surrogate, trailing
+    junk. ``field`` is the endpoint's main field, so that a body gets as far into it as it can."""
+    f = b'"' + field.encode() + b'"'
+    return [
+        b"",
+        b"{",
+        b"{not json",
+        b"null",
+        b"[]",
+        b"42",
+        f,
+        b"\xff\xfe{}",
+        b"{" + f + b": NaN}",
+        b"{" + f + b": 1e999}",
+        b"{" + f + b": " + b"9" * 5000 + b"}",
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"a":' * 1000 + b"1" + b"}" * 1000,
+        b"{" + f + b': "\\ud800"}',
+        b"{" + f + b": " + b"[" * 70 + b"]" * 70 + b"}",
+        b"{" + f + b": 1} extra",
+        b"{" + f + b": 1,}",
+        b"{'" + field.encode() + b"': 1}",
+    ]
 
 
 @dataclass(frozen=True)
