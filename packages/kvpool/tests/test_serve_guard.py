@@ -10,7 +10,7 @@ pytest.importorskip("aiohttp")
 
 import aiohttp  # noqa: E402
 
-from hwtopo.testing import assert_client_errors, send_requests  # noqa: E402
+from hwtopo.testing import assert_client_errors, malformed_json, send_requests  # noqa: E402
 from kvpool import KVPool, MemoryStore  # noqa: E402
 from kvpool.serve import BackgroundServer, PoolClient, parse_layout, serve_forever  # noqa: E402
 
@@ -24,40 +24,33 @@ def _pool() -> KVPool:
 
 def _corpus() -> list[tuple[str, str, bytes | None, dict]]:
     """(method, path, body, headers) of malformed requests: none of them may store or crash anything."""
-    lookups = [
-        b"",
-        b"{",
-        b"{not json",
-        b"null",
-        b"[]",
-        b"42",
-        b'"keys"',
-        b"\xff\xfe{}",
-        b'{"keys": NaN}',
-        b'{"keys": [1e999]}',
-        b'{"keys": ' + b"9" * 5000 + b"}",
-        b"[" * 100_000 + b"]" * 100_000,
-        b'{"keys":' * 1000 + b"1" + b"}" * 1000,
-        b'{"keys": ["\\ud800"]}',
-        b'{"keys": [' + b"[" * 70 + b"]" * 70 + b"]}",
-        b'{"keys": ["a"]} extra',
-        b'{"keys": ["a",]}',
-        b"{'keys': []}",
-    ] + [
-        json.dumps(o).encode()
-        for o in (
-            {},
-            {"key": [KEY]},
-            {"keys": KEY},
-            {"keys": None},
-            {"keys": [1, 2]},
-            {"keys": [None]},
-            {"keys": [[KEY]]},
-            {"keys": {"a": KEY}},
-            {"keys": [True]},
-            {"keys": [10**30]},
-        )
-    ]
+    lookups = (
+        malformed_json("keys")
+        + [
+            b'{"keys": [1e999]}',
+            b'{"keys":' * 1000 + b"1" + b"}" * 1000,
+            b'{"keys": ["\\ud800"]}',
+            b'{"keys": [' + b"[" * 70 + b"]" * 70 + b"]}",
+            b'{"keys": ["a"]} extra',
+            b'{"keys": ["a",]}',
+            b"{'keys': []}",
+        ]
+        + [
+            json.dumps(o).encode()
+            for o in (
+                {},
+                {"key": [KEY]},
+                {"keys": KEY},
+                {"keys": None},
+                {"keys": [1, 2]},
+                {"keys": [None]},
+                {"keys": [[KEY]]},
+                {"keys": {"a": KEY}},
+                {"keys": [True]},
+                {"keys": [10**30]},
+            )
+        ]
+    )
     chunk = b"\0" * LAY.chunk_bytes
     out = [("POST", "/v1/lookup", b, {"Content-Type": "application/json"}) for b in lookups]
     out += [
