@@ -21,7 +21,7 @@ from agentdyn.runtime import Harness
 from agentdyn.sandbox import SandboxUnavailable, missing_layers, zombie_children
 from agentdyn.service import make_app
 from agentdyn.servicecheck import service_leftovers
-from hwtopo.testing import assert_client_errors, send_requests
+from hwtopo.testing import assert_client_errors, malformed_json, send_requests
 
 # a host without every sandbox layer (CI runners are not root) serves with --unsafe-no-sandbox
 UNSAFE = bool(missing_layers())
@@ -246,24 +246,13 @@ def test_port_in_use_still_stops_the_harness():
 
 def _corpus() -> list[tuple[str, str, bytes | None, dict]]:
     """(method, path, body, headers) of malformed requests: none of them is a valid agent request."""
-    raw = [
-        b"",
+    raw = malformed_json("task_type") + [
         b"   ",
-        b"{",
-        b"{not json",
-        b"null",
-        b"[]",
         b"[1, 2]",
-        b"42",
         b'"coding"',
-        b"\xff\xfe{}",
-        b'{"task_type": NaN}',
         b'{"task_type": "coding", "tool_timeout_s": 1e999}',
         b'{"task_type": "coding", "max_steps": ' + b"9" * 5000 + b"}",
-        b"[" * 100_000 + b"]" * 100_000,
-        b'{"a":' * 1000 + b"1" + b"}" * 1000,
         b'{"task_type": "coding", "input": ' + b"[" * 70 + b"]" * 70 + b"}",
-        b'{"task_type": "\\ud800"}',
         b'{"task_type": "coding",}',
         b"{'task_type': 'coding'}",
     ]
