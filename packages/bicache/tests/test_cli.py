@@ -58,7 +58,7 @@ def test_bench_json_envelope_on_a_fixed_result(tmp_path, capsys, monkeypatch):
     }
     monkeypatch.setattr(bicache.cli, "_model", lambda args: types.SimpleNamespace(num_layers=2))
     monkeypatch.setattr(bicache.bench, "run_bench", lambda dlm, **kw: res)
-    assert main(["bench", "--quick", "--json", str(tmp_path / "b.json"), "--quiet"]) == 0
+    assert main(["bench", "--quick", "--suite", "table", "--json", str(tmp_path / "b.json"), "--quiet"]) == 0
     doc = json.loads((tmp_path / "b.json").read_text())
     assert list(doc)[:6] == ["package", "version", "config", "machine", "results", "headline"]
     assert doc["package"] == "bicache" and doc["headline"] == {"speedup": 1.9} and doc["machine"]["machines"]

@@ -15,6 +15,7 @@ import gc
 import logging
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 
@@ -62,10 +63,12 @@ def run_variant(dlm, mode, fixed_depth, policy, reqs, max_batch, cfg) -> dict:
         if paused:
             gc.enable()
     correct = sum(int(c.tokens == r.answer) for c, r in zip(done, reqs))
+    right = sum(sum(int(a == b) for a, b in zip(c.tokens, r.answer)) for c, r in zip(done, reqs))
     s = engine.stats.summary()
     depths = sorted({c.depth for c in done})
     return {
         "accuracy": correct / len(reqs),
+        "token_accuracy": right / max(1, sum(len(r.answer) for r in reqs)),
         "tokens": s["generated_tokens"],
         "seconds": engine.stats.busy_s,
         "cpu_seconds": engine.stats.cpu_s,
@@ -123,6 +126,7 @@ def _summary(rs: list[dict]) -> dict:
     cpu = statistics.median(r["cpu_seconds"] for r in rs)
     return {
         "accuracy": rs[0]["accuracy"],
+        "token_accuracy": round(rs[0]["token_accuracy"], 4),
         "tokens": rs[0]["tokens"],
         "tokens_per_cpu_s": round(rs[0]["tokens"] / cpu, 2),
         "tokens_per_s": round(rs[0]["tokens"] / secs, 2),
@@ -150,12 +154,14 @@ def run_bench(
     workload: tuple[int, int] | None = None,
     side_repeats: int = 2,
     heap: bool = True,
+    work: dict | None = None,
 ) -> dict:
     """Calibrate, pick the bound, then measure every variant at every fraction, side by side.
 
     ``repeats`` rounds for the headline variants (``HEADLINE_VARIANTS``), ``side_repeats`` of them
     for the other baselines; medians over the rounds each variant ran. ``heap`` applies
     :func:`~bicache.engine.keep_heap` (process-wide) so that no variant pays page faults.
+    ``work`` ({fraction: [Request, ...]}) replaces the table-task workload (``workload`` sizes it).
     """
     torch.set_num_threads(1)
     heap_kept = keep_heap() if heap else False
@@ -166,7 +172,9 @@ def run_bench(
     t0 = time.perf_counter()
     calibration, bound, bound_report = _calibrate(dlm, calibration, bound, quick, cfg)
     policy = depthmod.DepthPolicy(calibration, bound)
-    work = make_workload(dlm, groups=groups, per_group=per_group)
+    if work is None:
+        work = make_workload(dlm, groups=groups, per_group=per_group)
+    requests = {f"{f:g}": len(reqs) for f, reqs in work.items()}
     runs = _measure(dlm, policy, work, repeats, side_repeats, max_batch, cfg, progress)
     rounds = _round_ratios(runs, work)
     results = {name: {f"{f:g}": _summary(rs) for f, rs in per_f.items()} for name, per_f in runs.items()}
@@ -180,9 +188,8 @@ def run_bench(
             "protocol": "warm-up pass per variant; rounds interleave variants (order rotates per round), gc paused "
             "in timed passes; medians over rounds",
             "allocator": "glibc mallopt: freed memory kept in the heap" if heap_kept else "default",
-            "fractions": list(FRACTIONS),
-            "requests_per_fraction": groups * per_group,
-            "groups_per_fraction": groups,
+            "fractions": list(work),
+            "requests_per_fraction": requests,
             "max_batch": max_batch,
             "decode": {"gen_length": cfg.gen_length, "block_length": cfg.block_length, "steps": cfg.steps},
             "model": {
@@ -192,7 +199,7 @@ def run_bench(
                 "hidden": dlm.config.hidden_size,
                 "params": sum(p.numel() for p in dlm.model.parameters()),
             },
-            "task": {"rows": dlm.spec.rows, "prompt_length": dlm.spec.prompt_length},
+            "task": {"spec": asdict(dlm.spec), "prompt_length": dlm.spec.prompt_length},
             "drift_bound": bound,
             "threads": torch.get_num_threads(),
             "timer": "throughput per CPU-second of the decoding thread (time.thread_time); *_wall: wall-clock",

@@ -21,7 +21,7 @@ import torch
 
 from . import diffusion, kvcache
 from .model import DiffusionLM
-from .task import TableTask
+from .task import Request, TableTask
 
 log = logging.getLogger(__name__)
 
@@ -87,25 +87,34 @@ def calibrate(
     groups: int = 2,
     seed: int = 1234,
 ) -> Calibration:
-    """Measure per-layer drift of cached vs fresh prefix K/V for several shared-prefix fractions.
-
-    For each fraction, ``groups`` bursts share a prefix; the entry is filled from the first request
-    (all answer tokens masked, as when a serving engine first meets the prefix) and compared with the
-    fresh K/V of every other request, both at its first step (answer masked) and with its answer
-    half revealed (a later denoising step).
-    """
+    """Per-layer drift of cached vs fresh prefix K/V on table-task bursts (see :func:`calibrate_bursts`)."""
     spec = dlm.spec
     task = TableTask(spec, seed=seed)
     if shared_rows is None:
         shared_rows = sorted({spec.shared_rows_for_fraction(f) for f in (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)})
+    bursts = [[task.burst(requests_per_fraction + 1, rows, group=g) for g in range(groups)] for rows in shared_rows]
+    fractions = [spec.prefix_length(rows) / spec.prompt_length for rows in shared_rows]
+    return calibrate_bursts(dlm, fractions, bursts, meta={"shared_rows": list(shared_rows), "seed": seed})
+
+
+def calibrate_bursts(
+    dlm: DiffusionLM, fractions: list[float], bursts: list[list[list[Request]]], meta: dict | None = None
+) -> Calibration:
+    """Measure per-layer drift of cached vs fresh prefix K/V for several shared-prefix fractions.
+
+    ``bursts[i]``: the bursts of fraction ``fractions[i]`` (requests sharing a prefix). The entry
+    is filled from each burst's first request (all answer tokens masked, as when a serving engine
+    first meets the prefix) and compared with the fresh K/V of every other request, both at its
+    first step (answer masked) and with its answer half revealed (a later denoising step).
+    """
+    spec = dlm.spec
     n = dlm.num_layers
     out: dict[str, list] = {"fractions": [], "kv": [], "hidden": [], "drift": [], "drift_max": []}
     total = 0
-    for rows in shared_rows:
+    for fraction, group_bursts in zip(fractions, bursts):
         kv_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]
         hid_rows: list[list[torch.Tensor]] = [[] for _ in range(n + 1)]
-        for g in range(groups):
-            reqs = task.burst(requests_per_fraction + 1, rows, group=g)
+        for reqs in group_bursts:
             p = reqs[0].prefix_len
             gl = spec.gen_length
             first = [r.prompt + [dlm.mask_id] * gl for r in reqs]
@@ -133,7 +142,7 @@ def calibrate(
                 worst = torch.maximum(worst, hid_t[:, depth])
             exposed.append(worst)
         exp_t = torch.stack(exposed, 1)
-        out["fractions"].append(spec.prefix_length(rows) / spec.prompt_length)
+        out["fractions"].append(fraction)
         out["kv"].append([float(x) for x in kv_t.mean(0)])
         out["hidden"].append([float(x) for x in hid_t.mean(0)])
         out["drift"].append([float(x) for x in exp_t.mean(0)])
@@ -141,7 +150,7 @@ def calibrate(
         log.info(
             "fraction %.3f exposed drift per depth %s", out["fractions"][-1], [round(d, 4) for d in out["drift"][-1]]
         )
-    return Calibration(**out, samples=total, num_layers=n, meta={"shared_rows": list(shared_rows), "seed": seed})
+    return Calibration(**out, samples=total, num_layers=n, meta=meta or {})
 
 
 @dataclass
@@ -213,24 +222,27 @@ def choose_bound(
     cfg: diffusion.DecodeConfig | None = None,
     seed: int = 4321,
     statistic: str = "drift",
+    bursts: list[list[Request]] | None = None,
 ) -> tuple[float, dict]:
     """The largest drift bound whose answers disagree with no-cache answers on <= ``max_disagreement``.
 
     Candidate bounds are the measured drift values themselves (each gives a different policy); the
-    check decodes held-out requests of every calibrated fraction both ways. Returns the bound and a
-    report of every candidate tried.
+    check decodes held-out requests of every calibrated fraction both ways: ``bursts`` (the first
+    request of each fills the prefix entry), by default table-task bursts of the calibrated
+    fractions. Returns the bound and a report of every candidate tried.
     """
     cfg = cfg or diffusion.DecodeConfig(gen_length=dlm.spec.gen_length)
-    task = TableTask(dlm.spec, seed=seed)
+    if bursts is None:
+        task = TableTask(dlm.spec, seed=seed)
+        bursts = [task.burst(requests_per_fraction + 1, rows) for rows in calibration.meta.get("shared_rows", [])]
     batches = []
-    for rows in calibration.meta.get("shared_rows", []):
-        reqs = task.burst(requests_per_fraction + 1, rows)
+    for reqs in bursts:
         ids = torch.tensor([r.prompt for r in reqs])
         with torch.no_grad():
             masked = torch.cat([ids[:1], torch.full((1, dlm.spec.gen_length), dlm.mask_id)], dim=1)
             entry, _ = kvcache.fill_entry(dlm, masked, reqs[0].prefix_len)
             ref = diffusion.generate(dlm, ids[1:], cfg, mode="none")
-        batches.append((reqs[0].prefix_len / dlm.spec.prompt_length, ids[1:], entry, ref))
+        batches.append((reqs[0].prefix_len / len(reqs[0].prompt), ids[1:], entry, ref))
     values = sorted({v for row in getattr(calibration, statistic) for v in row}, reverse=True)
     report = {}
     decoded: dict[tuple[int, int], int] = {}  # (batch, depth) -> answers agreeing with no-cache

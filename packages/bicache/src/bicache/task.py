@@ -147,19 +147,24 @@ class Vocab:
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``: task tokens joined by spaces, byte runs decoded as UTF-8."""
-        words: list[str] = []
-        run = bytearray()
-        for i in ids:
-            if self.byte0 <= i < self.byte0 + 256:
-                run.append(i - self.byte0)
-                continue
-            if run:
-                words.append(run.decode("utf-8", errors="replace"))
-                run.clear()
-            words.append(self.tokens[i] if 0 <= i < len(self.tokens) else f"<{i}>")
+        return " ".join(decode_runs(ids, self.byte0, self.tokens))
+
+
+def decode_runs(ids: list[int], byte0: int, tokens: list[str]) -> list[str]:
+    """``ids`` as pieces: each run of byte tokens (``byte0`` onwards) decoded as UTF-8, other ids by name."""
+    words: list[str] = []
+    run = bytearray()
+    for i in ids:
+        if byte0 <= i < byte0 + 256:
+            run.append(i - byte0)
+            continue
         if run:
             words.append(run.decode("utf-8", errors="replace"))
-        return " ".join(words)
+            run.clear()
+        words.append(tokens[i] if 0 <= i < len(tokens) else f"<{i}>")
+    if run:
+        words.append(run.decode("utf-8", errors="replace"))
+    return words
 
 
 @dataclass
