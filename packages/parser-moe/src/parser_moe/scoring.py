@@ -14,7 +14,7 @@ is the activation-aware residual score: the geometric mean of the output importa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -55,12 +55,7 @@ class Scoring:
         return f"{self.criterion}{flags}/min{self.min_per_expert}"
 
     def as_dict(self) -> dict:
-        return {
-            "criterion": self.criterion,
-            "route_weight": self.route_weight,
-            "routed_share": self.routed_share,
-            "min_per_expert": self.min_per_expert,
-        }
+        return asdict(self)
 
 
 REFERENCE = Scoring("output")
