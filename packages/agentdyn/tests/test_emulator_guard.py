@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from agentdyn.emulator import EmulatorConfig, LLMEmulator
-from hwtopo.testing import Answer, assert_client_errors, send_requests
+from hwtopo.testing import Answer, assert_client_errors, malformed_json, send_requests
 
 FAST = EmulatorConfig(ttft_s=0.0, ttft_sigma=0.0, tokens_per_s=1e6, tps_sigma=0.0)
 GOOD = {"messages": [{"role": "system", "content": "task_type: rag_qa"}, {"role": "user", "content": "{}"}]}
@@ -19,23 +19,18 @@ def _user(content) -> dict:
     return {"messages": [{"role": "system", "content": "task_type: rag_qa"}, {"role": "user", "content": content}]}
 
 
-MALFORMED: list[tuple[str, str, bytes]] = [
-    ("POST", "/v1/chat/completions", b""),
-    ("POST", "/v1/chat/completions", b"{"),
-    ("POST", "/v1/chat/completions", b"null"),
-    ("POST", "/v1/chat/completions", b"[]"),
-    ("POST", "/v1/chat/completions", b'"text"'),
-    ("POST", "/v1/chat/completions", b"\xff\xfe"),
-    ("POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000),
-    ("POST", "/v1/chat/completions", b'{"messages": NaN}'),
-    ("POST", "/v1/chat/completions", b'{"messages": 1e999}'),
-    ("POST", "/v1/chat/completions", b'{"messages": []}'),
-    ("POST", "/v1/chat/completions", b'{"messages": "hi"}'),
-    ("POST", "/v1/chat/completions", b'{"messages": [1, 2]}'),
-    ("POST", "/v1/chat/completions", b'{"messages": [null]}'),
-    ("POST", "/v1/chat/completions", b'{"messages": [[]]}'),
-    ("POST", "/v1/chat/completions", json.dumps(_user('{"shard": "x"}')).encode()),
-    ("POST", "/v1/chat/completions", json.dumps(_user('{"shards": [1]}')).encode()),
+CHAT_BODIES = malformed_json("messages") + [
+    b'"text"',
+    b"\xff\xfe",
+    b'{"messages": []}',
+    b'{"messages": "hi"}',
+    b'{"messages": [1, 2]}',
+    b'{"messages": [null]}',
+    b'{"messages": [[]]}',
+    json.dumps(_user('{"shard": "x"}')).encode(),
+    json.dumps(_user('{"shards": [1]}')).encode(),
+]
+MALFORMED: list[tuple[str, str, bytes]] = [("POST", "/v1/chat/completions", b) for b in CHAT_BODIES] + [
     ("GET", "/v1/chat/completions", b""),
     ("PUT", "/v1/models", b"{}"),
     ("POST", "/v1/nothing", b"{}"),
