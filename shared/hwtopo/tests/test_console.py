@@ -235,3 +235,18 @@ def test_bench_doc_keys_in_order_and_write_json(tmp_path):
     with pytest.raises(ValueError):
         console.write_json(tmp_path / "c.json", {"x": float("nan")}, allow_nan=False)
     assert not (tmp_path / "c.json").exists()
+
+
+def test_save_figure_writes_whole_and_closes(tmp_path):
+    plt = console.pyplot("hwtopo")
+    if plt is None:
+        pytest.skip("matplotlib is not installed")
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    assert console.save_figure(fig, tmp_path / "p.png", dpi=50) == tmp_path / "p.png"
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plt.fignum_exists(fig.number)
+    fig, _ = plt.subplots()
+    with pytest.raises(ValueError):
+        console.save_figure(fig, tmp_path / "p.nosuchformat")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png"] and not plt.fignum_exists(fig.number)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .probe import probe_cluster
-from .spec import atomic_write_text, to_dict
+from .spec import atomic_file, atomic_write_text, to_dict
 
 __all__ = [
     "UsageError",
@@ -47,6 +47,7 @@ __all__ = [
     "table",
     "cache_dir",
     "pyplot",
+    "save_figure",
 ]
 
 log = logging.getLogger(__name__)
@@ -292,3 +293,18 @@ def pyplot(package: str):
         log.warning("matplotlib is not installed (pip install 'mlsyskit-%s[plot]'); no plots written", package)
         return None
     return plt
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 100) -> Path:
+    """Lay ``fig`` out tightly, write it to ``path`` whole or not at all (the format from the
+    suffix, e.g. ``.png``), and close it so a long run does not keep every figure in memory."""
+    import matplotlib.pyplot as plt
+
+    p = Path(path)
+    try:
+        fig.tight_layout()
+        with atomic_file(p, "wb") as fh:
+            fig.savefig(fh, dpi=dpi, format=p.suffix.lstrip(".") or None)
+    finally:
+        plt.close(fig)
+    return p
