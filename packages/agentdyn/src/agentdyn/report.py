@@ -57,9 +57,7 @@ def plot_bench(out: dict, path: str) -> str | None:
     ax.set_ylabel("mean request latency (s)")
     ax.set_title("agentdyn bench: mixed workload, emulated LLM")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    console.save_figure(fig, path, dpi=110)
     return path
 
 
@@ -101,10 +99,8 @@ def plot_characterize(out: dict, outdir: str) -> list[str]:
         ax.set_ylabel("seconds per request")
         ax.set_title(f"latency breakdown, {cores} core(s) (emulated), LLM TTFT {ttft:g}s (emulated)", fontsize=9)
         ax.legend(fontsize=7)
-        fig.tight_layout()
         p = os.path.join(outdir, f"breakdown-{cores}core-ttft{ttft:g}.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
+        console.save_figure(fig, p, dpi=110)
         paths.append(p)
     return paths
 
