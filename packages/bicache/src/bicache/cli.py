@@ -202,10 +202,8 @@ def _plot_drift(cal, bound: float, out_dir: Path) -> list[Path]:
     ax.set_yscale("symlog", linthresh=1e-3)
     ax.legend(fontsize=7)
     ax.set_title("prefix K/V drift vs depth")
-    fig.tight_layout()
     path = out_dir / "drift.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    console.save_figure(fig, path, dpi=110)
     return [path]
 
 
