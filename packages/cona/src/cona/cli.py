@@ -153,9 +153,7 @@ def _plot(res: dict, path: Path) -> bool:
     ax.set(yscale="log", xlabel="training time (s)", ylabel="validation perplexity")
     ax.set_title("cona vs baselines (tiny Llama, 2 ranks, CPU)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    console.save_figure(fig, path, dpi=100)
     return True
 
 
