@@ -179,9 +179,7 @@ def _plot(res: dict, path: Path) -> bool:
         ax.set_ylabel("MB/s")
         ax.set_title(f"retrieval bandwidth per device\n{_label(r)}", fontsize=9)
         ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    console.save_figure(fig, path, dpi=90)
     return True
 
 
