@@ -146,9 +146,7 @@ def _plot(results: dict, path: Path) -> bool:
     ax.set_yscale("log")
     ax.set_title("parser-moe: gap vs memory (tiny Qwen2-MoE, stdlib text)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    console.save_figure(fig, path, dpi=120)
     return True
 
 
