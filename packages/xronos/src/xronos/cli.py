@@ -299,9 +299,7 @@ def _timeline_plot(results: list[dict], path: Path) -> bool:
             f"(emulated: {results[0].get('emulated', 'cgroup')})"
         )
         ax.set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    console.save_figure(fig, path, dpi=100)
     return True
 
 
