@@ -6,7 +6,7 @@ import os
 import pytest
 
 from agentdyn.allocation import TaskAwareAllocator, plan_allocation, split_threshold
-from agentdyn.cgroups import CpuGroup, cpuset_writable
+from agentdyn.cgroups import CpuGroup, cpu_writable, cpuset_writable
 from agentdyn.sandbox import Sandbox
 
 PROFILES = {
@@ -104,3 +104,46 @@ def test_tools_really_run_on_their_class_cores(tmp_path):
 def test_cpu_group_quota_validation():
     with pytest.raises(ValueError, match="quota_cores"):
         CpuGroup("x", quota_cores=0)
+
+
+@pytest.mark.skipif(not cpu_writable() or len(os.sched_getaffinity(0)) < 2, reason="needs cgroup cpu, 2 CPUs")
+def test_weighted_tools_really_run_under_their_cpu_shares(tmp_path):
+    from agentdyn.profiles import ProfileStore
+    from agentdyn.scheduler import CpuAwarePolicy
+
+    tool = {"n": 1, "n_alone": 1, "cpu_pressure": 0.0}
+    store = ProfileStore.from_dict(
+        {
+            "tools": {
+                "coding/run_tests": {**tool, "cpu_s": 6.0, "wall_s": 6.1},
+                "web_search/web_search": {**tool, "cpu_s": 0.3, "wall_s": 1.0},
+            },
+            "requests": {"coding": 1, "web_search": 1},
+        }
+    )
+    pol = CpuAwarePolicy(store, sorted(os.sched_getaffinity(0))[:2])
+    try:
+
+        async def go():
+            sb = Sandbox()
+            out = {}
+            for tt, t in (("coding", "run_tests"), ("web_search", "web_search")):
+                async with pol.tool_slot("r1", tt, t) as g:
+                    out[t] = (g, await sb.run("whereami", {}, str(tmp_path / t), group=g))
+            return out
+
+        out = asyncio.run(go())
+        for g, res in out.values():
+            assert res.ok, res.error
+            assert g.describe()["placed"] >= 1 and g.describe()["add_errors"] == 0
+        light, lres = out["web_search"]
+        cpu_line = next(line for line in lres.output["cgroups"] if "cpu" in line.split(":")[1].split(","))
+        assert light.cgroup.name in cpu_line  # the light tool's process sat in its weighted group
+        assert int((light.cgroup.paths["cpu"] / "cpu.shares").read_text()) == light.shares > 1024
+        # the heavy run weighs as a plain process per thread (one run in flight)
+        heavy, hres = out["run_tests"]
+        cpu_line = next(line for line in hres.output["cgroups"] if "cpu" in line.split(":")[1].split(","))
+        assert heavy.cgroup.name in cpu_line
+        assert int((heavy.cgroup.paths["cpu"] / "cpu.shares").read_text()) == heavy.shares == 1024 * heavy.threads
+    finally:
+        pol.close()

@@ -140,28 +140,27 @@ def _store():
     )
 
 
-def test_cpu_aware_policy_pins_a_class_only_while_our_demand_exceeds_the_cores():
+def test_cpu_aware_policy_weights_each_tool_by_its_profile():
+    from agentdyn.allocation import DEFAULT_SHARES, MAX_SHARE_RATIO
     from agentdyn.scheduler import CpuAwarePolicy
 
     pol = CpuAwarePolicy(_store(), [0, 1])
-    pinned = pol.allocator.group_for("coding")
-
-    async def place(extra_load):
-        pol.admission.load["shared"] += extra_load  # demand other runs of ours already hold
-        try:
-            async with pol.tool_slot("r1", "coding", "run_tests") as g:
-                return g
-        finally:
-            pol.admission.load["shared"] -= extra_load
-
     try:
-        assert pinned is not None and pinned.cpus  # the plan gives coding a core set
-        alone = asyncio.run(place(0.0))
-        assert alone is not pinned and alone.cpus is None and alone.threads == pinned.threads
-        crowded = asyncio.run(place(5.0))
-        assert crowded is pinned
+        heavy = asyncio.run(_slot(pol, "coding", "run_tests"))
+        light = asyncio.run(_slot(pol, "web_search", "web_search"))
+        mid = asyncio.run(_slot(pol, "rag_qa", "rag_index"))
+        # one heavy run weighs as a plain process per thread, shorter ones more: 6 s / 0.3 s, capped; 6 / 0.9
+        assert heavy.shares == DEFAULT_SHARES * heavy.threads and pol.shares["coding/run_tests"] == DEFAULT_SHARES
+        assert light.shares == DEFAULT_SHARES * min(MAX_SHARE_RATIO, 20)
+        assert mid.shares == round(DEFAULT_SHARES * 6.0 / 0.9)
+        # on any core, with the thread count the plan gives the class
+        plan = pol.allocator.plan.classes
+        assert heavy.cpus is None and heavy.threads == plan["coding"].threads
+        assert light.threads == plan["web_search"].threads
+        assert asyncio.run(_slot(pol, "coding", "run_tests")) is heavy  # one group per tool
         d = pol.describe()
-        assert d["pinned_runs"] == 1 and d["unpinned_runs"] == 1
+        assert d["admission_stats"]["heavy_admitted"] == 2 and d["admission_stats"]["admitted"] == 4
+        assert sum(d["runs_by_group"].values()) == 4 and d["runs_by_group"][heavy.name] == 2
     finally:
         pol.close()
     # one core: the plan's quota and weights always apply
@@ -171,6 +170,13 @@ def test_cpu_aware_policy_pins_a_class_only_while_our_demand_exceeds_the_cores()
         assert g is one.allocator.group_for("web_search")
     finally:
         one.close()
+    # without admission (an ablation) the plan's core sets place each class
+    plain = CpuAwarePolicy(_store(), [0, 1], admission=False)
+    try:
+        g = asyncio.run(_slot(plain, "coding", "run_tests"))
+        assert g is plain.allocator.group_for("coding") and g.cpus
+    finally:
+        plain.close()
 
 
 async def _slot(pol, task_type, tool):
@@ -193,31 +199,66 @@ def test_host_check_flags_a_host_whose_neighbours_stall_runs_made_alone():
     assert host_check(store, {})["alone_run_queue_share"] == 1.0
 
 
-class _Pressure:
-    """A sampler whose latest PSI ``cpu some`` the test sets."""
-
-    def __init__(self, cpu_some):
-        self.cpu_some = cpu_some
-
-    def latest(self):
-        from agentdyn.monitor import PressureSnapshot
-
-        return PressureSnapshot(0.0, self.cpu_some, 0.0, 0.0, 0.0, 0.0, 1, 0.0, "psi")
-
-
-def test_cpu_aware_policy_stands_down_while_neighbours_saturate_the_cpu():
+def test_admitted_heavy_runs_carry_the_weight_of_those_waiting():
+    from agentdyn.allocation import DEFAULT_SHARES
     from agentdyn.scheduler import CpuAwarePolicy
 
-    sampler = _Pressure(0.95)  # other tenants keep a task waiting for a CPU 95 % of the time
-    pol = CpuAwarePolicy(_store(), [0, 1], sampler)
+    pol = CpuAwarePolicy(_store(), [0, 1])
+
+    async def go():
+        slots = [pol.tool_slot(f"r{i}", "coding", "run_tests") for i in range(3)]
+        groups = [await s.__aenter__() for s in slots[:2]]
+        third = asyncio.create_task(slots[2].__aenter__())
+        await asyncio.sleep(0.05)
+        assert not third.done()  # two heavy runs fill the two cores
+        g = groups[0]
+        seen = g.shares
+        await slots[0].__aexit__(None, None, None)
+        await asyncio.wait_for(third, 1)
+        after = g.shares
+        for s in slots[1:]:
+            await s.__aexit__(None, None, None)
+        return g, seen, after
+
     try:
-        g = asyncio.run(_slot(pol, "coding", "run_tests"))
-        # fair share: no admission ticket, no core set, the class's thread count
-        assert pol.admission.log == [] and g.cpus is None and g.threads == pol.allocator.group_for("coding").threads
-        assert pol.describe()["stood_down_runs"] == 1
-        sampler.cpu_some = 0.0  # the neighbours went quiet: measured while none of ours runs
-        for _ in range(20):
-            asyncio.run(_slot(pol, "coding", "run_tests"))
-        assert not pol.neighbours_saturate() and len(pol.admission.log) >= 1
+        g, seen, after = asyncio.run(go())
+        # three runs in flight (two admitted, one held): the weight three plain processes would have
+        assert seen == 3 * DEFAULT_SHARES * g.threads and after == 2 * DEFAULT_SHARES * g.threads
+    finally:
+        pol.close()
+
+
+def test_cpu_aware_policy_learns_the_share_of_a_core_its_heavy_runs_get():
+    from agentdyn.monitor import Usage
+    from agentdyn.scheduler import CpuAwarePolicy
+
+    pol = CpuAwarePolicy(_store(), [0, 1])
+
+    async def run(task_type, tool, usage):
+        async with pol.tool_slot("r1", task_type, tool):
+            pol.observe(task_type, tool, usage)
+
+    try:
+        assert pol.admission.scale == 1.0
+        for _ in range(30):  # each heavy run waited half its time for a core
+            asyncio.run(run("coding", "run_tests", Usage(cpu_s=3.0, wall_s=6.0, run_wait_s=3.0)))
+        assert pol.admission.scale == pytest.approx(0.5, abs=0.01)
+        before = pol.admission.scale
+        asyncio.run(run("web_search", "web_search", Usage(cpu_s=0.3, wall_s=3.0, run_wait_s=2.7)))
+        assert pol.admission.scale == before  # a light run says nothing about the heavy runs' share
+        pol.observe("coding", "run_tests", Usage(cpu_s=1.0, wall_s=6.0, run_wait_s=5.0))
+        assert pol.admission.scale == before  # nor a run seen outside an admission
+
+        async def crowded():
+            pol.admission.scale = 0.5  # up to 4 heavy runs on the 2 cores
+            slots = [pol.tool_slot(f"r{i}", "coding", "run_tests") for i in range(3)]
+            for s in slots:
+                await s.__aenter__()
+            pol.observe("coding", "run_tests", Usage(cpu_s=2.0, wall_s=6.0, run_wait_s=4.0))
+            for s in slots:
+                await s.__aexit__(None, None, None)
+
+        asyncio.run(crowded())  # its wait was for our own runs past the cores: not the neighbours'
+        assert pol.admission.scale == 0.5
     finally:
         pol.close()

@@ -3,24 +3,24 @@
 A tool run whose learned CPU intensity (CPU seconds per uncontended wall second, from the monitor's
 characterization) is at least the learned ``heavy_threshold`` and whose learned CPU time is at
 least the learned ``cost_threshold`` is *CPU-heavy* (short tools pass: holding them back costs
-more latency than their few milliseconds of CPU take from others). A heavy run is
-admitted into its core set only while
+more latency than their few milliseconds of CPU take from others). Heavy runs are admitted into
+their core set while the demand of the heavy runs already admitted there, plus the new run's
+(its intensity times the threads it is told), fits the set's cores; past the cores, only while the
+``scale`` the runtime sets (how much of a core our runs really get against other tenants, measured
+online) leaves room *and* the system is not under CPU pressure that we add: PSI ``cpu some`` over
+the last tick below the pressure seen while none of our heavy runs ran (other tenants' share,
+tracked online) plus the learned ``pressure_margin``, and the runnable count no more than
+``runnable_margin`` above the runnable count seen then. A set where nothing heavy of ours runs
+always admits (other tenants can delay us but never stall us).
 
-* the CPU load our admitted runs put on that core set, plus its own expected demand, fits the
-  set's cores (``capacity`` x ``overcommit``); a run's demand is its intensity times the share of
-  a core a run actually got when characterized alone (1 - its run-queue stall, at least 1/3), so
-  on a host that other tenants load, admission counts the CPU we can really take; and
-* the system is not under CPU pressure *that we add*: PSI ``cpu some`` over the last tick is below
-  the pressure seen while none of our heavy runs was running (other tenants' share, tracked online)
-  plus the learned ``pressure_margin``, and the runnable count no more than ``runnable_margin``
-  above the runnable count seen then -- and a set where nothing of ours runs always admits (other
-  tenants can delay us but never stall us);
-
-otherwise it waits. Waiters are served fairly across requests: the next admitted is the waiter
-whose request has been admitted the fewest times so far (then the shortest predicted CPU time,
-then the oldest), so one request issuing
-many tool calls cannot starve another. Waiting is bounded: a waiter older than ``max_wait_s`` is
-admitted regardless. Light (I/O-bound) runs are admitted at once but counted in the load.
+Under CFS, n CPU-bound runs on m < n cores all progress at m/n speed and all finish late; holding
+the heavy runs beyond the cores turns that processor sharing into run-to-completion, which cuts
+their mean latency without costing throughput. Waiters are served closest-to-done first: the
+waiter whose request has already had the most heavy runs admitted (it has the least heavy work
+left; shortest-remaining-work order minimises mean latency), then the oldest. Waiting is bounded,
+so no request starves: a waiter older than ``max_wait_s`` is admitted regardless. Light runs are
+admitted at once and tracked but do not count against the cores: the runtime gives them a higher
+CPU weight, so they take a core for their few milliseconds instead of queueing behind heavy runs.
 """
 
 from __future__ import annotations
@@ -49,9 +49,6 @@ class AdmissionPolicy:
     runnable_margin: int = 4
     overcommit: float = 1.0
     max_wait_s: float = 30.0
-    # other tenants' PSI cpu some (seen while none of our runs runs) at which the CPU-aware policy
-    # stands down to the fair share: past it, holding our runs back only cedes CPU to them
-    stand_down_pressure: float = 0.5
     source: str = "default"
 
     @classmethod
@@ -63,10 +60,10 @@ class AdmissionPolicy:
         thr = split_threshold(intens) if len(intens) >= 2 else 0.5
         costs = [p.cpu_s for p in profiles.tools.values() if p.n]
         cost_thr = split_threshold(costs, lo=0.02, hi=2.0) if len(costs) >= 2 else 0.0
-        walls = sorted(p.wall_s for p in profiles.tools.values() if p.n)
-        # waiting bound: long enough to queue behind several typical heavy runs, never unbounded
-        p90 = walls[int(0.9 * (len(walls) - 1))] if walls else 2.0
-        max_wait = min(120.0, max(5.0, 8 * p90))
+        heavy = [p.wall_s for p in profiles.tools.values() if p.n and p.cpu_intensity >= thr and p.cpu_s >= cost_thr]
+        # waiting bound: long enough to queue behind several of the longest heavy runs per core
+        # (shorter, and waiters are forced in while the cores are still full), never unbounded
+        max_wait = min(300.0, max(5.0, 10 * max(heavy, default=2.0)))
         # pressure one run adds: the stall its own run-queue wait means, as a share of its wall time
         added = [p.cpu_pressure for p in profiles.tools.values() if p.n_alone]
         margin = min(0.6, max(0.15, 2 * (sum(added) / len(added)) if added else 0.3))
@@ -84,7 +81,7 @@ class AdmissionPolicy:
         return dict(self.__dict__)
 
 
-@dataclass
+@dataclass(eq=False)
 class Ticket:
     request_id: str
     key: str
@@ -97,6 +94,7 @@ class Ticket:
     t_arrive: float
     t_admit: float | None = None
     forced: bool = False
+    crowded: bool = False  # heavy runs past the cores were admitted while it ran
     _fut: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -120,10 +118,17 @@ class CpuAdmission:
         self.capacity = dict(capacity)
         self.pressure = pressure or (lambda: None)
         self.poll_s = poll_s
-        self.load: dict[str, float] = {k: 0.0 for k in capacity}
+        self.load: dict[str, float] = {k: 0.0 for k in capacity}  # every admitted run's demand
+        self.heavy_load: dict[str, float] = {k: 0.0 for k in capacity}  # heavy runs' only: the gate
         self.running: dict[str, int] = {k: 0 for k in capacity}
         self.waiting: list[Ticket] = []
-        self.served: dict[str, int] = {}
+        self.served: dict[str, int] = {}  # heavy runs admitted per request
+        # share of a core a run of ours gets (1.0: all of it); below 1, other tenants of equal
+        # priority take part of each core, and admission may pass the cores while PSI allows
+        self.scale = 1.0
+        self.active: set[Ticket] = set()  # heavy runs admitted and not yet released
+        self.held = 0  # heavy runs that had to wait
+        self.held_by_pressure = 0  # dispatch rounds in which only PSI kept a waiter out
         self.log: list[Ticket] = []
         self._seq = itertools.count()
         self._poller: asyncio.Task | None = None
@@ -144,8 +149,8 @@ class CpuAdmission:
         return snap.cpu_some >= limit or snap.runnable > base_run + self.policy.runnable_margin
 
     def track_baseline(self) -> None:
-        """Fold the latest pressure into the neighbours' baseline, while none of our runs runs."""
-        if any(v > 0 for v in self.load.values()):
+        """Fold the latest pressure into the neighbours' baseline, while no heavy run of ours runs."""
+        if any(v > 0 for v in self.heavy_load.values()):
             return
         snap = self.pressure()
         if snap is None:
@@ -158,12 +163,17 @@ class CpuAdmission:
     def _fits(self, t: Ticket) -> bool:
         if not t.heavy:
             return True
-        load = self.load[t.core_set]
+        load = self.heavy_load[t.core_set]
         if load <= 0:
-            return True  # nothing of ours runs there: always make progress
-        if load + t.demand > self.capacity[t.core_set] * self.policy.overcommit + 1e-9:
+            return True  # nothing heavy of ours runs there: always make progress
+        cores = self.capacity[t.core_set] * self.policy.overcommit
+        if load + t.demand <= cores + 1e-9:
+            return True
+        if load + t.demand > cores / max(1 / 3, min(1.0, self.scale)) + 1e-9:
             return False
-        return not self._system_busy()
+        busy = self._system_busy()
+        self.held_by_pressure += busy
+        return not busy
 
     def _grant(self, t: Ticket, forced: bool = False) -> None:
         t.t_admit = time.monotonic()
@@ -171,7 +181,14 @@ class CpuAdmission:
         self.forced += forced
         self.load[t.core_set] += t.demand
         self.running[t.core_set] += 1
-        self.served[t.request_id] = self.served.get(t.request_id, 0) + 1
+        if t.heavy:
+            self.heavy_load[t.core_set] += t.demand
+            self.served[t.request_id] = self.served.get(t.request_id, 0) + 1
+            self.active.add(t)
+            if self.heavy_load[t.core_set] > self.capacity[t.core_set] + 1e-9:
+                # they now wait for each other: their run-queue wait no longer measures the neighbours
+                for x in self.active:
+                    x.crowded |= x.core_set == t.core_set
         self.log.append(t)
         if len(self.log) > 100_000:
             del self.log[:50_000]
@@ -191,7 +208,8 @@ class CpuAdmission:
             progressed = False
             for cs in {t.core_set for t in self.waiting}:
                 cands = [t for t in self.waiting if t.core_set == cs]
-                t = min(cands, key=lambda x: (self.served.get(x.request_id, 0), x.cost_s, x.seq))
+                # closest to done first: most heavy runs already admitted, then the oldest
+                t = min(cands, key=lambda x: (-self.served.get(x.request_id, 0), x.seq))
                 if self._fits(t):
                     self.waiting.remove(t)
                     self._grant(t)
@@ -222,7 +240,7 @@ class CpuAdmission:
         demand: float | None = None,
     ) -> Ticket:
         """Wait for admission. ``intensity``/``cost_s`` decide heaviness; ``demand`` (default: the
-        intensity) is the share of a core the run is expected to take here, counted in the load."""
+        intensity) is the cores the run is expected to keep busy here, counted in the load."""
         if core_set not in self.capacity:
             raise ValueError(f"core_set {core_set!r} unknown; one of {sorted(self.capacity)}")
         self.track_baseline()
@@ -230,11 +248,12 @@ class CpuAdmission:
         heavy = self.is_heavy(intensity, cost_s)
         t = Ticket(request_id, key, core_set, intensity, heavy, cost_s, d, next(self._seq), time.monotonic())
         t._fut = asyncio.get_running_loop().create_future()
-        if not t.heavy:  # I/O-bound runs share: admitted at once, counted in the load
+        if not t.heavy:  # light runs: admitted at once, tracked, never held
             self._grant(t)
             return t
         self.waiting.append(t)
         self._dispatch()
+        self.held += t.t_admit is None
         try:
             await t._fut
         except asyncio.CancelledError:
@@ -247,6 +266,9 @@ class CpuAdmission:
 
     def release(self, t: Ticket) -> None:
         self.load[t.core_set] = max(0.0, self.load[t.core_set] - t.demand)
+        if t.heavy:
+            self.heavy_load[t.core_set] = max(0.0, self.heavy_load[t.core_set] - t.demand)
+            self.active.discard(t)
         self.running[t.core_set] -= 1
         self._dispatch()
 
@@ -265,7 +287,11 @@ class CpuAdmission:
         waits = [t.waited_s for t in self.log]
         return {
             "admitted": len(self.log),
+            "heavy_admitted": sum(t.heavy for t in self.log),
+            "held": self.held,
+            "held_by_pressure": self.held_by_pressure,
             "forced": self.forced,
+            "scale": self.scale,
             "waiting": len(self.waiting),
             "max_wait_s": max(waits, default=0.0),
             "mean_wait_s": sum(waits) / len(waits) if waits else 0.0,

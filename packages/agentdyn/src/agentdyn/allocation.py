@@ -20,9 +20,21 @@ from dataclasses import dataclass, field
 
 from .cgroups import CpuGroup
 
-__all__ = ["split_threshold", "ClassAllocation", "AllocationPlan", "plan_allocation", "TaskAwareAllocator"]
+__all__ = [
+    "split_threshold",
+    "ClassAllocation",
+    "AllocationPlan",
+    "plan_allocation",
+    "tool_shares",
+    "DEFAULT_SHARES",
+    "MAX_SHARE_RATIO",
+    "TaskAwareAllocator",
+]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SHARES = 1024  # cgroup v1 cpu.shares of a group nobody weighted (v2: weight 100)
+MAX_SHARE_RATIO = 64  # the most a short tool's weight may exceed a heavy one's
 
 
 def split_threshold(values: list[float], lo: float = 0.2, hi: float = 0.9) -> float:
@@ -176,6 +188,21 @@ def _plan_one_core(d: _Demand, cores: list[int]) -> AllocationPlan:
     classes = {t: d.alloc(t, "cpu", "cpu", cores, shares=4096) for t in heavy}
     classes.update({t: d.alloc(t, "io", "io", cores, quota_cores=io_quota, shares=1024) for t in light})
     return AllocationPlan(classes, {"cpu": 1.0, "io": io_quota}, d.thr, list(cores), notes)
+
+
+def tool_shares(profiles, heavy: set[str]) -> dict[str, int]:
+    """``cpu.shares`` per ``task_type/tool`` of a ``ProfileStore``: heavy tools (``heavy``, as
+    admission classes them) ``DEFAULT_SHARES``, a plain process's weight; every other tool more, by how many times fewer CPU
+    seconds a run of it takes than the lightest heavy tool's (at most ``MAX_SHARE_RATIO`` times).
+    Under CFS a short run then takes a core at once instead of sharing it with long CPU-bound runs,
+    which approximates shortest-job-first and leaves the long runs' finish almost unchanged."""
+    costs = {k: p.cpu_s for k, p in profiles.tools.items() if p.n}
+    ref = min((costs[k] for k in heavy if k in costs), default=max(costs.values(), default=0.0))
+    out = {}
+    for k, c in costs.items():
+        ratio = 1.0 if k in heavy or ref <= 0 else min(MAX_SHARE_RATIO, max(1.0, ref / max(c, 1e-3)))
+        out[k] = int(round(DEFAULT_SHARES * ratio))
+    return out
 
 
 class TaskAwareAllocator:

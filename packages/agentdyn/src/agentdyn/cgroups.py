@@ -55,6 +55,8 @@ class CpuGroup:
         self.shares = shares
         self._throttles: list = []
         self.closed = False
+        self.placed = 0  # processes put into the group
+        self.add_errors = 0  # processes the cgroup refused (they ran outside it)
         label = "agentdyn-" + re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:48]
         self.cgroup = hwtopo.CGroup(label, cpus=self.cpus, quota_cores=quota_cores, shares=shares, account=True)
         self.methods: list[str] = []
@@ -71,7 +73,9 @@ class CpuGroup:
         """Place a (just started, not yet working) process into this group; its children follow."""
         try:
             self.cgroup.add(pid)
+            self.placed += 1
         except OSError as e:
+            self.add_errors += 1
             log.debug("could not add %d to %s: %s", pid, self.cgroup.name, e)
         if "affinity" in self.methods and self.cpus:
             try:
@@ -80,6 +84,24 @@ class CpuGroup:
                 pass
         if "hwtopo-throttle" in self.methods and self.quota_cores:
             self._throttles.append(hwtopo.throttle(pid, speed=min(1.0, self.quota_cores), cpus=1))
+
+    def set_shares(self, shares: int) -> bool:
+        """Change the group's CPU weight (v1 ``cpu.shares`` units, 2..262144) while its processes
+        run; False where the group has no cpu controller (then nothing changes)."""
+        shares = max(2, min(262144, int(shares)))
+        path = self.cgroup.paths.get("cpu")
+        if self.closed or path is None or shares == self.shares:
+            return path is not None and not self.closed
+        try:
+            if self.cgroup.version("cpu") == 1:
+                (path / "cpu.shares").write_text(str(shares))
+            else:  # the v2 weight on the scale hwtopo maps shares onto (1024 -> 100)
+                (path / "cpu.weight").write_text(str(max(1, min(10000, round(shares * 100 / 1024)))))
+        except OSError as e:
+            log.debug("could not weight %s: %s", self.cgroup.name, e)
+            return False
+        self.shares = shares
+        return True
 
     def usage(self) -> hwtopo.CGroupUsage:
         """CPU seconds and memory of the processes placed in the group (None where not accounted)."""
@@ -93,6 +115,8 @@ class CpuGroup:
             "shares": self.shares,
             "threads": self.threads,
             "methods": self.methods,
+            "placed": self.placed,
+            "add_errors": self.add_errors,
         }
 
     def close(self) -> None:

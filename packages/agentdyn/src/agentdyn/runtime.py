@@ -310,10 +310,11 @@ class Runtime:
         async with self.policy.tool_slot(req.request_id, req.task_type, name) as group:
             q1 = time.monotonic()
             res = await self.sandbox.run(name, args, workdir, limits, group)
+            # inside the slot: the policy reads what it saw while this run held its admission
+            self.policy.observe(req.task_type, name, res.usage)
         if q1 - q0 > 1e-3:
             ev("tool_queue", q0, q1, tool=name)
             usage.queue_wait_s += q1 - q0
-        self.policy.observe(req.task_type, name, res.usage)
         usage.tools.add(res.usage)
         usage.tool_calls += 1
         ev(

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator
 
-from .admission import AdmissionPolicy, CpuAdmission
-from .allocation import TaskAwareAllocator, plan_allocation
+from .admission import AdmissionPolicy, CpuAdmission, Ticket
+from .allocation import DEFAULT_SHARES, TaskAwareAllocator, plan_allocation, tool_shares
 from .cgroups import CpuGroup
 from .monitor import SystemSampler, Usage
 from .profiles import ProfileStore
@@ -80,6 +81,8 @@ class StaticLimitPolicy(Policy):
 
 
 FAIR_BASELINES = ("fair", "fair_semaphore", "cgroup_split")
+# the admission ticket of the tool run the current request task holds (read by ``observe``)
+_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("agentdyn_ticket", default=None)
 
 
 class FairPolicy(Policy):
@@ -138,6 +141,15 @@ class FairPolicy(Policy):
 
 
 class CpuAwarePolicy(Policy):
+    """Task-aware CPU allocation plus CPU-aware admission, both learned from a ``ProfileStore``.
+
+    With admission on two or more cores, every light tool run gets the CPU weight its measured
+    profile earns (``allocation.tool_shares``: the shorter its runs, the higher its ``cpu.shares``
+    over a plain process's, so CFS runs it first), each with its class's thread count, on any core,
+    while admission keeps the heavy runs within the cores, and the heavy runs admitted carry the
+    weight of all heavy runs in flight (``_reweigh``). Without admission (an ablation) or on one core, the plan's
+    core sets, quotas and weights place each class instead."""
+
     name = "optimized"
 
     def __init__(
@@ -154,19 +166,25 @@ class CpuAwarePolicy(Policy):
         self.cores = list(cores)
         self.sampler = sampler
         self.use_admission, self.use_allocation = admission, allocation
+        self.apply_cgroups = apply_cgroups
         plan = plan_allocation(profiles.classes(), self.cores, mix)
-        if not allocation:
+        # weighted runs on any core: one admission set of all the cores
+        self.weighted = admission and allocation and len(self.cores) >= 2
+        if not allocation or self.weighted:
             plan.capacity = {"all": float(len(self.cores))}
             for c in plan.classes.values():
                 c.core_set = "all"
-        self.allocator = TaskAwareAllocator(plan, apply=allocation and apply_cgroups)
+        self.allocator = TaskAwareAllocator(plan, apply=allocation and apply_cgroups and not self.weighted)
         self.admission_policy = AdmissionPolicy.learn(profiles, len(self.cores))
         self.admission = CpuAdmission(
             self.admission_policy, plan.capacity, pressure=(sampler.latest if sampler is not None else None)
         )
-        self._unpinned: dict[str, CpuGroup] = {}  # per class: its thread count, no core set
-        self.pinned_runs = self.unpinned_runs = self.stood_down = 0
-        self._down_running = 0  # runs started while standing down, still running
+        adm = self.admission
+        heavy = {k for k, p in profiles.tools.items() if p.n and adm.is_heavy(p.cpu_intensity, p.cpu_s)}
+        self.shares = tool_shares(profiles, heavy)
+        self._weighted_groups: dict[str, CpuGroup] = {}  # per task_type/tool: its weight, the class's threads
+        self.runs: dict[str, int] = {}  # tool runs per group they were placed in
+        self._in_flight: dict[str, int] = {}  # heavy runs per task_type/tool, admitted or waiting
 
     def intensity(self, task_type: str, tool: str) -> float:
         p = self.profiles.get(task_type, tool)
@@ -174,61 +192,74 @@ class CpuAwarePolicy(Policy):
 
     @contextlib.asynccontextmanager
     async def tool_slot(self, request_id: str, task_type: str, tool: str) -> AsyncIterator[CpuGroup | None]:
-        group = self.allocator.group_for(task_type) if self.use_allocation else None
         if not self.use_admission:
-            yield group
-            return
-        if self._down_running == 0:
-            self.admission.track_baseline()  # none of ours runs: the pressure is the neighbours'
-        if self.neighbours_saturate():
-            self.stood_down += 1
-            self._down_running += 1
-            try:
-                yield self._free_group(task_type, group)
-            finally:
-                self._down_running -= 1
+            yield self._count(self.allocator.group_for(task_type) if self.use_allocation else None)
             return
         cs = self.allocator.core_set(task_type)
         p = self.profiles.get(task_type, tool)
         cost = p.cpu_s if p is not None else 1.0
         inten = self.intensity(task_type, tool)
-        # the share of a core a run got alone (run-queue stall from other tenants discounted)
-        avail = max(1 / 3, 1.0 - p.cpu_pressure) if p is not None and p.n_alone else 1.0
-        async with self.admission.admit(request_id, f"{task_type}/{tool}", cs, inten, cost, inten * avail):
-            yield self._placement(task_type, group)
+        key = ProfileStore.key(task_type, tool)
+        heavy = self.weighted and self.admission.is_heavy(inten, cost)
+        if heavy:
+            self._reweigh(task_type, tool, +1)
+        try:
+            async with self.admission.admit(request_id, key, cs, inten, cost, inten) as ticket:
+                prev = _TICKET.get()
+                _TICKET.set(ticket)
+                try:
+                    if self.weighted:
+                        yield self._count(self._weighted_group(task_type, tool, ticket.heavy))
+                    else:
+                        yield self._count(self.allocator.group_for(task_type) if self.use_allocation else None)
+                finally:
+                    _TICKET.set(prev)
+        finally:
+            if heavy:
+                self._reweigh(task_type, tool, -1)
 
-    def _placement(self, task_type: str, pinned: CpuGroup | None) -> CpuGroup | None:
-        """The class's pinned group only while the demand we admitted exceeds the cores. Below that a
-        partition protects nothing and only keeps the kernel from moving a run to whichever core
-        frees first (on a host other tenants load, that adds run-queue wait); the class's thread
-        count applies either way. One core: the plan's quota and weights always apply."""
-        if pinned is None or len(self.cores) < 2 or sum(self.admission.load.values()) > len(self.cores):
-            self.pinned_runs += pinned is not None
-            return pinned
-        return self._free_group(task_type, pinned)
+    def _reweigh(self, task_type: str, tool: str, delta: int) -> None:
+        """Give a heavy tool's group the CPU weight its runs in flight (admitted or waiting) would
+        have as plain processes under CFS, one ``DEFAULT_SHARES`` per thread: holding runs back
+        then concentrates our weight on the runs admitted, and never cedes CPU to other tenants
+        that the same runs would have taken from them under ``fair``."""
+        key = ProfileStore.key(task_type, tool)
+        n = self._in_flight.get(key, 0) + delta
+        self._in_flight[key] = n
+        g = self._weighted_group(task_type, tool, True)
+        if g is not None and n > 0:
+            g.set_shares(DEFAULT_SHARES * n * (g.threads or 1))
 
-    def _free_group(self, task_type: str, pinned: CpuGroup | None) -> CpuGroup | None:
-        """The class's group with its thread count and no core set, quota or weight."""
-        if pinned is None:
-            return None
-        g = self._unpinned.get(task_type)
-        if g is None:
-            g = CpuGroup(f"free-{task_type}", threads=pinned.threads)
-            self._unpinned[task_type] = g
-        self.unpinned_runs += 1
+    def _count(self, g: CpuGroup | None) -> CpuGroup | None:
+        key = g.name if g is not None else "none"
+        self.runs[key] = self.runs.get(key, 0) + 1
         return g
 
-    def neighbours_saturate(self) -> bool:
-        """PSI ``cpu some`` seen while none of our runs ran (other tenants' share) is at least the
-        policy's ``stand_down_pressure``. Then holding runs back or confining them to core sets
-        only lowers the share of the CPU the kernel gives us against the neighbours' runnable tasks,
-        so the policy stands down: every run starts at once, on any core, with its class's thread
-        count (the fair share), until the neighbours' pressure falls again."""
-        b = self.admission.baseline_pressure
-        return b is not None and b >= self.admission_policy.stand_down_pressure
+    def _weighted_group(self, task_type: str, tool: str, heavy: bool) -> CpuGroup | None:
+        """The group of ``task_type/tool``: its class's thread count and its cpu.shares, for a
+        light tool learned from its profile, for a heavy one set by ``_reweigh``."""
+        key = ProfileStore.key(task_type, tool)
+        g = self._weighted_groups.get(key)
+        if g is None:
+            c = self.allocator.plan.classes.get(task_type)
+            threads = c.threads if c is not None else None
+            shares = self.shares.get(key, DEFAULT_SHARES) if self.apply_cgroups else None
+            g = CpuGroup(f"w-{task_type}-{tool}", shares=shares, threads=threads)
+            self._weighted_groups[key] = g
+        return g
 
     def observe(self, task_type: str, tool: str, usage: Usage) -> None:
         self.profiles.observe(task_type, tool, usage, alone=False)
+        t = _TICKET.get()
+        if t is None or not t.heavy or t.crowded or usage.wall_s <= 0:
+            return
+        # the share of its wall time a heavy run that never had to share the cores with more heavy
+        # runs of ours sat runnable but not running, per thread: what other tenants (and our light
+        # runs) took from it; admission passes the cores by as much
+        c = self.allocator.plan.classes.get(task_type)
+        threads = (c.threads if c is not None else None) or 1
+        got = 1.0 - min(1.0, usage.run_wait_s / (usage.wall_s * threads))
+        self.admission.scale += 0.3 * (got - self.admission.scale)
 
     def describe(self) -> dict:
         return {
@@ -236,14 +267,14 @@ class CpuAwarePolicy(Policy):
             "admission": self.admission_policy.to_dict() if self.use_admission else None,
             "allocation": self.allocator.describe() if self.use_allocation else None,
             "admission_stats": self.admission.stats(),
-            "pinned_runs": self.pinned_runs,
-            "unpinned_runs": self.unpinned_runs,
-            "stood_down_runs": self.stood_down,
+            "tool_shares": self.shares if self.weighted else None,
+            "weighted_groups": {k: g.describe() for k, g in self._weighted_groups.items()},
+            "runs_by_group": dict(self.runs),
         }
 
     def close(self) -> None:
         self.allocator.close()
-        for g in self._unpinned.values():
+        for g in self._weighted_groups.values():
             g.close()
 
 
