@@ -18,7 +18,7 @@ from aiohttp import web
 import hwtopo
 
 from .localserver import LocalServer
-from .tools.rag import BM25, corpus_files, corpus_root, tokenize
+from .tools.rag import BM25, corpus_files, corpus_root, read_texts, tokenize
 
 __all__ = ["FixtureSite", "build_pages"]
 
@@ -33,12 +33,7 @@ def build_pages(n_pages: int = 300, links: int = 8, max_chars: int = 40_000) -> 
     step = max(1, len(files) // max(1, n_pages))
     files = files[::step][:n_pages]
     pages = []
-    for path in files:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                src = f.read()
-        except OSError:
-            continue
+    for path, src in read_texts(files):
         parts = [d.strip() for d in _DOC.findall(src)] + _COMMENT.findall(src)
         names = _NAMES.findall(src)
         body = "\n\n".join(p for p in parts if p)[:max_chars]

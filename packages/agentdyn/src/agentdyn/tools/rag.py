@@ -9,13 +9,15 @@ the top passages from their source files.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 
-__all__ = ["corpus_files", "tokenize", "BM25", "rag_index", "rag_query"]
+__all__ = ["corpus_files", "read_texts", "tokenize", "BM25", "rag_index", "rag_query"]
 
 _TOKEN = re.compile(r"[a-z][a-z0-9]+")
 STOP = frozenset(
@@ -38,6 +40,18 @@ def corpus_files(root: str | None = None) -> list[str]:
         dirs[:] = sorted(x for x in dirs if x not in skip)
         out.extend(os.path.join(d, f) for f in files if f.endswith(".py"))
     return sorted(out)
+
+
+def read_texts(paths: list[str]) -> Iterator[tuple[str, str]]:
+    """``(path, text)`` of each file of ``paths`` that can be read, bytes that are not UTF-8 replaced:
+    one unreadable file of the corpus skips that file, not the index or the site built from it."""
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        yield path, text
 
 
 def tokenize(text: str) -> list[str]:
@@ -96,12 +110,8 @@ def rag_index(args: dict, workdir: str) -> dict:
     docs: list[list[str]] = []
     meta: list[list] = []
     nbytes = 0
-    for path in files:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                lines = f.readlines()
-        except OSError:
-            continue
+    for path, text in read_texts(files):
+        lines = io.StringIO(text).readlines()  # split at newlines only, as reading the file by lines does
         nbytes += sum(len(x) for x in lines)
         for start in range(0, len(lines), CHUNK_LINES):
             chunk = "".join(lines[start : start + CHUNK_LINES])
