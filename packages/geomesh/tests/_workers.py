@@ -309,3 +309,27 @@ def stalls_once(rank, world, marks):
     except GeoMeshError as e:
         return {"dropped": str(e)}
     return {"params": _flat(model), "members": [h.members for h in dl.history], "lost": q.lost}
+
+
+def overlapped(rank, world, compression="sign", outer_steps=6):
+    """The one-step-delayed outer step: synced weights after every sync, and the weights after flush()."""
+    model = tiny_model(seed=rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # (a milder outer momentum than the default: 0.9 makes this tiny task oscillate, delayed or not)
+    kw = {"outer_lr": 0.5, "outer_momentum": 0.5, "overlap": True}
+    dl = DiLoCo(model, opt, [2, 3, 5][rank], compression=compression, chunk_size=16, **kw)
+    x_eval = batch(99, 0, size=256)[0]
+    y_eval = 0.3 * x_eval.sum(dim=1, keepdim=True)
+    start = float(torch.nn.functional.mse_loss(model(x_eval), y_eval).detach())
+    synced, step = [], 0
+    while dl.outer_step < outer_steps:
+        x = batch(rank, step)[0]
+        torch.nn.functional.mse_loss(model(x), 0.3 * x.sum(dim=1, keepdim=True)).backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if dl.step(tokens=x.shape[0]) is not None:
+            synced.append(torch.cat([s.detach().reshape(-1) for s in dl.synced]).clone())
+    dl.flush()
+    end = float(torch.nn.functional.mse_loss(model(x_eval), y_eval).detach())
+    return {"synced": synced, "params": _flat(model), "final_synced": synced[-1], "loss": (start, end)}

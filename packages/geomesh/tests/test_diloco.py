@@ -7,10 +7,12 @@ import pytest
 import torch
 from _workers import (
     all_variants,
+    batch,
     dies,
     exact_sign_mean,
     loses_a_worker,
     mismatched,
+    overlapped,
     rebalanced,
     rejoins,
     ring_and_gather,
@@ -251,3 +253,61 @@ def test_quorum_arguments_are_checked():
     model = tiny_model(0)
     with pytest.raises(ValueError, match="group must be None with a quorum"):
         DiLoCo(model, torch.optim.AdamW(model.parameters()), 2, group=object(), quorum=Quorum())
+
+
+def _run_single(overlap: bool, steps: int = 12) -> torch.Tensor:
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dl = DiLoCo(model, opt, 3, compression="fp32", outer_lr=1.0, outer_momentum=0.0, overlap=overlap)
+    for step in range(steps):
+        x, y = batch(0, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        dl.step(tokens=4)
+    dl.flush()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_overlapped_outer_step_equals_the_synchronous_one_where_the_outer_step_is_the_identity():
+    # one worker, outer SGD with lr 1 and no momentum: every outer step lands on the local weights, so
+    # delaying it by one phase must change nothing, and both equal plain local training
+    plain = _run_single(False, steps=0)
+    model = tiny_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(12):
+        x, y = batch(0, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert not torch.equal(plain, local)
+    torch.testing.assert_close(_run_single(True), _run_single(False), rtol=0, atol=1e-6)
+    torch.testing.assert_close(_run_single(True), local, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("compression", ["sign", "fp32"])
+def test_overlapped_outer_steps_keep_workers_identical_and_train(compression):
+    res = spawn(overlapped, 3, (compression,), timeout_s=240, start_method="fork")
+    for r in (1, 2):  # the outer weights agree at every sync, and the weights after flush()
+        assert all(torch.equal(a, b) for a, b in zip(res[0]["synced"], res[r]["synced"]))
+        assert torch.equal(res[0]["params"], res[r]["params"])
+    init = torch.cat([p.detach().reshape(-1) for p in tiny_model(0).parameters()])
+    # the first sync only starts its exchange: the outer weights move from the second on
+    assert torch.equal(res[0]["synced"][0], init) and not torch.equal(res[0]["synced"][1], init)
+    start, end = res[0]["loss"]
+    assert end < 0.3 * start
+
+
+def test_overlap_refuses_what_it_cannot_keep():
+    from geomesh import Quorum
+
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match="overlap=True runs with the all_gather sign exchange"):
+        DiLoCo(model, torch.optim.AdamW(model.parameters()), 2, overlap=True, quorum=Quorum())
+    dl = DiLoCo(model, torch.optim.AdamW(model.parameters()), 1, overlap=True)
+    dl.step(tokens=4)
+    with pytest.raises(ValueError, match="call flush\\(\\) first"):
+        dl.state_dict()
+    dl.flush()
+    assert dl.state_dict()["outer_step"] == 1

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -136,22 +137,67 @@ def reduce_kind(algo: str, nbytes: int, wan: WanEmulator | None) -> str:
     return "all_reduce"
 
 
+def _dense_launch(flat: torch.Tensor, kind: str, world: int, group=None) -> tuple[Any, list[torch.Tensor]]:
+    """Start the dense sum of ``flat`` (``kind`` as in :func:`dense_all_reduce`); its work handle and buffers."""
+    if world > 1 and kind == "all_reduce_gather":
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        return dist.all_gather(parts, flat, group=group, async_op=True), parts
+    if world > 1:
+        return dist.all_reduce(flat, group=group, async_op=True), [flat]
+    return None, [flat]
+
+
+def _dense_finish(work, parts: list[torch.Tensor], kind: str, t0: float, wan: WanEmulator | None) -> torch.Tensor:
+    """Wait for :func:`_dense_launch`'s work, sum a gather, then wait out the emulated WAN time since ``t0``."""
+    if work is not None:
+        work.wait()
+    flat = parts[0]
+    if len(parts) > 1:  # summed in fp32 and in rank order, so every worker holds bit-identical weights
+        flat = torch.stack([q.float() for q in parts]).sum(0).to(parts[0].dtype)
+    if wan is not None:
+        wan.wait(kind, flat.numel() * flat.element_size(), t0)
+    return flat
+
+
 def dense_all_reduce(
     flat: torch.Tensor, kind: str, world: int, group=None, wan: WanEmulator | None = None
 ) -> torch.Tensor:
     """Sum ``flat`` over all ranks with the algorithm ``kind`` really runs ("all_reduce": gloo's ring;
     "all_reduce_gather": all_gather then a local sum), then wait out its emulated WAN time."""
     t0 = time.perf_counter()
-    if world > 1 and kind == "all_reduce_gather":
-        parts = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(parts, flat, group=group)
-        # summed in fp32 and in rank order, so every worker holds bit-identical weights
-        flat = torch.stack([q.float() for q in parts]).sum(0).to(flat.dtype)
-    elif world > 1:
-        dist.all_reduce(flat, group=group)
-    if wan is not None:
-        wan.wait(kind, flat.numel() * flat.element_size(), t0)
-    return flat
+    work, parts = _dense_launch(flat, kind, world, group)
+    return _dense_finish(work, parts, kind, t0, wan)
+
+
+@dataclass
+class _Exchange:
+    """One outer step's pseudo-gradient exchange, started (maybe still in flight) or done."""
+
+    work: Any  # the collective's handle; None once done or when nothing runs
+    t0: float  # when it started (the emulated WAN time counts from here)
+    parts: list[torch.Tensor]  # the all_gather's outputs, or the dense sum's buffer
+    own: list[torch.Tensor]  # this worker's pseudo-gradient
+    payload: int
+    wire: float
+    agg: list[torch.Tensor] | None = None  # the token-weighted mean, when already known
+
+
+def _check_args(compression, all_reduce, sign_collective, inner_steps, group, quorum, overlap) -> None:
+    """DiLoCo's arguments, checked before any collective runs."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+    reduce_kind(all_reduce, 0, None)
+    if sign_collective not in SIGN_COLLECTIVES:
+        raise ValueError(f"sign_collective must be one of {SIGN_COLLECTIVES}, not {sign_collective!r}")
+    if not isinstance(inner_steps, int) or inner_steps < 1:
+        raise ValueError(f"inner_steps must be a positive integer, not {inner_steps!r}")
+    if quorum is not None and group is not None:
+        raise ValueError("group must be None with a quorum: the quorum's members form the default process group")
+    if overlap and (quorum is not None or (compression == "sign" and sign_collective == "reduce_scatter")):
+        raise ValueError(
+            "overlap=True runs with the all_gather sign exchange or a dense all-reduce, without a quorum "
+            "(an exchange in flight does not survive a change of members)"
+        )
 
 
 class DiLoCo:
@@ -181,16 +227,9 @@ class DiLoCo:
         all_reduce: str = "ring",
         sign_collective: str = "all_gather",
         quorum: Quorum | None = None,
+        overlap: bool = False,
     ):
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
-        reduce_kind(all_reduce, 0, None)  # a bad name fails before any collective
-        if sign_collective not in SIGN_COLLECTIVES:
-            raise ValueError(f"sign_collective must be one of {SIGN_COLLECTIVES}, not {sign_collective!r}")
-        if not isinstance(inner_steps, int) or inner_steps < 1:
-            raise ValueError(f"inner_steps must be a positive integer, not {inner_steps!r}")
-        if quorum is not None and group is not None:
-            raise ValueError("group must be None with a quorum: the quorum's members form the default process group")
+        _check_args(compression, all_reduce, sign_collective, inner_steps, group, quorum, overlap)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.inner_steps = inner_steps
@@ -205,13 +244,19 @@ class DiLoCo:
         # a lost worker (dead or stalled past the group's timeout) is dropped at the next sync and the
         # others go on, and a new one joins at an outer-step boundary; without a quorum a failure is raised
         self.quorum = quorum
+        # one-step-delayed outer step: a sync's exchange runs during the next inner phase, whose sync
+        # applies it; the local weights keep their own progress meanwhile (``flush`` at the end)
+        self.overlap = overlap
+        self._inflight: _Exchange | None = None
         self._wan_all = wan  # every launch rank's machine: a quorum's members (launch ranks) pick theirs
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.worker_name = worker_name or f"rank{quorum.me if quorum is not None else self.rank}"
         self.synced = [torch.nn.Parameter(p.detach().clone().float(), requires_grad=False) for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+        # (torch's Nesterov needs a momentum: without one the outer step is plain SGD)
+        nesterov = outer_momentum > 0
+        self.outer_optimizer = torch.optim.SGD(self.synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         shapes = [p.shape for p in self.params]
         self.compressor = (
             SignCompressor(shapes, chunk_size, error_feedback, scale, ef_decay, rotate=rotate, seed=rotate_seed)
@@ -235,6 +280,7 @@ class DiLoCo:
         self._step_start = self._phase_start
         self._collective_s = 0.0
         self._start()
+        self._ref = [p.detach().float().clone() for p in self.params] if overlap else None
 
     # --- set-up ---------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -377,40 +423,100 @@ class DiLoCo:
             for s, p in zip(self.synced, self.params):
                 p.data.copy_(s.data.to(p.dtype))
 
-    def _aggregate(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> tuple[list[torch.Tensor], int, float]:
-        """Token-weighted average of every worker's pseudo-gradient; returns it, payload and wire bytes."""
+    def _launch(self, deltas: list[torch.Tensor], all_tokens: list[int]) -> _Exchange:
+        """Start exchanging every worker's pseudo-gradient (the sharded sign exchange runs through)."""
+        t0 = time.perf_counter()
         if self.sign_reduce is not None:
             agg = [a.to(d.device) for a, d in zip(self.sign_reduce.reduce(deltas, self.tokens), deltas)]
             self._collective_s += self.sign_reduce.collective_s
-            return agg, self.sign_reduce.payload_bytes, self.sign_reduce.wire_bytes()
+            payload, wire = self.sign_reduce.payload_bytes, self.sign_reduce.wire_bytes()
+            return _Exchange(None, t0, [], deltas, payload, wire, agg=agg)
         if self.compressor is not None:  # compression == "sign"
             buf = self.compressor.compress(deltas, self.tokens)
             t0 = time.perf_counter()
-            if self.world > 1:
-                bufs = [torch.empty_like(buf) for _ in range(self.world)]
-                dist.all_gather(bufs, buf, group=self.group)
-            else:
-                bufs = [buf]
-            if self.wan is not None:
-                self.wan.wait("all_gather", buf.numel(), t0)
+            bufs = [torch.empty_like(buf) for _ in range(self.world)] if self.world > 1 else [buf]
+            work = dist.all_gather(bufs, buf, group=self.group, async_op=True) if self.world > 1 else None
             self._collective_s += time.perf_counter() - t0
-            weights = token_weights([self.compressor.codec.tokens_of(b) for b in bufs])
-            # summed in rank order (identical on every worker), in the coded basis: one inverse rotation
-            agg = [a.to(d.device) for a, d in zip(self.compressor.decode_mean(bufs, weights), deltas)]
-            return agg, buf.numel(), ring_wire_bytes("all_gather", buf.numel(), self.world)
+            wire = ring_wire_bytes("all_gather", buf.numel(), self.world)
+            return _Exchange(work, t0, bufs, deltas, buf.numel(), wire)
         dtype = torch.float32 if self.compression == "fp32" else torch.float16
         w = token_weights(all_tokens)[self.rank]
         flat = torch.cat([d.reshape(-1) for d in deltas]).mul_(w).to(dtype)
         t0 = time.perf_counter()
-        flat = dense_all_reduce(flat, self.reduce_kind, self.world, self.group, self.wan)
+        work, parts = _dense_launch(flat, self.reduce_kind, self.world, self.group)
+        self._collective_s += time.perf_counter() - t0
         nbytes = flat.numel() * flat.element_size()
+        return _Exchange(work, t0, parts, deltas, nbytes, ring_wire_bytes(self.reduce_kind, nbytes, self.world))
+
+    def _finish(self, ex: _Exchange) -> list[torch.Tensor]:
+        """Wait for an exchange (and its emulated WAN time); the token-weighted mean pseudo-gradient."""
+        if ex.agg is not None:
+            return ex.agg
+        t0 = time.perf_counter()
+        deltas = ex.own
+        if self.compressor is not None:
+            if ex.work is not None:
+                ex.work.wait()
+            if self.wan is not None:
+                self.wan.wait("all_gather", ex.payload, ex.t0)
+            self._collective_s += time.perf_counter() - t0
+            weights = token_weights([self.compressor.codec.tokens_of(b) for b in ex.parts])
+            # summed in rank order (identical on every worker), in the coded basis: one inverse rotation
+            return [a.to(d.device) for a, d in zip(self.compressor.decode_mean(ex.parts, weights), deltas)]
+        flat = _dense_finish(ex.work, ex.parts, self.reduce_kind, ex.t0, self.wan)
         self._collective_s += time.perf_counter() - t0
         flat = flat.float()
         agg, off = [], 0
         for d in deltas:
             agg.append(flat[off : off + d.numel()].view_as(d))
             off += d.numel()
-        return agg, nbytes, ring_wire_bytes(self.reduce_kind, nbytes, self.world)
+        return agg
+
+    def _outer_update(self, agg: list[torch.Tensor]) -> None:
+        """The outer optimizer's step on the synced weights, with the mean pseudo-gradient as gradient."""
+        with torch.no_grad():
+            for s, g in zip(self.synced, agg):
+                s.grad = g
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+
+    def _exchange_and_step(self, all_tokens: list[int]) -> _Exchange:
+        """The outer step: synchronous, or (``overlap``) the previous sync's exchange, finished now,
+        while this sync's exchange runs during the next inner phase."""
+        if not self.overlap:
+            ex = self._launch(self.pseudo_gradient(), all_tokens)
+            self._outer_update(self._finish(ex))
+            with torch.no_grad():
+                for s, p in zip(self.synced, self.params):
+                    p.data.copy_(s.data.to(p.dtype))
+            return ex
+        assert self._ref is not None
+        # progress since the last send: the local weights already hold it, the outer weights not yet
+        ex = self._launch([r - p.detach().float() for r, p in zip(self._ref, self.params)], all_tokens)
+        prev, self._inflight = self._inflight, ex
+        if prev is not None:
+            before = [s.detach().clone() for s in self.synced]
+            self._outer_update(self._finish(prev))
+            with torch.no_grad():  # swap this worker's own earlier step for the agreed outer step
+                for p, s, b, own in zip(self.params, self.synced, before, prev.own):
+                    p.data.add_((s.data - b + own).to(p.dtype))
+        self._ref = [p.detach().float().clone() for p in self.params]
+        return ex
+
+    def flush(self) -> None:
+        """``overlap``: wait for the exchange still in flight, take its outer step, and set the weights to
+        the outer weights (identical on every worker). Call it right after a sync, e.g. before evaluating
+        or saving; every worker must call it."""
+        if self._inflight is None:
+            return
+        if self.local_step:
+            raise ValueError(f"flush() right after a sync: {self.local_step} inner steps since would be lost")
+        prev, self._inflight = self._inflight, None
+        self._outer_update(self._finish(prev))
+        with torch.no_grad():
+            for s, p in zip(self.synced, self.params):
+                p.data.copy_(s.data.to(p.dtype))
+        self._ref = [p.detach().float().clone() for p in self.params]
 
     def sync(self) -> SyncStats:
         """One synchronous outer step (all workers must call it the same number of times)."""
@@ -418,16 +524,9 @@ class DiLoCo:
         all_tokens, rates, wait_s, overheads, posts, join = self._exchange_meta(compute_s)
         t0 = time.perf_counter()  # the sync point: the all_gather released every worker at about this instant
         self._collective_s = 0.0
-        deltas = self.pseudo_gradient()
-        agg, payload, wire = self._aggregate(deltas, all_tokens)
+        ex = self._exchange_and_step(all_tokens)
+        payload, wire = ex.payload, ex.wire
         comm_s = time.perf_counter() - t0
-        with torch.no_grad():
-            for s, g in zip(self.synced, agg):
-                s.grad = g
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
-            for s, p in zip(self.synced, self.params):
-                p.data.copy_(s.data.to(p.dtype))
         stats = SyncStats(
             outer_step=self.outer_step,
             tokens=self.tokens,
@@ -479,6 +578,8 @@ class DiLoCo:
 
     # --- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        if self._inflight is not None:
+            raise ValueError("an outer step's exchange is still in flight (overlap=True): call flush() first")
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "inner_optimizer": self.inner_optimizer.state_dict(),
@@ -511,6 +612,8 @@ class DiLoCo:
             self.sign_reduce.server_residual = state["server_residual"].clone()
         for k in ("local_step", "outer_step", "tokens", "inner_steps", "batch_size"):
             setattr(self, k, state[k])
+        self._inflight = None
+        self._ref = [p.detach().float().clone() for p in self.params] if self.overlap else None
         self._phase_start = time.perf_counter()
 
     def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
