@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import sysprdict.timepred as tp
+from sysprdict import kernels
 from sysprdict.layers import decompose
 from sysprdict.timepred import TimePredictor, cpu_isa, mape, matmul_seconds
 from sysprdict.zoo import Shape, ZooModel, build
@@ -34,20 +35,58 @@ def test_matmul_shapes_are_recorded_per_dtype():
     assert d16.matmul_shapes and all(k.startswith("float16:") for k in d16.matmul_shapes)
 
 
+def test_heavy_ops_are_recorded_as_replayable_kernel_specs():
+    zm = ZooModel("lin", "lin", "", "text", _Lin(), 0)
+    d = decompose(zm, Shape(2, 3), "fp32")
+    [(spec, n)] = d.kernel_calls.items()
+    info = kernels.spec_info(spec)
+    assert (n, info["op"], info["dtype"], info["mm"], info["flops"]) == (
+        1,
+        "addmm",
+        "float32",
+        "1:6:8:4",
+        2 * 6 * 8 * 4,
+    )
+    # the activations were made inside forward (no gradient); the weight needs one
+    assert [a["grad"] for a in info["args"] if isinstance(a, dict)] == [True, False, True]
+    assert 0 < kernels.kernel_seconds(spec) < 1
+    dv = decompose(build("vit-xs"), Shape(1, 8, 32), "fp16")
+    ops = {kernels.spec_info(s)["op"] for s in dv.kernel_calls}
+    assert {"convolution", "_scaled_dot_product_flash_attention_for_cpu"} <= ops
+    for s in dv.kernel_calls:
+        assert kernels.kernel_seconds(s) > 0  # every recorded spec replays, forward and backward
+
+
+def test_kernels_too_large_to_replay_use_the_size_table(monkeypatch):
+    d = decompose(build("llama-xs"), Shape(1, 8), "fp32")
+    table = {"float32": [(0.0, math.log(2e-9)), (40.0, math.log(2e-9))]}
+    monkeypatch.setattr(kernels, "REPLAY_MAX_BYTES", 0)
+    monkeypatch.setattr(kernels, "kernel_seconds", lambda spec: pytest.fail("replayed a spec over the limit"))
+    terms = tp.calibrated_terms(d, "adamw", {}, table)
+    assert terms["mm_calibrated_s"] == pytest.approx(matmul_seconds(d, table))
+    assert terms["mm_flops:float32"] == 0  # every dense matmul FLOP is costed by the table, not the fit
+
+
+def _synthetic_kernel_seconds(spec: str) -> float:
+    # bf16 kernels get 8x cheaper per FLOP as they grow (as AMX does), fp32 stay flat, fp16 slow
+    info = kernels.spec_info(spec)
+    per_flop = {"float32": 1e-10, "float16": 1e-9}.get(info["dtype"])
+    if per_flop is None:
+        x = min(max((math.log(max(info["flops"], 1)) - math.log(1e3)) / math.log(1e6), 0.0), 1.0)
+        per_flop = math.exp((1 - x) * math.log(4e-10) + x * math.log(5e-11))
+    return info["flops"] * per_flop
+
+
 def test_size_extrapolation_follows_the_measured_kernel_speed(monkeypatch):
-    # synthetic truth: bf16 matmuls get 8x cheaper per FLOP as they grow (as AMX does), fp32 stay
-    # flat; every dispatched (non-view) op costs 20 us. Trained on small sizes only, the calibrated predictor must
-    # extrapolate to a larger size because the speed-up is in its measured table, not in the fit.
-    table = {
-        "float32": [(math.log(1e3), math.log(1e-10)), (math.log(1e9), math.log(1e-10))],
-        "bfloat16": [(math.log(1e3), math.log(4e-10)), (math.log(1e9), math.log(5e-11))],
-        "float16": [(math.log(1e3), math.log(1e-9)), (math.log(1e9), math.log(1e-9))],
-    }
-    monkeypatch.setattr(tp, "MATMUL_SECONDS", table)
+    # synthetic truth: the heavy kernels cost what the (synthetic) replay measures, every dispatched
+    # op 20 us more. Trained on small sizes only, the calibrated predictor must extrapolate to a
+    # larger size because the kernels' speed-up is measured at the larger shapes, not fitted.
+    monkeypatch.setattr(kernels, "kernel_seconds", _synthetic_kernel_seconds)
     monkeypatch.setattr(tp, "EXPERTS_MATMUL_COST", {"float32": 1.0, "bfloat16": 1.0, "float16": 1.0})
 
     def truth(d):
-        return matmul_seconds(d, table) + 2e-5 * sum(v for k, v in d.op_mix.items() if "_count:" in k)
+        heavy = sum(n * _synthetic_kernel_seconds(s) for s, n in d.kernel_calls.items())
+        return heavy + 2e-5 * sum(v for k, v in d.op_mix.items() if "_count:" in k)
 
     train = [
         decompose(build(f"{f}-{s}"), Shape(2, 16), p)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .kernels import kernel_spec
 from .zoo import Shape, ZooModel
 
 log = logging.getLogger(__name__)
@@ -314,6 +315,9 @@ class Decomposition:
     matmul_shapes: dict = dataclasses.field(default_factory=dict)
     """Forward dense matmuls by "dtype:batch:m:k:n" -> count (mm/addmm with batch 1, bmm/baddbmm),
     so a kernel's speed measured on this machine at each shape can be looked up."""
+    kernel_calls: dict = dataclasses.field(default_factory=dict)
+    """Forward matmuls, convolutions and fused attention as replayable specs (`kernels.kernel_spec`)
+    -> count, so each can be timed on this machine at its exact shape and dtype."""
 
     @property
     def params(self) -> int:
@@ -423,7 +427,7 @@ class _Tracer(torch.utils._python_dispatch.TorchDispatchMode):
                 # bookkeeping derived from real ids (3-D rotary positions) stays computable
                 with unset_fake_temporarily():
                     out = func(*args, **kwargs)
-        self.owner.on_op(name, args, out)
+        self.owner.on_op(name, args, out, kwargs)
         return out
 
 
@@ -465,6 +469,7 @@ class _Trace:
         self.param_keys = param_keys
         self.mix: collections.Counter = collections.Counter()
         self.mm_shapes: collections.Counter = collections.Counter()
+        self.kernels: collections.Counter = collections.Counter()
         self.clock = 0  # counts non-view ops: a record's `order` is the time of its last op
         self.handles = []
         for m in module.modules():
@@ -501,7 +506,7 @@ class _Trace:
             self.records[name] = rec
         return rec
 
-    def on_op(self, name: str, args: tuple, out: object) -> None:
+    def on_op(self, name: str, args: tuple, out: object, kwargs: dict | None = None) -> None:
         rec = self.record(self.stack[-1] if self.stack else None)
         rec.ops += 1
         outs = _tensors(out)
@@ -526,6 +531,9 @@ class _Trace:
         shape = _mm_shape(name, args)
         if shape is not None:
             self.mm_shapes[f"{dtype}:" + ":".join(map(str, shape))] += 1
+        spec = kernel_spec(name, args, kwargs or {}, dtype, fl, shape)
+        if spec is not None:
+            self.kernels[spec] += 1
         key = f"{op_class(name)}_%s:{dtype}"
         self.mix[key % "count"] += 1
         self.mix[key % "flops"] += fl
@@ -744,6 +752,7 @@ def decompose(model: ZooModel, shape: Shape, precision: str = "fp32", routing: s
         buffer_bytes=sum(buffers.values()),
         op_mix=dict(tr.mix),
         matmul_shapes=dict(tr.mm_shapes),
+        kernel_calls=dict(tr.kernels),
     )
 
 

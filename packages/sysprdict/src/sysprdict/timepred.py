@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from . import kernels as _kernels
 from .layers import PRECISIONS, Decomposition, decompose
 from .memory import OPTIMIZER_STATES
 from .zoo import Shape, build
@@ -183,6 +184,26 @@ _EXPERT_SHAPES = ((128, 64, 128), (192, 96, 192), (128, 64, 64))
 token-slots; not taken from any profiled model)."""
 
 
+def _experts_ratio(dt, gmm, g, best, experts: int) -> float:
+    """Geometric mean over `_EXPERT_SHAPES` of grouped / dense matmul forward + backward time."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    logs = []
+    for s, k, n in _EXPERT_SHAPES:
+        a = torch.randn(s, k, generator=g).to(dt).requires_grad_()
+        w = torch.randn(experts, n, k, generator=g).to(dt).requires_grad_()
+        dense = torch.randn(n, k, generator=g).to(dt).requires_grad_()
+        go = torch.randn(s, n, generator=g).to(dt)
+        # group sizes of a random (untrained) router: uneven, like the profiled steps' routing
+        counts = torch.bincount(torch.randint(experts, (s,), generator=g), minlength=experts)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        t_g = best(lambda a=a, w=w, go=go, offs=offs: gmm(a, w.transpose(-2, -1), offs=offs).backward(go))
+        t_d = best(lambda a=a, dense=dense, go=go: F.linear(a, dense).backward(go))
+        logs.append(math.log(t_g / t_d))
+    return float(math.exp(sum(logs) / len(logs)))
+
+
 def calibrate_experts(repeats: int = 20, experts: int = 4) -> dict[str, float]:
     """Measure, on this machine, the forward+backward cost of a grouped (routed-experts) matmul
     relative to a dense matmul of the same FLOPs, per dtype (geometric mean over `_EXPERT_SHAPES`,
@@ -209,21 +230,9 @@ def calibrate_experts(repeats: int = 20, experts: int = 4) -> dict[str, float]:
 
     g = torch.Generator().manual_seed(0)
     res: dict[str, float] = {}
-    for name in _DTYPES:
-        dt = getattr(torch, name)
-        logs = []
-        for s, k, n in _EXPERT_SHAPES:
-            a = torch.randn(s, k, generator=g).to(dt).requires_grad_()
-            w = torch.randn(experts, n, k, generator=g).to(dt).requires_grad_()
-            dense = torch.randn(n, k, generator=g).to(dt).requires_grad_()
-            go = torch.randn(s, n, generator=g).to(dt)
-            # group sizes of a random (untrained) router: uneven, like the profiled steps' routing
-            counts = torch.bincount(torch.randint(experts, (s,), generator=g), minlength=experts)
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            t_g = best(lambda a=a, w=w, go=go, offs=offs: gmm(a, w.transpose(-2, -1), offs=offs).backward(go))
-            t_d = best(lambda a=a, dense=dense, go=go: F.linear(a, dense).backward(go))
-            logs.append(math.log(t_g / t_d))
-        res[name] = float(math.exp(sum(logs) / len(logs)))
+    with _kernels.one_thread():
+        for name in _DTYPES:
+            res[name] = _experts_ratio(getattr(torch, name), gmm, g, best, experts)
     EXPERTS_MATMUL_COST.clear()
     EXPERTS_MATMUL_COST.update(res)
     return res
@@ -273,20 +282,33 @@ def calibrate_matmul() -> dict[str, list[tuple[float, float]]]:
 
     g = torch.Generator().manual_seed(0)
     res: dict[str, list[tuple[float, float]]] = {}
-    for name in _DTYPES:
-        dt = getattr(torch, name)
-        pts = []
-        for m, k, n in _MM_CAL_SHAPES:
-            a = torch.randn(m, k, generator=g).to(dt).requires_grad_()
-            w = torch.randn(n, k, generator=g).to(dt).requires_grad_()
-            go = torch.randn(m, n, generator=g).to(dt)
-            t = _best_cpu_s(lambda a=a, w=w, go=go: F.linear(a, w).backward(go))
-            flops = 2.0 * m * k * n
-            pts.append((math.log(flops), math.log(t / flops)))
-        res[name] = sorted(pts)
+    with _kernels.one_thread():
+        for name in _DTYPES:
+            dt = getattr(torch, name)
+            pts = []
+            for m, k, n in _MM_CAL_SHAPES:
+                a = torch.randn(m, k, generator=g).to(dt).requires_grad_()
+                w = torch.randn(n, k, generator=g).to(dt).requires_grad_()
+                go = torch.randn(m, n, generator=g).to(dt)
+                t = _best_cpu_s(lambda a=a, w=w, go=go: F.linear(a, w).backward(go))
+                flops = 2.0 * m * k * n
+                pts.append((math.log(flops), math.log(t / flops)))
+            res[name] = sorted(pts)
     MATMUL_SECONDS.clear()
     MATMUL_SECONDS.update(res)
     return res
+
+
+def _grid_seconds(dt: str, shape: str, table: dict[str, list[tuple[float, float]]]) -> float:
+    """Forward + backward seconds of one dense matmul ("b:m:k:n") at dtype `dt`: its FLOPs x the
+    measured seconds per FLOP at its size (log-interpolated in `table`)."""
+    pts = table.get(dt) or table.get("float32")
+    if not pts:
+        raise ValueError("matmul calibration: empty; run calibrate_matmul() first")
+    b, m, k, n = (int(x) for x in shape.split(":"))
+    flops = 2.0 * b * m * k * n
+    xs, ys = zip(*pts)
+    return flops * math.exp(float(np.interp(math.log(flops), xs, ys)))
 
 
 def matmul_seconds(d: Decomposition, table: dict[str, list[tuple[float, float]]]) -> float:
@@ -294,13 +316,8 @@ def matmul_seconds(d: Decomposition, table: dict[str, list[tuple[float, float]]]
     each matmul's FLOPs x the measured seconds per FLOP at its size (log-interpolated)."""
     total = 0.0
     for key, count in d.matmul_shapes.items():
-        dt, b, m, k, n = key.split(":")
-        pts = table.get(dt) or table.get("float32")
-        if not pts:
-            raise ValueError("matmul calibration: empty; run calibrate_matmul() first")
-        flops = 2.0 * int(b) * int(m) * int(k) * int(n)
-        xs, ys = zip(*pts)
-        total += count * flops * math.exp(float(np.interp(math.log(flops), xs, ys)))
+        dt, shape = key.split(":", 1)
+        total += count * _grid_seconds(dt, shape, table)
     return total
 
 
@@ -346,14 +363,25 @@ _CAL_TERMS = (*_MIX_TERMS, "mm_calibrated_s")
 def calibrated_terms(
     d: Decomposition, optimizer: str, experts_cost: dict[str, float], table: dict[str, list[tuple[float, float]]]
 ) -> dict[str, float]:
-    """`opmix_terms` with the dense matmuls' FLOPs replaced by their measured kernel seconds
-    (`matmul_seconds`): routed-expert FLOPs keep their per-dtype cost terms."""
+    """`opmix_terms` with the heavy kernels taken out of the fitted terms and costed as measured on
+    this machine: each replayable matmul, convolution and fused attention at its exact shape and
+    dtype (`kernels.kernel_seconds`), a dense matmul too large to replay by the size-interpolated
+    table (`_grid_seconds`); routed-expert FLOPs and unreplayed kernels keep their fitted terms."""
     t = opmix_terms(d, optimizer, experts_cost)
-    for key, v in d.op_mix.items():
-        q, dt = key.split(":")
-        if q == "matmul_flops" and dt in _DTYPES:
-            t[f"mm_flops:{dt}"] = max(t[f"mm_flops:{dt}"] - v, 0.0)
-    t["mm_calibrated_s"] = matmul_seconds(d, table)
+    measured = 0.0
+    for spec, n in d.kernel_calls.items():
+        info = _kernels.spec_info(spec)
+        dt = info["dtype"] if info["dtype"] in _DTYPES else "float32"
+        if _kernels.replayable(spec):
+            measured += n * _kernels.kernel_seconds(spec)
+        elif info["mm"]:
+            measured += n * _grid_seconds(dt, info["mm"], table)
+        else:
+            continue
+        cls = "sdpa_flops" if info["class"] == "sdpa" else "mm_flops"
+        t[f"{cls}:{dt}"] = max(t[f"{cls}:{dt}"] - n * info["flops"], 0.0)
+        t[f"mm_count:{dt}"] = max(t[f"mm_count:{dt}"] - n, 0.0)
+    t["mm_calibrated_s"] = measured
     return t
 
 
