@@ -616,10 +616,17 @@ _SETUP = {
 }
 
 
-@atexit.register
-def _close_all() -> None:
-    """Remove this process's groups at exit (a forked child's exit leaves its parent's alone)."""
-    with _lock:
-        live = [g for g in _live.values() if g.creator == os.getpid()]
-    for g in live:
-        g.close()
+def close_owned_at_exit(registry: dict, lock: threading.Lock) -> None:
+    """At exit, close every object of ``registry`` (guarded by ``lock``) that this process created:
+    a forked child's exit leaves its parent's groups and throttles alone."""
+
+    def close_all() -> None:
+        with lock:
+            live = [x for x in registry.values() if x.creator == os.getpid()]
+        for x in live:
+            x.close()
+
+    atexit.register(close_all)
+
+
+close_owned_at_exit(_live, _lock)

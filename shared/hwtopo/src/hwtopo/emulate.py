@@ -25,7 +25,6 @@ bandwidth, for in-process shaping of messages or collectives; ``ShapedWriter`` w
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
@@ -37,7 +36,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cgroups import CGroup, cgroup_available, cleanup_stale, pid_alive, remove_cgroup
+from .cgroups import CGroup, cgroup_available, cleanup_stale, close_owned_at_exit, pid_alive, remove_cgroup
 from .model import Link
 
 __all__ = [
@@ -276,13 +275,7 @@ def _duty_cycle(pid: int, speed: float, cpus: float, period_s: float | None) -> 
     return CpuThrottle(pid, speed, cpus, "duty-cycle", _watchdog=wd, _lifeline=w)
 
 
-@atexit.register
-def _close_all() -> None:
-    """Close this process's throttles at exit (a forked child's exit leaves its parent's alone)."""
-    with _lock:
-        live = [t for t in _throttles.values() if t.creator == os.getpid()]
-    for t in live:
-        t.close()
+close_owned_at_exit(_throttles, _lock)
 
 
 def _as_float(value) -> float:
