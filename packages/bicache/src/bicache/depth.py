@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -52,16 +52,7 @@ class Calibration:
     meta: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
-            "fractions": self.fractions,
-            "kv": self.kv,
-            "hidden": self.hidden,
-            "drift": self.drift,
-            "drift_max": self.drift_max,
-            "samples": self.samples,
-            "num_layers": self.num_layers,
-            "meta": self.meta,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:
