@@ -10,6 +10,8 @@ exchanges it (sign-compressed bytes via all_gather, or a dense fp32/fp16 all_red
 baselines), averages them weighted by token counts, and applies the same Nesterov SGD step to the
 same last-synced weights on every worker, so all workers leave the outer step with identical weights.
 A ``Rebalancer`` (optional) re-plans b_i and H_i from the measured throughputs exchanged at each sync.
+A ``Quorum`` (optional) drops workers that die or stall and admits new ones at outer-step boundaries;
+``overlap=True`` applies each outer step one phase late, its exchange running behind the next phase.
 """
 
 from __future__ import annotations

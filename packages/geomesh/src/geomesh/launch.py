@@ -47,7 +47,8 @@ def spawn(fn: Callable[..., Any], world: int, args: tuple = (), **kwargs: Any) -
     """Run ``fn(rank, world, *args)`` on ``world`` local ranks; their return values by rank.
 
     ``kwargs`` are those of ``hwtopo.launch.spawn`` (``backend``, ``timeout_s``, ``pg_timeout_s``,
-    ``threads``, ``start_method``, ``setup``, ``env``). ``start_method="fork"`` starts much faster
+    ``threads``, ``start_method``, ``setup``, ``env``, ``max_restarts``: a killed rank started again,
+    which rejoins through ``Quorum(join=hwtopo.launch.restart_count() > 0)``). ``start_method="fork"`` starts much faster
     (no re-import of torch) and suits tests and benches.
     """
     with _as_geomesh():
