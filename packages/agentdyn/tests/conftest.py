@@ -1,7 +1,8 @@
 import os
-import socket
 
 import pytest
+
+from hwtopo import launch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -12,6 +13,4 @@ def pytest_configure(config):
 
 @pytest.fixture
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return launch.free_port()
