@@ -6,7 +6,6 @@ points agentdyn's LLM client and agent runtime at its `/v1` base URL.
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +15,7 @@ import pytest
 
 import agentdyn
 import bicache
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hwtopo.launch import free_port
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
