@@ -311,3 +311,16 @@ def test_overlap_refuses_what_it_cannot_keep():
         dl.state_dict()
     dl.flush()
     assert dl.state_dict()["outer_step"] == 1
+
+
+def test_a_joiner_that_no_member_admits_fails_clearly_instead_of_waiting(tmp_path):
+    import torch.distributed as dist
+
+    from geomesh import Quorum
+
+    store = dist.FileStore(str(tmp_path / "store"), -1)
+    model = tiny_model(0)
+    quorum = Quorum(join=True, join_timeout_s=0.5, store=store)
+    with pytest.raises(GeoMeshError, match=r"was not admitted within join_timeout_s=0.5 s"):
+        DiLoCo(model, torch.optim.AdamW(model.parameters()), 2, quorum=quorum)
+    assert store.check(["geomesh-quorum/join/0"])  # its request was there for the members to see
