@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import hwtopo
+
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -272,7 +274,7 @@ def gather_state_dict(model, group=None, merge_lora: bool = True) -> dict[str, t
 
 
 def save_full(model, path: str | os.PathLike, group=None, rank: int = 0) -> Path | None:
-    """Gather the full weights and write a ``save_pretrained`` directory from rank 0 (atomic rename)."""
+    """Gather the full weights and write a ``save_pretrained`` directory from rank 0, whole or not at all."""
     state = gather_state_dict(model, group)
     if rank != 0:
         return None
@@ -280,16 +282,4 @@ def save_full(model, path: str | os.PathLike, group=None, rank: int = 0) -> Path
     missing, unexpected = full.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:
         raise RuntimeError(f"gathered state dict does not match the model: missing {missing}, unexpected {unexpected}")
-    dest = Path(path)
-    tmp = dest.with_name(dest.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    full.save_pretrained(tmp)
-    if dest.exists():
-        import shutil
-
-        shutil.rmtree(dest)
-    os.replace(tmp, dest)
-    return dest
+    return hwtopo.atomic_dir(path, full.save_pretrained)
