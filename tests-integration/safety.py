@@ -48,6 +48,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from hwtopo import atomic_write_text
 from hwtopo.testing import Payload
 
 PACKAGES = ("hwtopo", "xronos", "geomesh", "cona", "bicache", "kvpool", "parser-moe", "sysprdict", "agentdyn")
@@ -877,9 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     report = measure(wanted, a.pairs, a.kills)
     if a.json:
-        tmp = Path(a.json).with_name(f".{Path(a.json).name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, a.json)
+        atomic_write_text(a.json, json.dumps(report, indent=2) + "\n")
     bad = bad_counts(report)
     for line in bad:
         print(f"safety: {line}", file=sys.stderr)
