@@ -63,3 +63,32 @@ def test_bench_json_envelope_on_a_fixed_result(tmp_path, capsys, monkeypatch):
     assert list(doc)[:6] == ["package", "version", "config", "machine", "results", "headline"]
     assert doc["package"] == "bicache" and doc["headline"] == {"speedup": 1.9} and doc["machine"]["machines"]
     assert doc["round_ratios"] == [1.8, 2.0] and doc["emulated"] is False and doc["policy"] == res["policy"]
+
+
+def test_bench_all_takes_the_headline_from_the_text_seeds(tmp_path, capsys, monkeypatch):
+    # suite all: the over-seeds text headline leads, the table model's run sits under table_task
+    import json
+    import types
+
+    import bicache.bench
+    import bicache.cli
+    import bicache.textbench
+
+    row = {"0.5": {"accuracy": 0.5, "tokens_per_cpu_s": 10.0}}
+    table = {k: {} for k in ("config", "round_ratios", "calibration", "policy")}
+    table.update(results={"nocache": row}, headline={"throughput_ratio_vs_dual_cache": 1.1})
+    seed = {k: {} for k in ("config", "round_ratios", "calibration", "policy", "bound_search")}
+    seed.update(results={"nocache": row}, headline={}, config={"model": {"arch": "LlamaForCausalLM"}})
+    text = {
+        "per_seed": {0: seed, 1: seed, 2: seed},
+        "results": {"nocache": row},
+        "headline": {"safe_depth_all_global": 0},
+    }
+    monkeypatch.setattr(bicache.cli, "_model", lambda args: types.SimpleNamespace(num_layers=2))
+    monkeypatch.setattr(bicache.bench, "run_bench", lambda dlm, **kw: table)
+    monkeypatch.setattr(bicache.textbench, "run_text_bench", lambda **kw: text)
+    assert main(["bench", "--quick", "--json", str(tmp_path / "b.json"), "--quiet"]) == 0
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["headline"] == {"safe_depth_all_global": 0} and doc["config"]["seeds"] == [0, 1, 2]
+    assert doc["config"]["suite"] == "text" and set(doc["per_seed"]) == {"0", "1", "2"}
+    assert doc["table_task"]["headline"] == {"throughput_ratio_vs_dual_cache": 1.1}
