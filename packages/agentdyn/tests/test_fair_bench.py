@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from agentdyn.bench import DEV_SEEDS, WorkloadConfig, _schedule, size_load, vs_fair
+from agentdyn.cgroups import cpu_writable
 from agentdyn.scheduler import FairPolicy
 
 
@@ -232,7 +233,7 @@ def test_cpu_aware_policy_learns_the_share_of_a_core_its_heavy_runs_get():
     from agentdyn.monitor import Usage
     from agentdyn.scheduler import CpuAwarePolicy
 
-    pol = CpuAwarePolicy(_store(), [0, 1])
+    pol = CpuAwarePolicy(_store(), [0, 1], apply_cgroups=False)  # no weights to carry the held runs'
 
     async def run(task_type, tool, usage):
         async with pol.tool_slot("r1", task_type, tool):
@@ -259,6 +260,14 @@ def test_cpu_aware_policy_learns_the_share_of_a_core_its_heavy_runs_get():
                 await s.__aexit__(None, None, None)
 
         asyncio.run(crowded())  # its wait was for our own runs past the cores: not the neighbours'
-        assert pol.admission.scale == 0.5
+        assert pol.admission.scale == 0.5 and not pol.reweighed
     finally:
         pol.close()
+    if cpu_writable():  # where the held runs' weight moves to the admitted ones, the cores suffice
+        pol = CpuAwarePolicy(_store(), [0, 1])
+        try:
+            for _ in range(5):
+                asyncio.run(run("coding", "run_tests", Usage(cpu_s=3.0, wall_s=6.0, run_wait_s=3.0)))
+            assert pol.reweighed and pol.admission.scale == 1.0
+        finally:
+            pol.close()

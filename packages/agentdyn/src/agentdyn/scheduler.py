@@ -185,6 +185,7 @@ class CpuAwarePolicy(Policy):
         self._weighted_groups: dict[str, CpuGroup] = {}  # per task_type/tool: its weight, the class's threads
         self.runs: dict[str, int] = {}  # tool runs per group they were placed in
         self._in_flight: dict[str, int] = {}  # heavy runs per task_type/tool, admitted or waiting
+        self.reweighed = False  # a heavy group's weight followed its runs in flight
 
     def intensity(self, task_type: str, tool: str) -> float:
         p = self.profiles.get(task_type, tool)
@@ -228,7 +229,7 @@ class CpuAwarePolicy(Policy):
         self._in_flight[key] = n
         g = self._weighted_group(task_type, tool, True)
         if g is not None and n > 0:
-            g.set_shares(DEFAULT_SHARES * n * (g.threads or 1))
+            self.reweighed |= g.set_shares(DEFAULT_SHARES * n * (g.threads or 1))
 
     def _count(self, g: CpuGroup | None) -> CpuGroup | None:
         key = g.name if g is not None else "none"
@@ -251,7 +252,9 @@ class CpuAwarePolicy(Policy):
     def observe(self, task_type: str, tool: str, usage: Usage) -> None:
         self.profiles.observe(task_type, tool, usage, alone=False)
         t = _TICKET.get()
-        if t is None or not t.heavy or t.crowded or usage.wall_s <= 0:
+        if t is None or not t.heavy or t.crowded or usage.wall_s <= 0 or self.reweighed:
+            # reweighed, the runs admitted already carry the weight of those held: admitting more
+            # would take no more CPU from other tenants, only share the cores among our runs
             return
         # the share of its wall time a heavy run that never had to share the cores with more heavy
         # runs of ours sat runnable but not running, per thread: what other tenants (and our light
@@ -270,6 +273,7 @@ class CpuAwarePolicy(Policy):
             "tool_shares": self.shares if self.weighted else None,
             "weighted_groups": {k: g.describe() for k, g in self._weighted_groups.items()},
             "runs_by_group": dict(self.runs),
+            "reweighed": self.reweighed,
         }
 
     def close(self) -> None:
