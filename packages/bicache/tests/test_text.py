@@ -102,3 +102,20 @@ def test_headline_is_the_median_over_seeds_with_spread():
     assert sp["per_seed"] == [1.3, 0.9, 1.1] and sp["min"] == 0.9 and sp["max"] == 1.3
     assert head["safe_depth_all_global"] == 0 and head["safe_depth_all_global_spread"]["per_seed"] == [0, 1, 0]
     assert head["drift_curve_all_global"][1]["exposed_drift_by_depth"] == [[0.1, 0.2]]
+
+
+def test_accuracy_keys_are_per_byte_with_exact_match_kept():
+    def row(tok: float, exact: float) -> dict:
+        return {"0.5": {"token_accuracy": tok, "accuracy": exact}, "0.9": {"token_accuracy": tok, "accuracy": exact}}
+
+    results = {
+        "nocache": row(0.6, 0.1),
+        "naive_prefix": row(0.2, 0.0),
+        "bicache": row(0.6, 0.1),
+        "block_cache": row(0.58, 0.1),
+        "bicache+block_cache": row(0.5, 0.0),
+    }
+    head = {"acc_nocache": 0.1, "acc_drop_vs_dual_cache": 0.1}
+    keys = textbench._token_keys(head, results)
+    assert keys["acc_nocache"] == 0.6 and keys["acc_naive_prefix"] == 0.2 and keys["acc_drop_bicache"] == 0.0
+    assert keys["acc_drop_vs_dual_cache"] == 0.08 and keys["exact_acc_nocache"] == 0.1

@@ -100,9 +100,14 @@ def _table_suite(args) -> dict:
 
 def _text_suite(args) -> dict:
     """The all-global (LLaDA-shaped) stdlib-text models, one run per shipped seed."""
+    import sysconfig
+
+    from .corpus import stdlib_files
     from .textbench import run_text_bench
 
     _one_thread()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = {s: [p.relative_to(root).as_posix() for p in fs] for s, fs in stdlib_files().items()}
     out = run_text_bench(quick=args.quick, progress=not args.quiet)
     seeds = {
         str(s): {
@@ -114,6 +119,8 @@ def _text_suite(args) -> dict:
         "seeds": sorted(out["per_seed"]),
         "tuned_on": "dev split of the stdlib files (calibration, drift bound)",
         "reported_on": "test split of the stdlib files (held out from training and tuning)",
+        "stdlib": str(root),
+        "files": {"train": len(files["train"]), "dev": files["dev"], "test": files["test"]},
         "model": out["per_seed"][min(out["per_seed"])]["config"]["model"],
         "headline": "median over seeds; <key>_spread holds min, max and the per-seed values",
     }
