@@ -250,3 +250,26 @@ def test_save_figure_writes_whole_and_closes(tmp_path):
     with pytest.raises(ValueError):
         console.save_figure(fig, tmp_path / "p.nosuchformat")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png"] and not plt.fignum_exists(fig.number)
+
+
+def test_atomic_writes_get_the_modes_plain_writes_get(tmp_path):
+    # a plot, a JSON or a saved model others may read: not the temp file's private 0600 / 0700
+    import stat
+
+    import hwtopo
+
+    (tmp_path / "plain").write_text("x")
+    (tmp_path / "plain-dir").mkdir()
+    hwtopo.atomic_write_text(tmp_path / "atomic", "x")
+    hwtopo.atomic_dir(tmp_path / "atomic-dir", lambda d: (d / "a").write_text("1"))
+
+    def mode(name):
+        return stat.S_IMODE((tmp_path / name).stat().st_mode)
+
+    assert mode("atomic") == mode("plain") and mode("atomic-dir") == mode("plain-dir")
+    old = os.umask(0o077)
+    try:
+        hwtopo.atomic_write_text(tmp_path / "private", "x")
+    finally:
+        os.umask(old)
+    assert mode("private") == 0o600

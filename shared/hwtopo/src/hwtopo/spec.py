@@ -464,6 +464,15 @@ def dumps(cluster: Cluster) -> str:
     return json.dumps(to_dict(cluster), indent=2, sort_keys=False) + "\n"
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """A file that appears at ``path`` whole or not at all: a temp file beside it, fsynced and
@@ -475,6 +484,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
         with os.fdopen(fd, mode) as fh:
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # the mode open() gives, not mkstemp's private 0600
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
@@ -505,6 +515,7 @@ def atomic_dir(target: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        tmp.chmod(0o777 & ~_umask())  # the mode mkdir() would give, not mkdtemp's private 0700
         fill(tmp)
         old = None
         if target.exists():
