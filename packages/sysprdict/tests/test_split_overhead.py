@@ -95,3 +95,6 @@ def test_bench_plan_holds_out_architectures_and_sizes():
     # the held-out architectures at two sizes, the larger included
     sizes = {c["model"].rsplit("-", 1)[1] for c in plan if c["role"] == "heldout"}
     assert sizes == {"m", "xl"}
+    # every precision is trained with both optimizers (else their costs are confounded)
+    for p in {c["precision"] for c in train}:
+        assert {c["optimizer"] for c in train if c["precision"] == p} == {"sgd", "adamw"}

@@ -157,8 +157,11 @@ def harness_plan(quick: bool = True, train_families: list[str] | None = None) ->
     plan: list[dict] = []
 
     def add(role: str, fam: str, size: str, batch: int, seq: int, image: int) -> None:
-        for p in precs:
-            opt = "sgd" if len(plan) % 3 == 0 else "adamw"
+        group = len(plan) // len(precs)
+        for i, p in enumerate(precs):
+            # alternate so every precision runs with both optimizers across models: tied to the
+            # precision, a precision's elementwise cost and the optimizer's could not be told apart
+            opt = "sgd" if (group + i) % 2 == 0 else "adamw"
             plan.append(
                 {"role": role, "model": f"{fam}-{size}", "batch": batch, "seq_len": seq, "image_size": image}
                 | {"precision": p, "optimizer": opt}
@@ -175,7 +178,7 @@ def harness_plan(quick: bool = True, train_families: list[str] | None = None) ->
     return plan
 
 
-def measure_plan(plan: list[dict], progress: bool = True, steps: int = 2, device: str = "cpu") -> list[dict]:
+def measure_plan(plan: list[dict], progress: bool = True, steps: int = 3, device: str = "cpu") -> list[dict]:
     """Measure every planned configuration in its own process (`groundtruth`) into dataset rows."""
     import platform
 
