@@ -37,6 +37,10 @@ def _decomps():
             out.append(decompose(build(name), Shape(b, 16), prec))
     for b in (1, 3):
         out.append(decompose(build("qwen2-s"), Shape(b, 16), "fp16"))
+    # more models than runtime terms in every precision group, so the per-kernel and
+    # per-layer terms are told apart from each group's baseline
+    for name, prec in [("gpt2-xs", "fp32"), ("qwen2-xs", "bf16"), ("vit-xs", "fp16"), ("clip-vit-s", "fp32")]:
+        out.append(decompose(build(name), Shape(2, 16), prec))
     return out
 
 
@@ -44,9 +48,15 @@ def test_overhead_fit_recovers_known_runtime_terms(tmp_path):
     ds = _decomps()
     tensors = [predict_memory(d, TrainSetup()).peak_bytes for d in ds]
     base = {"fp32": 20 * MiB, "bf16": 35 * MiB, "fp16": 38 * MiB}
-    real = [base[d.precision] + 1.3 * t for d, t in zip(ds, tensors)]
+
+    def runtime(d):  # per distinct kernel shape and per parameterised layer
+        return 0.4 * MiB * len(d.kernel_calls) + 0.1 * MiB * sum(1 for r in d.records if r.params)
+
+    real = [base[d.precision] + 1.3 * t + runtime(d) for d, t in zip(ds, tensors)]
     real[0] *= 3  # one odd configuration must not set the terms for all
     ov = fit_overhead(ds, tensors, real)
+    assert ov.per_kernel == pytest.approx(0.4 * MiB, rel=0.05)
+    assert ov.per_param_layer == pytest.approx(0.1 * MiB, rel=0.05)
     assert ov.allocator == "cpu"
     assert fit_overhead(ds, tensors, real, allocator="cuda").allocator == "cuda"
     with pytest.raises(ValueError, match="allocator"):
