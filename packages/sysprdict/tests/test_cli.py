@@ -73,6 +73,9 @@ def test_blockchain_bench_cli(tmp_path, capsys, monkeypatch):
     )
     lv = res["results"]["heldout_level"]
     assert "peer_cpus" in lv["factors"] and "block_size" in lv["not_varied"]
+    # the headline is the configured model's held-out-level error; the random forest's stands beside it
+    assert h["tps_smape_heldout_level_simulated"] == lv["models"][ev.HELDOUT_MODEL]["throughput_tps"]
+    assert h["tps_smape_heldout_level_rf_simulated"] == lv["models"]["rf"]["throughput_tps"]
 
 
 def test_blockchain_bad_data_is_one_line_naming_file_row_column(tmp_path, capsys):

@@ -16,7 +16,11 @@ from .models import HOLDOUT_FACTORS, PerfModel, grouped_cv, level_holdout
 from .recommend import Costs, recommend
 from .schema import read_csv, write_csv
 
-__all__ = ["load_data", "run_blockchain_bench", "run_blockchain_demo"]
+__all__ = ["HELDOUT_MODEL", "load_data", "run_blockchain_bench", "run_blockchain_demo"]
+
+HELDOUT_MODEL = "et"
+"""The regressor of the held-out-level headline: extremely randomized trees had the lowest held-out-level
+throughput error on the simulator's development seeds 1 and 2 (the bench reports seed 0)."""
 
 DEMO_WORKLOAD = {
     "send_rate_tps": 300.0,
@@ -44,12 +48,14 @@ def _headline(rf: dict, lv: dict, source: str) -> dict:
     tag = "_simulated" if source == "simulated" else ""
     m = lv["models"]
     best_base = min(m["constant"]["throughput_tps"], m["linear"]["throughput_tps"])
+    h = m[HELDOUT_MODEL]
     return {
-        f"tps_smape_heldout_level{tag}": m["rf"]["throughput_tps"],
+        f"tps_smape_heldout_level{tag}": h["throughput_tps"],
+        f"tps_smape_heldout_level_rf{tag}": m["rf"]["throughput_tps"],
         f"tps_smape_heldout_level_constant{tag}": m["constant"]["throughput_tps"],
         f"tps_smape_heldout_level_linear{tag}": m["linear"]["throughput_tps"],
-        f"tps_heldout_level_over_best_baseline{tag}": m["rf"]["throughput_tps"] / max(best_base, 1e-12),
-        f"success_smape_heldout_level{tag}": m["rf"]["success_rate"],
+        f"tps_heldout_level_over_best_baseline{tag}": h["throughput_tps"] / max(best_base, 1e-12),
+        f"success_smape_heldout_level{tag}": h["success_rate"],
         f"success_smape_heldout_level_constant{tag}": m["constant"]["success_rate"],
         f"success_smape_heldout_level_linear{tag}": m["linear"]["success_rate"],
         f"tps_smape_grouped_cv{tag}": rf["throughput_tps"]["smape"],
@@ -71,7 +77,7 @@ def run_blockchain_bench(quick: bool = True, data: str = "", seed: int = 0, prog
     }
     model = PerfModel("rf", seed).fit(rows)
     res["feature_importances_rf"] = {t: dict(list(v.items())[:6]) for t, v in model.feature_importances().items()}
-    lv = level_holdout(rows, ("rf", "constant", "linear"), HOLDOUT_FACTORS, seed)
+    lv = level_holdout(rows, (HELDOUT_MODEL, "rf", "constant", "linear"), HOLDOUT_FACTORS, seed)
     res["heldout_level"] = lv
     headline = _headline(rf, lv, source)
     config = {
@@ -82,6 +88,7 @@ def run_blockchain_bench(quick: bool = True, data: str = "", seed: int = 0, prog
         "heldout_level": f"leave one level of {', '.join(HOLDOUT_FACTORS)} out at a time "
         f"(not varied in the data, so not held out: {lv['not_varied'] or 'none'})",
         "best_tps_model": best["model"],
+        "heldout_level_model": f"{HELDOUT_MODEL} (chosen on the simulator's development seeds 1 and 2)",
         "data_source": source,
     }
     emulated = (

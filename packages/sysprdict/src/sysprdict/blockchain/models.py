@@ -72,8 +72,10 @@ FEATURES = {
     "peer_mem_per_cpu": "peer_mem_gb / peer_cpus",
 }
 TARGETS = ("throughput_tps", "avg_latency_s", "success_rate")
-KINDS = ("rf", "xgb", "constant", "linear")
-"""Random forest, boosted trees, and two baselines: the training mean (of throughput / offered
+KINDS = ("rf", "et", "xgb", "constant", "linear")
+"""Random forest, extremely randomized trees (random split thresholds: smoother across the levels
+of a factor, chosen for the held-out-level headline by its error on development seeds of the
+simulator, never the reported one), boosted trees, and two baselines: the training mean (of throughput / offered
 load, latency, success rate) and a linear regression on the same features."""
 HOLDOUT_FACTORS = ("peer_cpus", "send_rate_tps", "block_size")
 SCALING = ("peers", "orderers", "orgs", "peer_cpus", "peer_mem_gb", "orderer_cpus", "orderer_mem_gb")
@@ -138,6 +140,10 @@ def _regressor(kind: str, seed: int):
         from sklearn.ensemble import RandomForestRegressor
 
         return RandomForestRegressor(n_estimators=200, min_samples_leaf=1, n_jobs=1, random_state=seed)
+    if kind == "et":
+        from sklearn.ensemble import ExtraTreesRegressor
+
+        return ExtraTreesRegressor(n_estimators=200, min_samples_leaf=1, n_jobs=1, random_state=seed)
     if kind == "xgb":
         if boosting_backend() == "xgboost":
             import xgboost as xgb
@@ -160,7 +166,7 @@ def _regressor(kind: str, seed: int):
 
 
 class PerfModel:
-    """One regressor per target (throughput, latency, success rate) of one kind ('rf' or 'xgb')."""
+    """One regressor per target (throughput, latency, success rate) of one kind ('rf', 'et' or 'xgb')."""
 
     def __init__(self, kind: str = "rf", seed: int = 0):
         self.kind, self.seed = kind, seed
@@ -187,7 +193,7 @@ class PerfModel:
         m = self.models[target]
         point = _decode(target, rows, m.predict(x))
         lo_r, hi_r = self.residual_q.get(target, (0.0, 0.0))
-        if self.kind == "rf":
+        if self.kind in ("rf", "et"):
             per_tree = np.stack([_decode(target, rows, z) for z in _tree_predictions(m, x)])
             lo = np.quantile(per_tree, (1 - q) / 2, axis=0)
             hi = np.quantile(per_tree, 1 - (1 - q) / 2, axis=0)
