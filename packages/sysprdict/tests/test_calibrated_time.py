@@ -60,11 +60,13 @@ def test_heavy_ops_are_recorded_as_replayable_kernel_specs():
 def test_kernels_too_large_to_replay_use_the_size_table(monkeypatch):
     d = decompose(build("llama-xs"), Shape(1, 8), "fp32")
     table = {"float32": [(0.0, math.log(2e-9)), (40.0, math.log(2e-9))]}
-    monkeypatch.setattr(kernels, "REPLAY_MAX_BYTES", 0)
     monkeypatch.setattr(kernels, "kernel_seconds", lambda spec: pytest.fail("replayed a spec over the limit"))
-    terms = tp.calibrated_terms(d, "adamw", {}, table)
-    assert terms["mm_calibrated_s"] == pytest.approx(matmul_seconds(d, table))
-    assert terms["mm_flops:float32"] == 0  # every dense matmul FLOP is costed by the table, not the fit
+    for limit in ("REPLAY_MAX_BYTES", "REPLAY_MAX_FLOPS"):
+        with monkeypatch.context() as m:
+            m.setattr(kernels, limit, 0)
+            terms = tp.calibrated_terms(d, "adamw", {}, table)
+        assert terms["mm_calibrated_s"] == pytest.approx(matmul_seconds(d, table))
+        assert terms["mm_flops:float32"] == 0  # every dense matmul FLOP is costed by the table, not the fit
 
 
 def _synthetic_kernel_seconds(spec: str) -> float:

@@ -28,6 +28,7 @@ from typing import Any
 
 import hwtopo
 
+from .kernels import KERNEL_SECONDS
 from .memory import TrainSetup, accelerate_style, predict_memory, with_overhead
 from .names import HELDOUT_FAMILIES, MODALITY, parse_model_name
 from .timepred import (
@@ -140,8 +141,9 @@ RSS_GUARD_CASES = [("gpt-neox-m", "64MiB"), ("dinov2-m", "56MiB"), ("opt-m", "72
 """OoM-guard cases on held-out architectures (limits set before any measurement)."""
 GUARD_SEQ = 128
 TIME_KIND = "calibrated"
-"""The time predictor the bench reports: dense matmuls costed at this machine's measured kernel
-speed per size and dtype (the CPU's ISA decides it), the other work by fitted costs."""
+"""The time predictor the bench reports: every matmul, convolution and fused attention costed as
+replayed on this machine at its exact shape and dtype (`kernels`; the CPU's ISA decides the speed),
+the other work by costs fitted on the training rows."""
 
 
 def harness_plan(quick: bool = True, train_families: list[str] | None = None) -> list[dict]:
@@ -390,6 +392,10 @@ def run_evaluation(
                 dt: [[round(math.exp(x)), math.exp(y)] for x, y in pts] for dt, pts in MATMUL_SECONDS.items()
             },
             "matmul_flops_per_s": mm.flops,
+            "heavy_kernels_timed": len(KERNEL_SECONDS),
+            "heavy_kernel_timing": "every forward matmul, convolution and fused attention of every row's model "
+            "replayed on random data at its shape and dtype, forward + backward, 1 thread, minimum process CPU "
+            "time; measured in this run (no cache across runs)",
             "experts_matmul_cost_measured": experts_cost,
             "measure_wall_s": t_measure,
             "eval_wall_s": time.perf_counter() - t0 - t_measure,

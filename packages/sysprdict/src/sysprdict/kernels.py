@@ -8,7 +8,8 @@ records each such forward op as a replayable spec (`kernel_spec`: the op, its te
 strides, dtypes and which need gradients, its other arguments), and `kernel_seconds` replays it on
 random data, forward plus the backward autograd runs for it, one thread (as the ground truth runs),
 and keeps the minimum process CPU time.  Only the kernel is run, never the model or its step; a
-spec above `REPLAY_MAX_BYTES` of operands is not replayed (the caller costs it another way).
+spec above `REPLAY_MAX_BYTES` of operands or `REPLAY_MAX_FLOPS` is not replayed (the caller costs
+it another way).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 __all__ = [
     "KERNEL_SECONDS",
     "REPLAY_MAX_BYTES",
+    "REPLAY_MAX_FLOPS",
     "kernel_seconds",
     "kernel_spec",
     "one_thread",
@@ -33,6 +35,8 @@ REPLAYED_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_pro
 """Forward ops replayed (CPU kernels with autograd formulas); other heavy ops are costed by the fit."""
 REPLAY_MAX_BYTES = 256 * 2**20
 """Operands above this are not replayed (a 70B model's projections would take seconds each)."""
+REPLAY_MAX_FLOPS = 4e9
+"""Nor are forward ops above this many FLOPs (a tenth of a second or more each at one thread)."""
 KERNEL_SECONDS: dict[str, float] = {}
 """Replayed forward + backward seconds per spec, measured once per process."""
 
@@ -98,8 +102,9 @@ def _operand_bytes(info: dict) -> int:
 
 
 def replayable(spec: str) -> bool:
-    """Whether `kernel_seconds` will replay `spec` (its operands fit `REPLAY_MAX_BYTES`)."""
-    return _operand_bytes(spec_info(spec)) <= REPLAY_MAX_BYTES
+    """Whether `kernel_seconds` will replay `spec` (within `REPLAY_MAX_BYTES` and `REPLAY_MAX_FLOPS`)."""
+    info = spec_info(spec)
+    return _operand_bytes(info) <= REPLAY_MAX_BYTES and info["flops"] <= REPLAY_MAX_FLOPS
 
 
 def _materialize(a: Any, gen) -> Any:

@@ -132,9 +132,10 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
 
 
 KINDS = ("opmix", "calibrated", "additive", "additive+trees", "loglinear")
-"""calibrated: opmix with every dense matmul costed by the fwd+bwd time this machine's kernels
-took at its size and dtype (`calibrate_matmul`), taken as measured, and the other terms fitted on
-the rest of the step time; opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
+"""calibrated: opmix with every matmul, convolution and fused attention costed by the fwd+bwd time
+it took replayed on this machine at its exact shape and dtype (`kernels.kernel_seconds`; a matmul too
+large to replay by the size table of `calibrate_matmul`), taken as measured, and the other terms
+fitted on the rest of the step time; opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
 summed (the previous default; within run-to-run noise of opmix overall, worse on MoE); additive+trees: the same plus boosted
 trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
 _LINEAR_COST_KINDS = ("opmix", "calibrated", "additive", "additive+trees")  # fitted as non-negative cost terms
