@@ -74,7 +74,7 @@ def test_bench_all_takes_the_headline_from_the_text_seeds(tmp_path, capsys, monk
     import bicache.cli
     import bicache.textbench
 
-    row = {"0.5": {"accuracy": 0.5, "tokens_per_cpu_s": 10.0}}
+    row = {"0.5": {"accuracy": 0.5, "token_accuracy": 0.6, "tokens_per_cpu_s": 10.0}}
     table = {k: {} for k in ("config", "round_ratios", "calibration", "policy")}
     table.update(results={"nocache": row}, headline={"throughput_ratio_vs_dual_cache": 1.1})
     seed = {k: {} for k in ("config", "round_ratios", "calibration", "policy", "bound_search")}
