@@ -140,13 +140,10 @@ def test_weighted_tools_really_run_under_their_cpu_shares(tmp_path):
         cpu_line = next(line for line in lres.output["cgroups"] if "cpu" in line.split(":")[1].split(","))
         assert light.cgroup.name in cpu_line  # the light tool's process sat in its weighted group
         assert int((light.cgroup.paths["cpu"] / "cpu.shares").read_text()) == light.shares > 1024
+        # the heavy run weighs as a plain process per thread (one run in flight)
         heavy, hres = out["run_tests"]
         cpu_line = next(line for line in hres.output["cgroups"] if "cpu" in line.split(":")[1].split(","))
         assert heavy.cgroup.name in cpu_line
-        assert int((heavy.cgroup.paths["cpu"] / "cpu.shares").read_text()) == heavy.shares == 1024
-        # both nest in the group of all our tools, which weighs what the run in flight would
-        ours = pol.describe()["tools_group"]
-        assert ours["name"] == "w-tools" and ours["shares"] == 1024 * light.threads
-        assert heavy.cgroup.paths["cpu"].parent == light.cgroup.paths["cpu"].parent
+        assert int((heavy.cgroup.paths["cpu"] / "cpu.shares").read_text()) == heavy.shares == 1024 * heavy.threads
     finally:
         pol.close()

@@ -43,10 +43,7 @@ class CpuGroup:
         quota_cores: float | None = None,
         shares: int | None = None,
         threads: int | None = None,
-        parent: CpuGroup | None = None,
     ):
-        """``parent``: a group to nest in, where it has cgroup directories (its weight then bounds
-        what this group and its siblings take together)."""
         if quota_cores is not None and quota_cores <= 0:
             raise ValueError(f"quota_cores must be > 0, not {quota_cores!r}")
         if threads is not None and threads < 1:
@@ -61,10 +58,7 @@ class CpuGroup:
         self.placed = 0  # processes put into the group
         self.add_errors = 0  # processes the cgroup refused (they ran outside it)
         label = "agentdyn-" + re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:48]
-        above = parent.cgroup if parent is not None and not parent.closed and parent.cgroup.paths else None
-        self.cgroup = hwtopo.CGroup(
-            label, cpus=self.cpus, quota_cores=quota_cores, shares=shares, account=True, parent=above
-        )
+        self.cgroup = hwtopo.CGroup(label, cpus=self.cpus, quota_cores=quota_cores, shares=shares, account=True)
         self.methods: list[str] = []
         if self.cpus is not None:
             v = self.cgroup.version("cpuset")

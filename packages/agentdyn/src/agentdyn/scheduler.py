@@ -146,8 +146,8 @@ class CpuAwarePolicy(Policy):
     With admission on two or more cores, every light tool run gets the CPU weight its measured
     profile earns (``allocation.tool_shares``: the shorter its runs, the higher its ``cpu.shares``
     over a plain process's, so CFS runs it first), each with its class's thread count, on any core,
-    while admission keeps the heavy runs within the cores; all these groups nest in one whose weight
-    is what our runs in flight, held ones included, would weigh under CFS (``_reweigh``). Without admission (an ablation) or on one core, the plan's
+    while admission keeps the heavy runs within the cores, and the heavy runs admitted carry the
+    weight of all heavy runs in flight (``_reweigh``). Without admission (an ablation) or on one core, the plan's
     core sets, quotas and weights place each class instead."""
 
     name = "optimized"
@@ -184,9 +184,8 @@ class CpuAwarePolicy(Policy):
         self.shares = tool_shares(profiles, heavy)
         self._weighted_groups: dict[str, CpuGroup] = {}  # per task_type/tool: its weight, the class's threads
         self.runs: dict[str, int] = {}  # tool runs per group they were placed in
-        self._threads_in_flight = 0  # threads of our tool runs admitted or held
-        self._ours_group: CpuGroup | None = None  # the group every weighted tool group nests in
-        self.reweighed = False  # that group's weight followed our runs in flight
+        self._in_flight: dict[str, int] = {}  # heavy runs per task_type/tool, admitted or waiting
+        self.reweighed = False  # a heavy group's weight followed its runs in flight
 
     def intensity(self, task_type: str, tool: str) -> float:
         p = self.profiles.get(task_type, tool)
@@ -202,58 +201,51 @@ class CpuAwarePolicy(Policy):
         cost = p.cpu_s if p is not None else 1.0
         inten = self.intensity(task_type, tool)
         key = ProfileStore.key(task_type, tool)
-        threads = self._threads(task_type) if self.weighted else 0
-        self._reweigh(threads)
+        heavy = self.weighted and self.admission.is_heavy(inten, cost)
+        if heavy:
+            self._reweigh(task_type, tool, +1)
         try:
             async with self.admission.admit(request_id, key, cs, inten, cost, inten) as ticket:
                 prev = _TICKET.get()
                 _TICKET.set(ticket)
                 try:
                     if self.weighted:
-                        yield self._count(self._weighted_group(task_type, tool))
+                        yield self._count(self._weighted_group(task_type, tool, ticket.heavy))
                     else:
                         yield self._count(self.allocator.group_for(task_type) if self.use_allocation else None)
                 finally:
                     _TICKET.set(prev)
         finally:
-            self._reweigh(-threads)
+            if heavy:
+                self._reweigh(task_type, tool, -1)
 
-    def _threads(self, task_type: str) -> int:
-        c = self.allocator.plan.classes.get(task_type)
-        return (c.threads if c is not None else None) or 1
-
-    def _reweigh(self, delta: int) -> None:
-        """Give the group all our tool runs nest in the CPU weight the threads of our runs in flight
-        (admitted or held) would have as plain processes under CFS, one ``DEFAULT_SHARES`` each:
-        against other tenants and the runtime itself our runs weigh what they weigh under ``fair``,
-        so holding runs back cedes no CPU to them, and inside it the tool weights decide which of
-        our runs goes first."""
-        if not delta:
-            return
-        self._threads_in_flight += delta
-        if self._threads_in_flight > 0:
-            self.reweighed |= self._ours().set_shares(DEFAULT_SHARES * self._threads_in_flight)
-
-    def _ours(self) -> CpuGroup:
-        if self._ours_group is None:
-            self._ours_group = CpuGroup("w-tools", shares=DEFAULT_SHARES if self.apply_cgroups else None)
-        return self._ours_group
+    def _reweigh(self, task_type: str, tool: str, delta: int) -> None:
+        """Give a heavy tool's group the CPU weight its runs in flight (admitted or waiting) would
+        have as plain processes under CFS, one ``DEFAULT_SHARES`` per thread: holding runs back
+        then concentrates our weight on the runs admitted, and never cedes CPU to other tenants
+        that the same runs would have taken from them under ``fair``."""
+        key = ProfileStore.key(task_type, tool)
+        n = self._in_flight.get(key, 0) + delta
+        self._in_flight[key] = n
+        g = self._weighted_group(task_type, tool, True)
+        if g is not None and n > 0:
+            self.reweighed |= g.set_shares(DEFAULT_SHARES * n * (g.threads or 1))
 
     def _count(self, g: CpuGroup | None) -> CpuGroup | None:
         key = g.name if g is not None else "none"
         self.runs[key] = self.runs.get(key, 0) + 1
         return g
 
-    def _weighted_group(self, task_type: str, tool: str) -> CpuGroup | None:
-        """The group of ``task_type/tool``, nested in ``_ours``: its class's thread count and the
-        cpu.shares learned from its profile."""
+    def _weighted_group(self, task_type: str, tool: str, heavy: bool) -> CpuGroup | None:
+        """The group of ``task_type/tool``: its class's thread count and its cpu.shares, for a
+        light tool learned from its profile, for a heavy one set by ``_reweigh``."""
         key = ProfileStore.key(task_type, tool)
         g = self._weighted_groups.get(key)
         if g is None:
             c = self.allocator.plan.classes.get(task_type)
             threads = c.threads if c is not None else None
             shares = self.shares.get(key, DEFAULT_SHARES) if self.apply_cgroups else None
-            g = CpuGroup(f"w-{task_type}-{tool}", shares=shares, threads=threads, parent=self._ours())
+            g = CpuGroup(f"w-{task_type}-{tool}", shares=shares, threads=threads)
             self._weighted_groups[key] = g
         return g
 
@@ -267,7 +259,9 @@ class CpuAwarePolicy(Policy):
         # the share of its wall time a heavy run that never had to share the cores with more heavy
         # runs of ours sat runnable but not running, per thread: what other tenants (and our light
         # runs) took from it; admission passes the cores by as much
-        got = 1.0 - min(1.0, usage.run_wait_s / (usage.wall_s * self._threads(task_type)))
+        c = self.allocator.plan.classes.get(task_type)
+        threads = (c.threads if c is not None else None) or 1
+        got = 1.0 - min(1.0, usage.run_wait_s / (usage.wall_s * threads))
         self.admission.scale += 0.3 * (got - self.admission.scale)
 
     def describe(self) -> dict:
@@ -278,7 +272,6 @@ class CpuAwarePolicy(Policy):
             "admission_stats": self.admission.stats(),
             "tool_shares": self.shares if self.weighted else None,
             "weighted_groups": {k: g.describe() for k, g in self._weighted_groups.items()},
-            "tools_group": self._ours_group.describe() if self._ours_group is not None else None,
             "runs_by_group": dict(self.runs),
             "reweighed": self.reweighed,
         }
@@ -287,8 +280,6 @@ class CpuAwarePolicy(Policy):
         self.allocator.close()
         for g in self._weighted_groups.values():
             g.close()
-        if self._ours_group is not None:  # after the groups nested in it
-            self._ours_group.close()
 
 
 POLICIES = ("native", "static", "optimized")
