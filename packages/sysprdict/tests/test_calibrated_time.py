@@ -1,5 +1,6 @@
 """Dense matmuls costed at this machine's measured kernel speed per size and dtype."""
 
+import json
 import math
 import warnings
 
@@ -67,6 +68,19 @@ def test_kernels_too_large_to_replay_use_the_size_table(monkeypatch):
             terms = tp.calibrated_terms(d, "adamw", {}, table)
         assert terms["mm_calibrated_s"] == pytest.approx(matmul_seconds(d, table))
         assert terms["mm_flops:float32"] == 0  # every dense matmul FLOP is costed by the table, not the fit
+
+
+def test_time_kernels_keeps_each_kernels_quietest_pass(monkeypatch):
+    d = decompose(build("llama-xs"), Shape(1, 8), "fp32")
+    specs = list(d.kernel_calls)
+    big = json.dumps({**kernels.spec_info(specs[0]), "flops": 10**15}, sort_keys=True)
+    n = len(set(specs))
+    seen = iter([v for v in (3.0, 1.0, 2.0) for _ in range(n)])  # pass p times every spec at the p-th value
+    monkeypatch.setattr(tp, "_best_cpu_s", lambda fn: next(seen))
+    monkeypatch.setattr(kernels, "KERNEL_SECONDS", {})
+    assert kernels.time_kernels([*specs, big, specs[0]], passes=3) == len(set(specs))
+    assert big not in kernels.KERNEL_SECONDS  # over the FLOPs limit: never replayed
+    assert set(kernels.KERNEL_SECONDS.values()) == {1.0}  # passes gave 3, 1, 2: the minimum is kept
 
 
 def _synthetic_kernel_seconds(spec: str) -> float:

@@ -29,6 +29,7 @@ __all__ = [
     "one_thread",
     "replayable",
     "spec_info",
+    "time_kernels",
 ]
 
 REPLAYED_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu")
@@ -155,3 +156,19 @@ def kernel_seconds(spec: str) -> float:
         with one_thread():
             KERNEL_SECONDS[spec] = _best_cpu_s(_replay_fn(spec_info(spec)))
     return KERNEL_SECONDS[spec]
+
+
+def time_kernels(specs: list[str], passes: int = 3) -> int:
+    """Time every replayable spec in `specs` in `passes` interleaved passes over all of them, keeping
+    each one's minimum: on a shared machine the load comes and goes, and passes spread over the whole
+    run catch each kernel in a quiet moment more often than repeats of it back to back.  Returns how
+    many specs were timed."""
+    from .timepred import _best_cpu_s
+
+    todo = sorted({s for s in specs if replayable(s)})
+    with one_thread():
+        for _ in range(passes):
+            for spec in todo:  # operands rebuilt each pass: only one kernel's are alive at a time
+                t = _best_cpu_s(_replay_fn(spec_info(spec)))
+                KERNEL_SECONDS[spec] = min(KERNEL_SECONDS.get(spec, t), t)
+    return len(todo)
