@@ -155,20 +155,22 @@ def run_bench(
     side_repeats: int = 2,
     heap: bool = True,
     work: dict | None = None,
+    cfg: DecodeConfig | None = None,
 ) -> dict:
     """Calibrate, pick the bound, then measure every variant at every fraction, side by side.
 
     ``repeats`` rounds for the headline variants (``HEADLINE_VARIANTS``), ``side_repeats`` of them
     for the other baselines; medians over the rounds each variant ran. ``heap`` applies
     :func:`~bicache.engine.keep_heap` (process-wide) so that no variant pays page faults.
-    ``work`` ({fraction: [Request, ...]}) replaces the table-task workload (``workload`` sizes it).
+    ``work`` ({fraction: [Request, ...]}) replaces the table-task workload (``workload`` sizes it);
+    ``cfg`` the decode settings (default: blocks of 2, one token per step).
     """
     torch.set_num_threads(1)
     heap_kept = keep_heap() if heap else False
     repeats = repeats or (5 if quick else 7)
     side_repeats = max(1, min(side_repeats, repeats))
     groups, per_group = workload or ((2, 192) if quick else (4, 192))
-    cfg = DecodeConfig(gen_length=dlm.spec.gen_length, block_length=2, steps=dlm.spec.gen_length)
+    cfg = cfg or DecodeConfig(gen_length=dlm.spec.gen_length, block_length=2, steps=dlm.spec.gen_length)
     t0 = time.perf_counter()
     calibration, bound, bound_report = _calibrate(dlm, calibration, bound, quick, cfg)
     policy = depthmod.DepthPolicy(calibration, bound)
