@@ -119,3 +119,23 @@ def test_accuracy_keys_are_per_byte_with_exact_match_kept():
     keys = textbench._token_keys(head, results)
     assert keys["acc_nocache"] == 0.6 and keys["acc_naive_prefix"] == 0.2 and keys["acc_drop_bicache"] == 0.0
     assert keys["acc_drop_vs_dual_cache"] == 0.08 and keys["exact_acc_nocache"] == 0.1
+
+
+def test_dual_cache_block_is_the_longest_within_the_accuracy_budget(monkeypatch):
+    from bicache.task import Request
+
+    dlm = texttrain.build(TINY)
+    reqs = [Request([2] * SPEC.prompt_length, [7, 8, 9, 10], prefix_len=20) for _ in range(4)]
+    monkeypatch.setattr(textbench, "_bursts", lambda task, f, n: [reqs])
+    answers = torch.tensor([r.answer for r in reqs])
+
+    def fake_generate(dlm, ids, cfg, mode):
+        out = answers.repeat(ids.shape[0] // len(reqs), 1)
+        if mode == "block":  # a quarter of the bytes wrong at block 4, half at block 8
+            out[:, : cfg.block_length // 4] = 0
+        return out
+
+    monkeypatch.setattr(textbench.diffusion, "generate", fake_generate)
+    cfg, report = textbench.dev_block_length(dlm, quick=True)
+    assert cfg.block_length == 2 and report["4"]["token_acc_dual_cache"] == 0.75
+    assert textbench.dev_block_length(dlm, quick=True, max_drop=0.3)[0].block_length == 4
