@@ -188,7 +188,7 @@ class TextTask:
         rest are plain windows, which teach the language itself.
         """
         s = self.spec
-        seqs = []
+        seqs: list[list[int]] = []
         while len(seqs) < n:
             p = self.rng.randint(1 + s.min_context, s.prompt_length - 1 - s.min_private)
             kind = self.rng.choice(KINDS)
