@@ -260,14 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = _command(sub, "demo", "train/load, serve shared-prefix bursts, table + drift plot")
     d.add_argument("--out", default="demo-output/bicache", help="output directory (its parent must exist)")
     b = _command(sub, "bench", "all cache modes side by side")
-    b.add_argument("--quick", action="store_true", help="small workload (< 3 minutes once trained)")
+    b.add_argument(
+        "--quick", action="store_true", help="small workload (about 4-5 minutes on 2 cores with --suite all)"
+    )
     b.add_argument("--json", help="write the JSON report here")
     b.add_argument(
         "--suite",
         choices=("all", "text", "table"),
         default="all",
         help="text: the all-global stdlib-text models over their seeds (the headline); table: the "
-        "table-lookup model with local layers; all: both, headline from text (default: all)",
+        "table-lookup model with local layers; all: both, headline from text",
     )
     _bound_arg(b)
     s = _command(sub, "serve", "HTTP JSON completion server (aiohttp)")
