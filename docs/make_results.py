@@ -57,8 +57,10 @@ def _emulation(res: dict) -> str:
     return str(emu)
 
 
-def package_table(name: str, res: dict) -> list[str]:
-    """One package's headline table with the machine, emulation and time it was measured."""
+def package_table(name: str, res: dict, claimed_only: bool = False) -> list[str]:
+    """One package's headline table with the machine, emulation and time it was measured. A key's
+    ``<key>_spread`` (median, min, max, per seed) is folded into its row as the per-seed values;
+    ``claimed_only``: just the keys the package's pyproject names (a README's table)."""
     machine = res.get("machine", {})
     m = (machine.get("machines") or [{}])[0] if isinstance(machine, dict) else {}
     lines = []
@@ -72,10 +74,26 @@ def package_table(name: str, res: dict) -> list[str]:
         lines += [f"Conditions: {res['conditions']}", ""]
     lines += ["| headline | measured | target | paper |", "|---|---|---|---|"]
     claims = CLAIMS.get(name, {})
-    for key, value in res.get("headline", {}).items():
+    head = res.get("headline", {})
+    for key, value in head.items():
+        if key.endswith("_spread") and key[: -len("_spread")] in head:
+            continue
+        if claimed_only and claims and key not in claims:
+            continue
         paper, target = claims.get(key, ("", ""))
-        lines.append(f"| `{key}` | {_fmt(value)} | {target} | {paper} |")
+        shown = "(nested; in the bench JSON)" if _nested(value) else _fmt(value)
+        spread = head.get(f"{key}_spread")
+        if isinstance(spread, dict) and "per_seed" in spread:
+            shown += f" (per seed: {_fmt(spread['per_seed'])})"
+        lines.append(f"| `{key}` | {shown} | {target} | {paper} |")
     return lines
+
+
+def _nested(v: object) -> bool:
+    """A value with dicts or lists inside a dict (a curve per seed): too large for a table cell."""
+    return isinstance(v, dict) and any(
+        isinstance(x, dict) and any(isinstance(y, (dict, list)) for y in x.values()) for x in v.values()
+    )
 
 
 LEFTOVER_KEYS = ("ranks_alive", "stopped", "watchdogs", "cgroups", "namespaces")
@@ -193,7 +211,7 @@ def update_guides(bench: dict, guides: Path, packages: Path | None = None) -> li
                 "",
                 "_Written by `docs/make_results.py` from the bench JSON (`nox -s bench` runs both); do not edit by hand._",
                 "",
-                *package_table(name, res),
+                *package_table(name, res, claimed_only=page.name == "README.md"),
                 "",
             ]
         )
