@@ -173,6 +173,22 @@ def test_bench_reports_held_out_seeds_and_their_spread(tmp_path, monkeypatch):
     assert combine_seeds({5: {"x": 1.0}}) == {"x": 1.0, "seeds": [5]}
 
 
+def test_bench_table_lists_variants_only():
+    from xronos.cli import _rows
+
+    variant = {"step_time_s": 0.5, "eval_loss": 2.0, "partition": {"q_heads": [12, 4], "mlp_columns": [768, 256]}}
+    summary = {
+        "xronos": variant,
+        "reference": {"step_time_s": 0.7, "eval_loss": 2.0},
+        "machine_load": {"emulated": "cgroup"},
+        "emulation": {"valid": True},
+        "free_comm_bound": {"step_time_s": 0.4, "ratio_vs_fast_alone": 0.6},
+    }
+    rows = _rows(summary)
+    assert [r["variant"] for r in rows] == ["xronos", "reference"]
+    assert rows[0]["shards / stages"] == "heads [12, 4] mlp [768, 256]" and rows[1]["step time (s)"] == "0.700"
+
+
 def test_demo_report_says_when_the_emulation_missed_its_speeds():
     from xronos.cli import _demo_report
     from xronos.train import TrainConfig

@@ -179,11 +179,15 @@ def _emulation_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# summary entries that describe the run, not a variant
+_RUN_KEYS = ("machine_load", "emulation", "free_comm_bound")
+
+
 def _rows(summary: dict) -> list[dict]:
     """One table row per variant: step time, idle, stall, loss and how the model was split."""
     rows = []
     for name, s in summary.items():
-        if name in ("machine_load", "emulation"):
+        if name in _RUN_KEYS:
             continue
         if "partition" in s:
             p = s["partition"]
