@@ -88,6 +88,14 @@ def test_small_bench_side_by_side():
     assert h["bytes_ratio_vs_fp32"] < 1 / 25
     assert res["emulated"]["wan"]["emulated"] is True
     assert all(t["emulated"] for t in res["emulated"]["cpu"])
+    # slower workers by compute dilation (cpus=1: the fastest runs undilated): each one's compute took
+    # 1/speed as long, as sleep or as time it already waited for a CPU (a debt under 1 ms may be left)
+    cpu = res["emulated"]["cpu"]
+    assert [t["method"] for t in cpu] == ["dilation"] * 3 and [t["speed"] < 1 for t in cpu] == [False, True, True]
+    for t in cpu:
+        paid = t["slept_s"] + (t["runqueue_wait_s"] or 0.0)
+        assert t["sync_points"] > 0 and paid >= t["cpu_s"] * (1 / t["speed"] - 1) - 1e-3, t
+        assert t["speed"] < 1 or t["slept_s"] == 0.0, t
     for name, r in res["results"].items():
         assert r["curve"][0]["ppl"] > r["final_ppl"], name  # training lowered validation perplexity
         assert 0 <= r["straggler_idle"] < 1
@@ -143,6 +151,8 @@ def test_held_out_seeds_must_not_be_development_seeds():
         BenchConfig(seed=3, repeat_seeds=1, wan="inprocess").validate()
     with pytest.raises(ValueError, match="all_reduce: 'tree' is not valid"):
         BenchConfig(all_reduce="tree", wan="inprocess").validate()
+    with pytest.raises(ValueError, match="cpu_emulation: 'nice' must be 'dilation' or 'quota'"):
+        BenchConfig(cpu_emulation="nice", wan="inprocess").validate()
     BenchConfig(seed=4, repeat_seeds=3, wan="inprocess").validate()
 
 

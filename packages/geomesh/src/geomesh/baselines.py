@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import hwtopo
+
 from .balance import token_weights
 from .diloco import SyncStats, dense_all_reduce, exchange_meta, reduce_kind
 from .wan import WanEmulator, ring_wire_bytes
@@ -38,6 +40,7 @@ class GradientAllReduce:
                     dist.broadcast(p.data, src=0, group=group)
 
     def sync(self, tokens: int) -> SyncStats:
+        hwtopo.sync_point()  # emulated slow compute: the backward's dilation is paid before it is timed
         compute_s = time.perf_counter() - self._phase_start
         all_tokens, rates, wait_s, *_ = exchange_meta(tokens, compute_s, self.world, self.group)
         t0 = time.perf_counter()
@@ -68,6 +71,7 @@ class GradientAllReduce:
         )
         self.history.append(stats)
         self.step_index += 1
+        hwtopo.sync_point()  # emulated slow compute: the averaging's CPU is paid within this sync
         self._phase_start = time.perf_counter()
         return stats
 

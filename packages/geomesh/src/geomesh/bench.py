@@ -1,7 +1,8 @@
 """The side-by-side benchmark: GeoMesh vs DiLoCo (fp32, fp16), DDP and async on one machine.
 
-Workers are processes (gloo, one thread each) pinned to emulated speeds with ``hwtopo.throttle``
-(the cluster spec's relative speeds x ``cpus``), placed on the spec's machines, and every collective
+Workers are processes (gloo, one thread each) at emulated speeds (the cluster spec's relative speeds
+x ``cpus``): by compute dilation (``hwtopo.dilate``; every inner step and collective is a sync point)
+or by a cgroup CPU quota (``hwtopo.throttle``), placed on the spec's machines, and every collective
 is stretched to the spec's WAN links (``WanEmulator``). The model is a tiny Llama built locally; the
 text is this Python's own standard-library sources, byte-level. Rank 0 keeps a weight snapshot after
 every outer step (every H steps for DDP); the parent evaluates validation perplexity afterwards so
@@ -101,7 +102,11 @@ class BenchConfig:
     text_bytes: int = 1_500_000
     val_seqs: int = 48
     profile_s: float = 0.6  # geomesh's first outer phase: time-boxed real training that profiles every worker
-    cgroup_period_us: int = 10_000  # passed to hwtopo.throttle(period_s=...); 0 keeps its default
+    # "dilation": each step's thread CPU time x 1/speed (steady under load; the waits for a CPU are taken
+    # off); "quota": a cgroup CPU quota per worker (its gloo threads share it, so shaped transfers
+    # and short periods make step times drift by tens of percent on a shared machine)
+    cpu_emulation: str = "dilation"
+    cgroup_period_us: int = 10_000  # "quota": passed to hwtopo.throttle(period_s=...); 0 keeps its default
     rebalance_threshold: float = 0.15  # re-plan when a worker's measured throughput drifts by more than this
     ddp_time_cap: float = 2.5  # DDP stops after this many times DiLoCo-fp32's wall time (when measured first)
     methods: tuple[str, ...] = METHODS
@@ -122,6 +127,8 @@ class BenchConfig:
             raise ValueError(f"balance_by: {self.balance_by!r} must be 'steps' or 'batch'")
         if not 0 < self.cpus <= 4:
             raise ValueError(f"cpus: {self.cpus!r} must be in (0, 4]")
+        if self.cpu_emulation not in ("dilation", "quota"):
+            raise ValueError(f"cpu_emulation: {self.cpu_emulation!r} must be 'dilation' or 'quota'")
         if self.wan not in WAN_MODES:
             raise ValueError(f"wan: {self.wan!r} is not valid; choose from {list(WAN_MODES)}")
         if not isinstance(self.repeat_seeds, int) or self.repeat_seeds < 0:
@@ -257,6 +264,7 @@ def _train_steps(model, opt, sampler: Sampler, batch: int, steps: int) -> None:
         _loss(model, sampler.next(batch)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        hwtopo.sync_point()  # emulated slow compute: paid per step, inside the timed phase
 
 
 def _profile_phase(cfg, model, opt, sampler, dl: DiLoCo, max_tokens: int) -> list[list[float]]:
@@ -435,8 +443,10 @@ def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s):
     tokens_done = 0
     out["capped"] = False
     for step in range(cfg.outer_steps * cfg.inner_steps):
+        hwtopo.sync_point()
         stop = torch.tensor([1 if cap_s and time.perf_counter() - t0 > cap_s else 0])
         dist.all_reduce(stop)  # every rank stops at the same step
+        hwtopo.resume_point()
         if int(stop):
             out["capped"] = True
             break
@@ -485,6 +495,7 @@ def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncSer
             for p in params:
                 p.copy_(base[off : off + p.numel()].view_as(p))
                 off += p.numel()
+        hwtopo.sync_point()
         tc = time.perf_counter()
         _train_steps(model, opt, sampler, cfg.batch, cfg.inner_steps)
         compute_s = time.perf_counter() - tc
@@ -515,10 +526,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server,
     cluster = bench_cluster(cfg)
     machines = cluster.names[:world]
     speed = cluster.relative_speeds()[machines[rank]]
-    # a short period keeps the share and smooths a slow worker's sub-second inner phases
-    period_s = cfg.cgroup_period_us / 1e6 if cfg.cgroup_period_us > 0 else None
-    thr = hwtopo.throttle(os.getpid(), speed=speed * cfg.cpus, cpus=1.0, period_s=period_s)
-    thr_desc = {**thr.describe(), "period_s": period_s}
+    thr, thr_desc = _emulate_cpu(cfg, speed * cfg.cpus)
     try:
         model = build_model(cfg)
         sampler = Sampler(train, cfg.seq_len, cfg.seed, rank)
@@ -526,7 +534,9 @@ def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server,
         out: dict = {"rank": rank, "machine": machines[rank], "throttle": thr_desc, "snapshots": []}
         if rank == 0:
             out["snapshots"].append((0.0, 0, _snapshot(model)))
+        hwtopo.sync_point()  # set-up's dilation is paid before the common start, not in the first step
         dist.barrier()
+        hwtopo.resume_point()
         t0 = time.perf_counter()
         if method == "ddp":
             _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s)
@@ -536,11 +546,23 @@ def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server,
             _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out)
         out["wall_s"] = time.perf_counter() - t0
         out["wan"] = wan.describe()
+        out["throttle"] = {**thr_desc, **thr.describe()}  # a dilation's CPU and sleep totals by now
         if method != "async" and dist.is_initialized():
             dist.barrier()  # the run ends when the last worker is done
         return out
     finally:
         thr.close()
+
+
+def _emulate_cpu(cfg: BenchConfig, speed: float):
+    """This worker's emulated CPU at ``speed`` x one CPU (a dilation, or a quota); the handle and its label."""
+    if cfg.cpu_emulation == "dilation":
+        # a speed of 1 or more runs undilated: dilation only slows down
+        return hwtopo.dilate(min(1.0, speed)), {"requested_speed": speed}
+    # a short period keeps the share and smooths a slow worker's sub-second inner phases
+    period_s = cfg.cgroup_period_us / 1e6 if cfg.cgroup_period_us > 0 else None
+    thr = hwtopo.throttle(os.getpid(), speed=speed, cpus=1.0, period_s=period_s)
+    return thr, {"period_s": period_s}
 
 
 def _ttt(curve: list[tuple[float, int, float]], target: float) -> float | None:

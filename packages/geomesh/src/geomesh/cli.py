@@ -42,6 +42,7 @@ def _config(args, quick: bool):
         kw["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     kw["cluster"] = args.cluster
     kw["wan"] = args.wan
+    kw["cpu_emulation"] = args.cpu_emulation
     cfg = BenchConfig(**kw)
     try:
         cfg.validate()
@@ -175,8 +176,9 @@ def cmd_demo(args) -> int:
     report = [
         "# geomesh demo",
         "",
-        f"3 workers (emulated speeds {cfg.cpus:g} x cluster speeds of `{cfg.cluster}`, cgroup CPU quota via "
-        "hwtopo.throttle), WAN links of the cluster spec emulated per collective; tiny Llama on Python stdlib "
+        f"3 workers (emulated speeds {cfg.cpus:g} x cluster speeds of `{cfg.cluster}`, by "
+        f"{'compute dilation (hwtopo.dilate)' if cfg.cpu_emulation == 'dilation' else 'cgroup CPU quota (hwtopo.throttle)'}"
+        "), WAN links of the cluster spec emulated per collective; tiny Llama on Python stdlib "
         f"sources. Measured on this machine ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), possibly "
         "loaded.",
         "",
@@ -237,6 +239,13 @@ def _run_args(p) -> None:
         choices=("auto", "netns", "inprocess"),
         help="WAN emulation: netns = real tbf shaping between network namespaces (root, ip, tc), "
         "inprocess = every collective stretched in-process; auto = netns when possible",
+    )
+    p.add_argument(
+        "--cpu-emulation",
+        default="dilation",
+        choices=("dilation", "quota"),
+        help="slower workers by compute dilation (each step's CPU time / speed; steady under load) "
+        "or by a cgroup CPU quota per worker",
     )
 
 

@@ -12,6 +12,8 @@ same last-synced weights on every worker, so all workers leave the outer step wi
 A ``Rebalancer`` (optional) re-plans b_i and H_i from the measured throughputs exchanged at each sync.
 A ``Quorum`` (optional) drops workers that die or stall and admits new ones at outer-step boundaries;
 ``overlap=True`` applies each outer step one phase late, its exchange running behind the next phase.
+Each inner step and every collective first calls ``hwtopo.sync_point()``: under emulated slow compute
+(``hwtopo.dilate``) the dilation is paid there, outside the waits; without one it does nothing.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def exchange_meta(
     """
     row = [float(tokens), compute_s, sync_cpu_s, post_s, float(join)]
     meta = torch.tensor(row, dtype=torch.float64, device=_comm_device(group))
+    hwtopo.sync_point()
     t0 = time.perf_counter()
     if world > 1:
         got = [torch.zeros_like(meta) for _ in range(world)]
@@ -122,6 +125,7 @@ def exchange_meta(
     else:
         got = [meta]
     wait_s = time.perf_counter() - t0
+    hwtopo.resume_point()
     got = [g.cpu() for g in got]
     rates = [float(g[0] / g[1]) if g[1] > 0 else 0.0 for g in got]
     joins = any(bool(g[4]) for g in got)
@@ -141,6 +145,7 @@ def reduce_kind(algo: str, nbytes: int, wan: WanEmulator | None) -> str:
 
 def _dense_launch(flat: torch.Tensor, kind: str, world: int, group=None) -> tuple[Any, list[torch.Tensor]]:
     """Start the dense sum of ``flat`` (``kind`` as in :func:`dense_all_reduce`); its work handle and buffers."""
+    hwtopo.sync_point()
     if world > 1 and kind == "all_reduce_gather":
         parts = [torch.empty_like(flat) for _ in range(world)]
         return dist.all_gather(parts, flat, group=group, async_op=True), parts
@@ -153,6 +158,7 @@ def _dense_finish(work, parts: list[torch.Tensor], kind: str, t0: float, wan: Wa
     """Wait for :func:`_dense_launch`'s work, sum a gather, then wait out the emulated WAN time since ``t0``."""
     if work is not None:
         work.wait()
+        hwtopo.resume_point()
     flat = parts[0]
     if len(parts) > 1:  # summed in fp32 and in rank order, so every worker holds bit-identical weights
         flat = torch.stack([q.float() for q in parts]).sum(0).to(parts[0].dtype)
@@ -326,6 +332,7 @@ class DiLoCo:
     # --- the loop -------------------------------------------------------------------------------
     def step(self, tokens: int) -> SyncStats | None:
         """Count one inner step of ``tokens`` tokens; run the outer step when H_i steps are done."""
+        hwtopo.sync_point()  # emulated slow compute: the step's dilation is paid before it is timed
         self.local_step += 1
         self.tokens += int(tokens)
         if self.phase_clock is not None:
@@ -435,6 +442,7 @@ class DiLoCo:
             return _Exchange(None, t0, [], deltas, payload, wire, agg=agg)
         if self.compressor is not None:  # compression == "sign"
             buf = self.compressor.compress(deltas, self.tokens)
+            hwtopo.sync_point()
             t0 = time.perf_counter()
             bufs = [torch.empty_like(buf) for _ in range(self.world)] if self.world > 1 else [buf]
             work = dist.all_gather(bufs, buf, group=self.group, async_op=True) if self.world > 1 else None
@@ -459,6 +467,7 @@ class DiLoCo:
         if self.compressor is not None:
             if ex.work is not None:
                 ex.work.wait()
+                hwtopo.resume_point()
             if self.wan is not None:
                 self.wan.wait("all_gather", ex.payload, ex.t0)
             self._collective_s += time.perf_counter() - t0
@@ -522,6 +531,7 @@ class DiLoCo:
 
     def sync(self) -> SyncStats:
         """One synchronous outer step (all workers must call it the same number of times)."""
+        hwtopo.sync_point()
         compute_s = time.perf_counter() - self._phase_start
         all_tokens, rates, wait_s, overheads, posts, join = self._exchange_meta(compute_s)
         t0 = time.perf_counter()  # the sync point: the all_gather released every worker at about this instant
@@ -562,6 +572,7 @@ class DiLoCo:
         self.tokens = 0
         if join:  # every member saw the same flag in the meta exchange: all admit at this boundary
             self._admit()
+        hwtopo.sync_point()  # the outer step's own compute is paid within the sync, not the next phase
         self.start_phase(anchor=t0)
         # own CPU work of this outer step (not the collectives): the balancer keeps it in each cycle
         self._last_sync_cpu_s = max(0.0, self._phase_start - t0 - self._collective_s)

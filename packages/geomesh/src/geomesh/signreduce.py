@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+import hwtopo
+
 from .balance import token_weights
 from .signcompress import SignCodec, SignCompressor, _stats
 from .wan import WanEmulator, ring_wire_bytes
@@ -107,8 +109,10 @@ class SignReduceScatter:
         self.collective_s = 0.0
         if self.world > 1:
             got = torch.empty_like(send)
+            hwtopo.sync_point()
             t0 = time.perf_counter()
             dist.all_to_all_single(got, send, group=self.group)
+            hwtopo.resume_point()
             if self.wan is not None:
                 self.wan.wait("reduce_scatter", self.world * self.slot, t0)
             self.collective_s += time.perf_counter() - t0
@@ -117,8 +121,10 @@ class SignReduceScatter:
         mine = self._mean_of_my_shard(got)
         if self.world > 1:
             shards = [torch.empty_like(mine) for _ in range(self.world)]
+            hwtopo.sync_point()
             t0 = time.perf_counter()
             dist.all_gather(shards, mine, group=self.group)
+            hwtopo.resume_point()
             if self.wan is not None:
                 self.wan.wait("all_gather", self.slot, t0)
             self.collective_s += time.perf_counter() - t0
