@@ -115,3 +115,44 @@ def test_labels_are_made_safe_for_cgroup_names(monkeypatch):
     assert g.cgroup.name.endswith("-agentdyn-own_cores_2")
     assert hwtopo.CGroupUsage(None, None, None) == g.usage()
     g.close()
+
+
+def _cgroup_of(pid: int, controller: str) -> str:
+    for line in open(f"/proc/{pid}/cgroup").read().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if controller in ctrls.split(","):
+            return path
+    return ""
+
+
+@pytest.mark.skipif(not cpu_writable(), reason="needs a writable cgroup cpu controller")
+def test_process_weight_moves_only_the_cpu_membership_and_back():
+    from agentdyn.cgroups import ProcessWeight
+
+    p = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    try:
+        before = {c: _cgroup_of(p.pid, c) for c in ("cpu", "memory", "pids")}
+        w = ProcessWeight(65536, pid=p.pid)
+        if not w.apply():  # cgroup v2, or cpu co-mounted with more: nothing may move
+            assert w.reason and {c: _cgroup_of(p.pid, c) for c in before} == before
+            return
+        try:
+            assert _cgroup_of(p.pid, "cpu").endswith(f"agentdyn-runtime-{p.pid}")
+            assert (w.group.paths["cpu"] / "cpu.shares").read_text().strip() == "65536"
+            assert {c: _cgroup_of(p.pid, c) for c in ("memory", "pids")} == {c: before[c] for c in ("memory", "pids")}
+        finally:
+            w.restore()
+        assert {c: _cgroup_of(p.pid, c) for c in before} == before
+        assert not w.group and not w.apply()  # once restored, never applied again
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_process_weight_stands_down_without_a_v1_cpu_hierarchy(monkeypatch):
+    from agentdyn import cgroups
+
+    monkeypatch.setattr(cgroups, "_cpu_membership", lambda pid: None)
+    w = cgroups.ProcessWeight(4096)
+    assert not w.apply() and "v2" in w.reason and w.group is None
+    assert w.describe() == {"shares": 4096, "applied": False, "reason": w.reason}

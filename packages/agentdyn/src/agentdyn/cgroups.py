@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+from pathlib import Path
 
 import hwtopo
 
-__all__ = ["CpuGroup", "cpuset_writable", "cpu_writable", "cleanup_stale"]
+__all__ = ["CpuGroup", "ProcessWeight", "cpuset_writable", "cpu_writable", "cleanup_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -126,3 +127,76 @@ class CpuGroup:
         for t in self._throttles:
             t.close()
         self.cgroup.close()
+
+
+def _cpu_membership(pid: int) -> tuple[frozenset[str], str] | None:
+    """The v1 controllers co-mounted with ``cpu`` and the cgroup ``pid`` is in there; None on v2."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctrls, path = line.split(":", 2)
+        names = frozenset(ctrls.split(","))
+        if "cpu" in names:
+            return names, path
+    return None
+
+
+class ProcessWeight:
+    """A CPU weight for a running process of ours (the agent runtime) while a policy is active.
+
+    Weighted tool groups outweigh a plain process by up to 64 times, so without this the runtime
+    that drives every request (its event loop, the tool spawns and relays, and servers it hosts)
+    is what CFS starves. Applied only on a cgroup v1 ``cpu`` hierarchy not co-mounted with anything
+    but ``cpuacct``, so moving the process changes no memory, pids or other membership (on v2 one
+    move would take it out of its slice in every controller); :meth:`restore` moves it back."""
+
+    def __init__(self, shares: int, pid: int | None = None):
+        self.shares = max(2, min(262144, int(shares)))
+        self.pid = os.getpid() if pid is None else pid
+        self.group: hwtopo.CGroup | None = None
+        self._home: Path | None = None
+        self.reason: str | None = None  # why it was not applied
+        self.tried = False
+
+    def apply(self) -> bool:
+        """Move the process into a group of weight ``shares``, once; False (and ``reason``) where it
+        cannot, or when it was applied and restored before."""
+        if self.tried:
+            return self.group is not None
+        self.tried = True
+        member = _cpu_membership(self.pid)
+        if member is None or not member[0] <= {"cpu", "cpuacct"}:
+            self.reason = "no cgroup v1 cpu hierarchy of its own (v2 would move every controller)"
+            return False
+        g = hwtopo.CGroup(f"agentdyn-runtime-{self.pid}", shares=self.shares)
+        path = g.paths.get("cpu")
+        if path is None or g.version("cpu") != 1:
+            g.close()
+            self.reason = "no writable cgroup v1 cpu controller"
+            return False
+        try:
+            g.add(self.pid)
+        except OSError as e:
+            g.close()
+            self.reason = f"could not join {path}: {e.strerror or e}"
+            return False
+        self._home = path.parent / member[1].lstrip("/")
+        self.group, self.reason = g, None
+        return True
+
+    def restore(self) -> None:
+        """Back to the cgroup the process came from; the group is removed."""
+        if self.group is None:
+            return
+        g, self.group = self.group, None
+        try:
+            if self._home is not None:
+                (self._home / "cgroup.procs").write_text(str(self.pid))
+        except OSError as e:
+            log.warning("could not move %d back to %s: %s", self.pid, self._home, e)
+        g.close()  # whatever is still inside moves to the hierarchy's root
+
+    def describe(self) -> dict:
+        return {"shares": self.shares, "applied": self.group is not None, "reason": self.reason}

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from .admission import AdmissionPolicy, CpuAdmission, Ticket
 from .allocation import DEFAULT_SHARES, TaskAwareAllocator, plan_allocation, tool_shares
-from .cgroups import CpuGroup
+from .cgroups import CpuGroup, ProcessWeight
 from .monitor import SystemSampler, Usage
 from .profiles import ProfileStore
 
@@ -182,6 +182,13 @@ class CpuAwarePolicy(Policy):
         adm = self.admission
         heavy = {k for k, p in profiles.tools.items() if p.n and adm.is_heavy(p.cpu_intensity, p.cpu_s)}
         self.shares = tool_shares(profiles, heavy)
+        # the runtime drives every request: it weighs as much as the most favoured tool, or the
+        # weighted groups starve its event loop and the tools it is still starting
+        self.runtime_weight = (
+            ProcessWeight(max(self.shares.values(), default=DEFAULT_SHARES))
+            if self.weighted and apply_cgroups
+            else None
+        )
         self._weighted_groups: dict[str, CpuGroup] = {}  # per task_type/tool: its weight, the class's threads
         self.runs: dict[str, int] = {}  # tool runs per group they were placed in
         self._in_flight: dict[str, int] = {}  # heavy runs per task_type/tool, admitted or waiting
@@ -190,6 +197,13 @@ class CpuAwarePolicy(Policy):
     def intensity(self, task_type: str, tool: str) -> float:
         p = self.profiles.get(task_type, tool)
         return p.cpu_intensity if p is not None and p.n else 1.0  # unknown tools count as CPU-heavy
+
+    @contextlib.asynccontextmanager
+    async def request_slot(self, request_id: str, task_type: str) -> AsyncIterator[None]:
+        # applied on first use, not when made: the policy this one replaces restores on its close
+        if self.runtime_weight is not None:
+            self.runtime_weight.apply()
+        yield None
 
     @contextlib.asynccontextmanager
     async def tool_slot(self, request_id: str, task_type: str, tool: str) -> AsyncIterator[CpuGroup | None]:
@@ -274,9 +288,12 @@ class CpuAwarePolicy(Policy):
             "weighted_groups": {k: g.describe() for k, g in self._weighted_groups.items()},
             "runs_by_group": dict(self.runs),
             "reweighed": self.reweighed,
+            "runtime_weight": self.runtime_weight.describe() if self.runtime_weight is not None else None,
         }
 
     def close(self) -> None:
+        if self.runtime_weight is not None:
+            self.runtime_weight.restore()
         self.allocator.close()
         for g in self._weighted_groups.values():
             g.close()
