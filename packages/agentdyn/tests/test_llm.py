@@ -112,3 +112,16 @@ def test_config_validation():
         LLMConfig(base_url="localhost:8000")
     with pytest.raises(ValueError, match="tokens_per_s"):
         EmulatorConfig(tokens_per_s=0)
+
+
+def test_emulated_latency_depends_on_the_conversation_not_the_call_order():
+    cfg = EmulatorConfig(ttft_s=0.3, tokens_per_s=80.0, seed=5)
+    a, b = LLMEmulator(cfg), LLMEmulator(cfg)
+    keys = [f"conversation-{i}:{step}" for i in range(4) for step in (2, 4)]
+    first = {k: a.latency_s(40, k) for k in keys}
+    second = {k: b.latency_s(40, k) for k in reversed(keys)}  # another policy, another order
+    assert first == second
+    assert len(set(first.values())) == len(keys)  # still a draw per conversation step
+    assert LLMEmulator(EmulatorConfig(ttft_s=0.3, tokens_per_s=80.0, seed=6)).latency_s(40, keys[0]) != first[keys[0]]
+    # without a key: the emulator's own sequence, as before
+    assert a.latency_s(40) != a.latency_s(40)

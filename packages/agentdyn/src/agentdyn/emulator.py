@@ -11,6 +11,7 @@ tool results. The "faster LLM" experiment is ``ttft_s``/``tokens_per_s``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import re
@@ -139,10 +140,15 @@ class LLMEmulator(LocalServer):
         self.requests = 0
         self.gate: asyncio.Event | None = None  # when set: answers wait for it (tests, demos)
 
-    def latency_s(self, tokens: int) -> float:
+    def latency_s(self, tokens: int, key: str | None = None) -> float:
+        """The emulated time to answer with ``tokens`` tokens. With ``key`` (a conversation and its
+        step) the draw depends only on it and the seed, so every policy compared on the same
+        workload waits the same on the LLM, whatever order its calls come in; without, the next draw
+        of the emulator's own sequence."""
         c = self.config
-        ttft = c.ttft_s * self.rng.lognormvariate(0.0, c.ttft_sigma) if c.ttft_s > 0 else 0.0
-        tps = c.tokens_per_s * self.rng.lognormvariate(0.0, c.tps_sigma)
+        rng = self.rng if key is None else random.Random(hashlib.sha256(f"{c.seed}:{key}".encode()).digest())
+        ttft = c.ttft_s * rng.lognormvariate(0.0, c.ttft_sigma) if c.ttft_s > 0 else 0.0
+        tps = c.tokens_per_s * rng.lognormvariate(0.0, c.tps_sigma)
         return ttft + tokens / tps
 
     async def _chat(self, request: web.Request) -> web.Response:
@@ -164,7 +170,9 @@ class LLMEmulator(LocalServer):
         tokens = self.config.tool_call_tokens if calls else self.config.answer_tokens
         if self.gate is not None:
             await self.gate.wait()
-        await asyncio.sleep(self.latency_s(tokens))
+        # the conversation is its opening (system and user messages); the step is how far it got
+        opening = json.dumps([m.get("content") for m in msgs[:2]], default=str)
+        await asyncio.sleep(self.latency_s(tokens, f"{opening}:{len(msgs)}"))
         message: dict = {"role": "assistant", "content": answer or None}
         if calls:
             message["tool_calls"] = [
