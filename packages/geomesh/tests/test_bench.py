@@ -119,17 +119,17 @@ def test_small_bench_side_by_side():
             assert h[key] == pytest.approx(sum(per.values()) / 2) and per["100"] == h[f"{key}_first_seed"]
     phases = g["phases_per_worker"]
     assert len(phases) == 3 and all(len(p) == g["syncs"] for p in phases.values())
+    # every worker timed its steps at the bench's batch (the profiling phase runs it) and at others
+    steps = g["step_s_per_worker"]
+    assert set(steps) == set(phases) and all(str(cfg.batch) in s and len(s) >= 2 for s in steps.values())
 
 
 def test_emulation_check_marks_runs_whose_worker_speeds_moved():
     def run(step_s: dict, batch: int = 8) -> dict:
-        return {"phases_per_worker": {m: [{"batch": batch, "steps": 4, "compute_s": 4 * t}] for m, t in step_s.items()}}
+        return {"step_s_per_worker": {m: {str(batch): t, str(batch // 2): t / 2} for m, t in step_s.items()}}
 
     ref = {"a": 0.10, "b": 0.20}
-    profiled = {
-        "phases_per_worker": {"a": [], "b": []},
-        "profile": {"a": [8, 0.105, 4, 0.06, 0.0], "b": [8, 0.2, 4, 0.1, 0.0]},
-    }
+    profiled = {"step_s_per_worker": {"a": {"8": 0.105, "4": 0.06}, "b": {"4": 0.1, "8": 0.2}}}
     got = emulation_check(
         ref,
         {
@@ -142,7 +142,7 @@ def test_emulation_check_marks_runs_whose_worker_speeds_moved():
     )
     assert got["ok"]["valid"] is True and got["ok"]["speed_vs_reference"]["a"] == pytest.approx(0.10 / 0.105)
     assert got["slow"]["valid"] is False  # worker b ran 1.5x slower than when the reference ran
-    assert got["profiled"]["valid"] is True  # GeoMesh: its profiling phase's steps at the batch
+    assert got["profiled"]["valid"] is True  # GeoMesh: its steps at the reference's batch
     assert got["other batch"]["valid"] is None  # nothing at the reference's batch: no verdict
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -259,15 +260,43 @@ def _snapshot(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_steps(model, opt, sampler: Sampler, batch: int, steps: int) -> None:
+class StepTimes:
+    """Each inner step's wall seconds by batch size, its emulated slow compute paid inside it: the
+    bench's check of achieved worker speeds compares these with the reference run's."""
+
+    def __init__(self) -> None:
+        self.by_batch: dict[int, list[float]] = {}
+        self._t = self._paused = 0.0
+
+    def start(self) -> None:
+        self._t, self._paused = time.perf_counter(), 0.0
+
+    def pause(self) -> None:
+        """Before a collective inside a step (DDP): what follows until :meth:`resume` is not compute."""
+        hwtopo.sync_point()
+        self._paused -= time.perf_counter()
+
+    def resume(self) -> None:
+        self._paused += time.perf_counter()
+
+    def stop(self, batch: int) -> None:
+        hwtopo.sync_point()  # the step's dilation is paid before its time is read
+        self.by_batch.setdefault(int(batch), []).append(time.perf_counter() - self._t - self._paused)
+
+    def medians(self) -> dict[str, float]:
+        return {str(b): statistics.median(v) for b, v in sorted(self.by_batch.items())}
+
+
+def _train_steps(model, opt, sampler: Sampler, batch: int, steps: int, timer: StepTimes) -> None:
     for _ in range(steps):
+        timer.start()
         _loss(model, sampler.next(batch)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        hwtopo.sync_point()  # emulated slow compute: paid per step, inside the timed phase
+        timer.stop(batch)
 
 
-def _profile_phase(cfg, model, opt, sampler, dl: DiLoCo, max_tokens: int) -> list[list[float]]:
+def _profile_phase(cfg, model, opt, sampler, dl: DiLoCo, max_tokens: int, timer: StepTimes) -> list[list[float]]:
     """The first outer phase, time-boxed: every worker trains (for real) until ``profile_s`` has passed,
     alternating batch b and b/2, then all sync together. Returns [batch, mean s/step] per batch size.
 
@@ -281,10 +310,12 @@ def _profile_phase(cfg, model, opt, sampler, dl: DiLoCo, max_tokens: int) -> lis
     while True:
         bs = sizes[i % 2]
         ts = time.perf_counter()
+        timer.start()
         x = sampler.next(bs)
         _loss(model, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        timer.stop(bs)
         dl.step(x.numel())
         last = time.perf_counter() - ts
         if i >= 1:  # the very first step warms up allocators and caches
@@ -331,13 +362,13 @@ def _profiles(cfg, machines, cluster, got: list[torch.Tensor]) -> list:
     return profiles
 
 
-def _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, cluster, after_sync, out):
+def _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, cluster, after_sync, out, timer):
     """GeoMesh's first phase: time-boxed training that profiles every worker, a sync, then the plan that
     every worker computes alike from the exchanged measurements; the rebalancer that keeps it."""
     seq, b, h = cfg.seq_len, cfg.batch, cfg.inner_steps
     target = world * b * h * seq
     # (capped at twice a uniform worker's share of tokens, for tiny configs that run very fast)
-    samples = _profile_phase(cfg, model, opt, sampler, dl, 2 * target // world)
+    samples = _profile_phase(cfg, model, opt, sampler, dl, 2 * target // world, timer)
     steps_done = dl.local_step  # sync() resets it
     st = dl.sync()
     after_sync(st, 0, steps_done)
@@ -377,7 +408,7 @@ def _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, c
     return rb
 
 
-def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out):
+def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out, timer: StepTimes):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
     target = world * cfg.batch * cfg.inner_steps * cfg.seq_len  # tokens per outer step of uniform DiLoCo
     balanced = method.startswith("geomesh")
@@ -406,15 +437,17 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
 
     rb = None
     if balanced:
-        rb = _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, cluster, after_sync, out)
+        rb = _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, cluster, after_sync, out, timer)
     # geomesh runs until it has trained on as many tokens as uniform DiLoCo's outer steps (its first,
     # time-boxed phase has its own token count); the decision uses the exchanged counts, same everywhere
     while (tokens_done < cfg.outer_steps * target) if balanced else (dl.outer_step < cfg.outer_steps):
         used = (dl.phase_clock.batch, dl.local_step + 1) if dl.phase_clock else (dl.batch_size, dl.inner_steps)
+        timer.start()
         x = sampler.next(dl.batch_size)
         _loss(model, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        timer.stop(x.shape[0])
         st = dl.step(x.numel())
         if st is not None:
             after_sync(st, *used)
@@ -436,7 +469,7 @@ def _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0
     out["tx_bytes"] = None if tx0 is None or tx1 is None else tx1 - tx0
 
 
-def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s):
+def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s, timer: StepTimes):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
     ar = GradientAllReduce(model, wan=wan, all_reduce=cfg.all_reduce)
     tx0 = _settled_tx()
@@ -450,11 +483,15 @@ def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s):
         if int(stop):
             out["capped"] = True
             break
+        timer.start()
         x = sampler.next(cfg.batch)
         _loss(model, x).backward()
+        timer.pause()
         st = ar.sync(x.numel())
+        timer.resume()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        timer.stop(cfg.batch)
         tokens_done += sum(st.all_tokens)
         # a snapshot per DiLoCo-outer-step worth of tokens (one per 'inner_steps' steps)
         if rank == 0 and (step + 1) % max(1, cfg.inner_steps // 2) == 0:
@@ -464,7 +501,7 @@ def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s):
     out["tx_bytes"] = None if tx0 is None or tx1 is None else tx1 - tx0
 
 
-def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncServer, t0, out):
+def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncServer, t0, out, timer: StepTimes):
     """Pull, H inner steps, push a stale pseudo-gradient; the link to the server (rank 0's machine) is shaped."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -497,7 +534,7 @@ def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncSer
                 off += p.numel()
         hwtopo.sync_point()
         tc = time.perf_counter()
-        _train_steps(model, opt, sampler, cfg.batch, cfg.inner_steps)
+        _train_steps(model, opt, sampler, cfg.batch, cfg.inner_steps, timer)
         compute_s = time.perf_counter() - tc
         cur = torch.cat([p.detach().reshape(-1) for p in params])
         ts = time.perf_counter()
@@ -538,13 +575,15 @@ def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server,
         dist.barrier()
         hwtopo.resume_point()
         t0 = time.perf_counter()
+        timer = StepTimes()
         if method == "ddp":
-            _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s)
+            _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s, timer)
         elif method == "async":
-            _async(cfg, rank, world, model, sampler, cluster, machines, server, t0, out)
+            _async(cfg, rank, world, model, sampler, cluster, machines, server, t0, out, timer)
         else:
-            _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out)
+            _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out, timer)
         out["wall_s"] = time.perf_counter() - t0
+        out["step_s"] = timer.medians()
         out["wan"] = wan.describe()
         out["throttle"] = {**thr_desc, **thr.describe()}  # a dilation's CPU and sleep totals by now
         if method != "async" and dist.is_initialized():
@@ -605,6 +644,8 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
         res["stopped_at_time_cap"] = bool(outs[0].get("capped"))
     if "phases" in outs[0]:
         res["phases_per_worker"] = {o["machine"]: o["phases"] for o in outs}
+    # each worker's median seconds per inner step, by batch size (emulated slow compute included)
+    res["step_s_per_worker"] = {o["machine"]: o["step_s"] for o in outs if "step_s" in o}
     if outs[0].get("lost"):
         res["quorum_lost"] = outs[0]["lost"]  # the workers the survivors' quorum went on without
     if "plan" in outs[0]:
@@ -789,17 +830,10 @@ def _configuration(cfg: BenchConfig, data: tuple, target: float | None, progress
 
 
 def step_seconds(result: dict, batch: int) -> dict[str, float]:
-    """Per worker, the median seconds of one inner step at ``batch``: from the phases run at that batch
-    (fixed-batch methods) or from GeoMesh's profiling phase; workers without such steps are left out."""
-    out = {}
-    for machine, phases in result.get("phases_per_worker", {}).items():
-        per = sorted(p["compute_s"] / p["steps"] for p in phases if p["batch"] == batch and p["steps"] > 0)
-        prof = result.get("profile", {}).get(machine)
-        if not per and prof:
-            per = [prof[k + 1] for k in (0, 2) if int(prof[k]) == batch and prof[k + 1] > 0]
-        if per:
-            out[machine] = per[len(per) // 2]
-    return out
+    """Per worker, the median seconds of its inner steps at ``batch``, each step timed on its own (a
+    phase's mean would mix batch sizes under time-boxed phases); workers without such steps are left out."""
+    key = str(batch)
+    return {m: s[key] for m, s in result.get("step_s_per_worker", {}).items() if key in s}
 
 
 def emulation_check(reference: dict[str, float], runs: dict[str, dict], batch: int, tol: float = 0.10) -> dict:
