@@ -194,3 +194,21 @@ def test_level_holdout_never_trains_on_the_held_out_level(monkeypatch):
         assert held not in {r[factor] for r in train}
     with pytest.raises(ValueError, match="two or more levels"):
         M.level_holdout(rows, ("constant",), ("block_size",))
+
+
+def test_capped_throughput_follows_capacity_beyond_the_training_levels():
+    from sysprdict.blockchain import models as M
+    from sysprdict.blockchain.fabricsim import SimParams, simulate_dataset
+
+    rows = simulate_dataset(20, 1, 0, SimParams(duration_s=2.0))
+    for r in rows:  # every network saturates at 10 TPS per peer core
+        r["throughput_tps"] = min(r["send_rate_tps"], 10.0 * r["peers"] * r["peer_cpus"])
+    train = [r for r in rows if r["peer_cpus"] > 1]
+    # a held-out level with one core per peer, loaded far above what it can serve
+    test = [r | {"peer_cpus": 1.0, "send_rate_tps": 2000.0} for r in train]
+    want = np.array([10.0 * r["peers"] for r in test])
+    capped = M.PerfModel("et-cap").fit(train).predict(test)["throughput_tps"]
+    plain = M.PerfModel("et").fit(train).predict(test)["throughput_tps"]
+    assert smape(capped, want) < 0.02
+    assert smape(plain, want) > 0.3  # the share of the offered load that succeeds does not extrapolate
+    assert set(M.PerfModel("et-cap").fit(train).predict(test)) == set(M.TARGETS)

@@ -32,11 +32,11 @@ def rows():
 WORKLOAD = {"send_rate_tps": 300.0, "read_fraction": 0.2, "block_size": 50, "batch_timeout_s": 1.0}
 
 
-@pytest.mark.parametrize("kind", ["rf", "et", "xgb", "hgb"])
+@pytest.mark.parametrize("kind", ["rf", "et", "et-cap", "xgb", "hgb"])
 def test_a_saved_model_predicts_exactly_as_the_fitted_one(rows, kind, tmp_path, monkeypatch):
     if kind == "hgb":  # the boosting fallback when xgboost is not installed
         monkeypatch.setattr(models_mod, "boosting_backend", lambda: "sklearn-hgb")
-    m = PerfModel(kind if kind in ("rf", "et") else "xgb", seed=1).fit(rows)
+    m = PerfModel(kind if kind in ("rf", "et", "et-cap") else "xgb", seed=1).fit(rows)
     m.residual_q = {"throughput_tps": (-0.1, 0.2)}
     again = PerfModel.load(m.save(tmp_path / "model.pkl"))
     assert (again.kind, again.seed, again.space, again.residual_q) == (m.kind, m.seed, m.space, m.residual_q)

@@ -36,6 +36,7 @@ from ..timepred import boosting_backend
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CAPACITY",
     "FEATURES",
     "TARGETS",
     "PerfModel",
@@ -72,11 +73,19 @@ FEATURES = {
     "peer_mem_per_cpu": "peer_mem_gb / peer_cpus",
 }
 TARGETS = ("throughput_tps", "avg_latency_s", "success_rate")
-KINDS = ("rf", "et", "xgb", "constant", "linear")
+KINDS = ("rf", "et", "et-cap", "xgb", "constant", "linear")
 """Random forest, extremely randomized trees (random split thresholds: smoother across the levels
-of a factor, chosen for the held-out-level headline by its error on development seeds of the
-simulator, never the reported one), boosted trees, and two baselines: the training mean (of throughput / offered
-load, latency, success rate) and a linear regression on the same features."""
+of a factor), extremely randomized trees with a capacity cap on throughput (`CAPACITY`; chosen for
+the held-out-level headline by its error on development seeds of the simulator, never the reported
+one), boosted trees, and two baselines: the training mean (of throughput / offered load, latency,
+success rate) and a linear regression on the same features."""
+CAPACITY = "throughput_per_peer_cpu"
+"""The second throughput model of kind "et-cap": successful transactions per second per peer core
+(peers x peer_cpus).  Throughput is the smaller of the offered load times the predicted success
+share and the peer cores times the predicted throughput per core.  A saturated network's throughput
+per core stays flat as the load grows, so trees, which predict flat outside their training range,
+extrapolate it correctly to a level with fewer cores or more load than any training level, where
+the share of the offered load that succeeds keeps falling and trees cannot follow it."""
 HOLDOUT_FACTORS = ("peer_cpus", "send_rate_tps", "block_size")
 SCALING = ("peers", "orderers", "orgs", "peer_cpus", "peer_mem_gb", "orderer_cpus", "orderer_mem_gb")
 _POLICY = {"OR": 0, "MAJORITY": 1, "AND": 2}
@@ -106,7 +115,13 @@ def featurize(rows: list[dict]) -> np.ndarray:
     return np.asarray(out, float)
 
 
+def _peer_cores(rows: list[dict]) -> np.ndarray:
+    return np.array([r["peers"] * r["peer_cpus"] for r in rows], float)
+
+
 def _encode(target: str, rows: list[dict]) -> np.ndarray:
+    if target == CAPACITY:
+        return np.array([r["throughput_tps"] for r in rows], float) / _peer_cores(rows)
     y = np.array([r[target] for r in rows], float)
     if target == "throughput_tps":
         return y / np.array([r["send_rate_tps"] for r in rows])
@@ -116,6 +131,8 @@ def _encode(target: str, rows: list[dict]) -> np.ndarray:
 
 
 def _decode(target: str, rows: list[dict], z: np.ndarray) -> np.ndarray:
+    if target == CAPACITY:
+        return np.clip(z, 0, None) * _peer_cores(rows)
     if target == "throughput_tps":
         return np.clip(z, 0, None) * np.array([r["send_rate_tps"] for r in rows])
     if target == "avg_latency_s":
@@ -140,7 +157,7 @@ def _regressor(kind: str, seed: int):
         from sklearn.ensemble import RandomForestRegressor
 
         return RandomForestRegressor(n_estimators=200, min_samples_leaf=1, n_jobs=1, random_state=seed)
-    if kind == "et":
+    if kind in ("et", "et-cap"):
         from sklearn.ensemble import ExtraTreesRegressor
 
         return ExtraTreesRegressor(n_estimators=200, min_samples_leaf=1, n_jobs=1, random_state=seed)
@@ -166,7 +183,8 @@ def _regressor(kind: str, seed: int):
 
 
 class PerfModel:
-    """One regressor per target (throughput, latency, success rate) of one kind ('rf', 'et' or 'xgb')."""
+    """One regressor per target (throughput, latency, success rate) of one kind ('rf', 'et', 'et-cap'
+    or 'xgb'); kind 'et-cap' adds the `CAPACITY` model that caps throughput."""
 
     def __init__(self, kind: str = "rf", seed: int = 0):
         self.kind, self.seed = kind, seed
@@ -178,23 +196,29 @@ class PerfModel:
         # the scaling values seen in training: the recommender searches only inside them
         self.space = {c: sorted({r[c] for r in rows}) for c in SCALING}
         x = featurize(rows)
-        for t in TARGETS:
+        for t in (*TARGETS, CAPACITY) if self.kind == "et-cap" else TARGETS:
             self.models[t] = _regressor(self.kind, self.seed).fit(x, _encode(t, rows))
         return self
 
     def predict(self, rows: list[dict]) -> dict[str, np.ndarray]:
         x = featurize(rows)
-        return {t: _decode(t, rows, m.predict(x)) for t, m in self.models.items()}
+        out = {t: _decode(t, rows, m.predict(x)) for t, m in self.models.items()}
+        if CAPACITY in out:
+            out["throughput_tps"] = np.minimum(out["throughput_tps"], out.pop(CAPACITY))
+        return out
 
     def interval(self, rows: list[dict], target: str, q: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
         """A central `q` prediction interval: the spread of the forest's trees (rf) widened by the
         cross-validated residual quantiles when known (set by `grouped_cv`)."""
         x = featurize(rows)
         m = self.models[target]
-        point = _decode(target, rows, m.predict(x))
+        point = self.predict(rows)[target]
         lo_r, hi_r = self.residual_q.get(target, (0.0, 0.0))
-        if self.kind in ("rf", "et"):
+        if self.kind in ("rf", "et", "et-cap"):
             per_tree = np.stack([_decode(target, rows, z) for z in _tree_predictions(m, x)])
+            if target == "throughput_tps" and CAPACITY in self.models:
+                caps = np.stack([_decode(CAPACITY, rows, z) for z in _tree_predictions(self.models[CAPACITY], x)])
+                per_tree = np.minimum(per_tree, caps)
             lo = np.quantile(per_tree, (1 - q) / 2, axis=0)
             hi = np.quantile(per_tree, 1 - (1 - q) / 2, axis=0)
         else:
