@@ -126,10 +126,17 @@ def test_small_bench_side_by_side():
 
 def test_emulation_check_marks_runs_whose_worker_speeds_moved():
     def run(step_s: dict, batch: int = 8) -> dict:
-        return {"step_s_per_worker": {m: {str(batch): t, str(batch // 2): t / 2} for m, t in step_s.items()}}
+        return {"step_s_per_worker": {m: {str(batch): [t, 40]} for m, t in step_s.items()}}
 
     ref = {"a": 0.10, "b": 0.20}
-    profiled = {"step_s_per_worker": {"a": {"8": 0.105, "4": 0.06}, "b": {"4": 0.1, "8": 0.2}}}
+    # GeoMesh's workers ran many batch sizes: read at 8 off the line through them, weighted by steps
+    # (worker b's one step at batch 8 was slow, its 30 steps on either side say 0.2 s)
+    profiled = {
+        "step_s_per_worker": {
+            "a": {"4": [0.06, 5], "12": [0.15, 5]},
+            "b": {"4": [0.1, 30], "8": [0.5, 1], "12": [0.3, 30]},
+        }
+    }
     got = emulation_check(
         ref,
         {

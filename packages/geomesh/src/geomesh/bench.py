@@ -267,6 +267,7 @@ class StepTimes:
     def __init__(self) -> None:
         self.by_batch: dict[int, list[float]] = {}
         self._t = self._paused = 0.0
+        self._warm = False  # the first step warms allocators and caches up: not timed
 
     def start(self) -> None:
         self._t, self._paused = time.perf_counter(), 0.0
@@ -281,10 +282,13 @@ class StepTimes:
 
     def stop(self, batch: int) -> None:
         hwtopo.sync_point()  # the step's dilation is paid before its time is read
-        self.by_batch.setdefault(int(batch), []).append(time.perf_counter() - self._t - self._paused)
+        if self._warm:
+            self.by_batch.setdefault(int(batch), []).append(time.perf_counter() - self._t - self._paused)
+        self._warm = True
 
-    def medians(self) -> dict[str, float]:
-        return {str(b): statistics.median(v) for b, v in sorted(self.by_batch.items())}
+    def medians(self) -> dict[str, list[float]]:
+        """batch -> [median seconds per step, steps timed]."""
+        return {str(b): [statistics.median(v), len(v)] for b, v in sorted(self.by_batch.items())}
 
 
 def _train_steps(model, opt, sampler: Sampler, batch: int, steps: int, timer: StepTimes) -> None:
@@ -830,10 +834,29 @@ def _configuration(cfg: BenchConfig, data: tuple, target: float | None, progress
 
 
 def step_seconds(result: dict, batch: int) -> dict[str, float]:
-    """Per worker, the median seconds of its inner steps at ``batch``, each step timed on its own (a
-    phase's mean would mix batch sizes under time-boxed phases); workers without such steps are left out."""
-    key = str(batch)
-    return {m: s[key] for m, s in result.get("step_s_per_worker", {}).items() if key in s}
+    """Per worker, its seconds per inner step at ``batch``, each step timed on its own (a phase's mean
+    would mix batch sizes under time-boxed phases). A worker that ran several batch sizes (GeoMesh) is
+    read off the line through its per-batch medians, weighted by steps, so a batch it ran only once or
+    twice does not decide; workers without steps near ``batch`` are left out."""
+    out = {}
+    for machine, per in result.get("step_s_per_worker", {}).items():
+        pts = [(int(b), t, n) for b, (t, n) in per.items()]
+        sizes = [b for b, _, _ in pts]
+        if len(pts) > 1 and min(sizes) <= batch <= max(sizes):
+            out[machine] = _line_at(pts, batch)
+        elif str(batch) in per:
+            out[machine] = per[str(batch)][0]
+    return out
+
+
+def _line_at(points: list[tuple[int, float, int]], x: float) -> float:
+    """The weighted least-squares line through (x_i, y_i) with weights w_i, at ``x``."""
+    w = sum(n for _, _, n in points)
+    mx = sum(b * n for b, _, n in points) / w
+    my = sum(t * n for _, t, n in points) / w
+    sxx = sum(n * (b - mx) ** 2 for b, _, n in points)
+    slope = sum(n * (b - mx) * (t - my) for b, t, n in points) / sxx if sxx > 0 else 0.0
+    return my + slope * (x - mx)
 
 
 def emulation_check(reference: dict[str, float], runs: dict[str, dict], batch: int, tol: float = 0.10) -> dict:
