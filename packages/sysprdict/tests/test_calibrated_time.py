@@ -93,16 +93,18 @@ def _synthetic_kernel_seconds(spec: str) -> float:
     return info["flops"] * per_flop
 
 
-def test_size_extrapolation_follows_the_measured_kernel_speed(monkeypatch):
-    # synthetic truth: the heavy kernels cost what the (synthetic) replay measures, every dispatched
-    # op 20 us more. Trained on small sizes only, the calibrated predictor must extrapolate to a
-    # larger size because the kernels' speed-up is measured at the larger shapes, not fitted.
+@pytest.mark.parametrize("in_step", [1.0, 1.3])
+def test_size_extrapolation_follows_the_measured_kernel_speed(monkeypatch, in_step):
+    # synthetic truth: the heavy kernels cost `in_step` x what the (synthetic) replay measures,
+    # every dispatched op 20 us more. Trained on small sizes only, the calibrated predictor must
+    # extrapolate to a larger size because the kernels' speed-up is measured at the larger shapes,
+    # and only their one in-step factor is fitted.
     monkeypatch.setattr(kernels, "kernel_seconds", _synthetic_kernel_seconds)
     monkeypatch.setattr(tp, "EXPERTS_MATMUL_COST", {"float32": 1.0, "bfloat16": 1.0, "float16": 1.0})
 
     def truth(d):
         heavy = sum(n * _synthetic_kernel_seconds(s) for s, n in d.kernel_calls.items())
-        return heavy + 2e-5 * sum(v for k, v in d.op_mix.items() if "_count:" in k)
+        return in_step * heavy + 2e-5 * sum(v for k, v in d.op_mix.items() if "_count:" in k)
 
     train = [
         decompose(build(f"{f}-{s}"), Shape(2, 16), p)
@@ -116,6 +118,7 @@ def test_size_extrapolation_follows_the_measured_kernel_speed(monkeypatch):
         model = TimePredictor(kind="calibrated").fit(train, [truth(d) for d in train])
         err = mape(model.predict(test), [truth(d) for d in test])
     assert err < 0.05
+    assert model.kernel_in_step_factor == pytest.approx(in_step, rel=0.05)
     assert model.isa == cpu_isa()
 
 

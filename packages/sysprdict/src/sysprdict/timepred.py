@@ -134,8 +134,11 @@ def features(d: Decomposition, precision_aware: bool = True, optimizer: str = "a
 KINDS = ("opmix", "calibrated", "additive", "additive+trees", "loglinear")
 """calibrated: opmix with every matmul, convolution and fused attention costed by the fwd+bwd time
 it took replayed on this machine at its exact shape and dtype (`kernels.kernel_seconds`; a matmul too
-large to replay by the size table of `calibrate_matmul`), taken as measured, and the other terms
-fitted on the rest of the step time; opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
+large to replay by the size table of `calibrate_matmul`), summed and scaled by one fitted factor
+(`TimePredictor.kernel_in_step_factor`: in a step the operands come cold from memory and the time is
+a median, while a replay keeps its quietest run; fixing the factor at 1 left that gap, and any load
+the run's ground truth saw that the replays did not, to the other terms), and the other terms
+fitted beside it; opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
 summed (the previous default; within run-to-run noise of opmix overall, worse on MoE); additive+trees: the same plus boosted
 trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
 _LINEAR_COST_KINDS = ("opmix", "calibrated", "additive", "additive+trees")  # fitted as non-negative cost terms
@@ -445,23 +448,23 @@ class TimePredictor:
     def _additive_fit(self, ds: list[Decomposition], y: np.ndarray, optimizers: list[str]) -> None:
         from sklearn.linear_model import LinearRegression
 
-        a, offset = self._split_measured(self._additive_matrix(ds, optimizers))
+        a = self._additive_matrix(ds, optimizers)
         self._scale = np.maximum(a.max(axis=0), 1e-30)
-        # non-negative costs, least squares on relative error (weights 1/y^2); the measured matmul
-        # seconds (kind "calibrated") are a measurement, taken as they are, not a fitted term
-        self._add = LinearRegression(positive=True, fit_intercept=False).fit(
-            a / self._scale, y - offset, sample_weight=1 / y**2
-        )
+        # non-negative costs, least squares on relative error (weights 1/y^2); for kind "calibrated"
+        # the replayed kernels' seconds get one fitted factor too (`kernel_in_step_factor`)
+        self._add = LinearRegression(positive=True, fit_intercept=False).fit(a / self._scale, y, sample_weight=1 / y**2)
 
-    def _split_measured(self, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(fitted columns, the measured seconds offset): the last column for kind "calibrated"."""
-        if self.kind == "calibrated":
-            return a[:, :-1], a[:, -1]
-        return a, np.zeros(len(a))
+    @property
+    def kernel_in_step_factor(self) -> float | None:
+        """Kind "calibrated": the fitted factor from the replayed kernels' seconds to their share of
+        a step (the step's operands come cold from memory, its time is a median, not the quietest
+        replay); None for other kinds or before fit."""
+        if self.kind != "calibrated" or self._add is None:
+            return None
+        return float(self._add.coef_[-1] / self._scale[-1])
 
     def _additive_predict(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
-        a, offset = self._split_measured(self._additive_matrix(ds, optimizers))
-        return np.maximum(self._add.predict(a / self._scale) + offset, 1e-9)
+        return np.maximum(self._add.predict(self._additive_matrix(ds, optimizers) / self._scale), 1e-9)
 
     def _matrix(self, ds: list[Decomposition], optimizers: list[str] | None = None) -> np.ndarray:
         opts = optimizers or ["adamw"] * len(ds)
@@ -621,9 +624,11 @@ def evaluate_split(
     test = [r for r in test if r.get(target) and r["world_size"] == 1]
     if not train or not test:
         raise ValueError(f"rows: need training and test rows with {target!r} (got {len(train)} and {len(test)})")
-    preds, _ = _fit_predict(train, test, AnalyticalFlops(flops_per_s), seed, target, kind)
+    preds, aware = _fit_predict(train, test, AnalyticalFlops(flops_per_s), seed, target, kind)
     out = _summarize(preds, [r[target] for r in test], test, target)
     out["train_families"] = sorted({r["family"] for r in train})
+    if aware.kernel_in_step_factor is not None:
+        out["kernel_in_step_factor"] = aware.kernel_in_step_factor
     return out
 
 
