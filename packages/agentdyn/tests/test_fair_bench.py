@@ -271,3 +271,66 @@ def test_cpu_aware_policy_learns_the_share_of_a_core_its_heavy_runs_get():
             assert pol.reweighed and pol.admission.scale == 1.0
         finally:
             pol.close()
+
+
+def _profiled(with_rag: bool = True):
+    from agentdyn.monitor import Usage
+    from agentdyn.profiles import ProfileStore
+
+    st = ProfileStore()
+    runs = [
+        ("coding", "run_tests", 8.0, 8.0),
+        ("coding", "read_file", 0.15, 0.2),
+        ("web_search", "web_search", 0.2, 0.5),
+    ]
+    if with_rag:
+        runs += [("rag_qa", "rag_index", 0.5, 0.55), ("rag_qa", "rag_query", 0.2, 0.23)]
+    for t, tool, cpu, wall in runs:
+        st.observe(t, tool, Usage(cpu_s=cpu, wall_s=wall), alone=True)
+    for t in {r[0] for r in runs}:
+        st.observe_request(t, 5.0)
+    return st
+
+
+def test_cpu_sensitive_classes_are_cpu_bound_and_never_held():
+    from agentdyn.bench import cpu_sensitive_tasks
+
+    sensitive, heavy, rule = cpu_sensitive_tasks(_profiled(), 2)
+    # rag_qa: CPU-bound short runs; coding: CPU-bound too, but its test runs are held by admission;
+    # web_search: mostly waiting on the site
+    assert (sensitive, heavy) == (["rag_qa"], ["coding"]) and "no tool held" in rule
+    sensitive, heavy, rule = cpu_sensitive_tasks(_profiled(with_rag=False), 2)
+    assert (sensitive, heavy) == (["coding"], ["coding"]) and "highest CPU demand" in rule
+
+
+def test_vs_fair_reports_the_heavy_class_against_its_own_best_baseline():
+    def summary(mean, cpu, heavy):
+        one = {"mean_latency_s": mean, "cpu_task_mean_latency_s": cpu, "cpu_heavy_task_mean_latency_s": heavy}
+        return {**one, "per_seed": {"7": dict(one)}}
+
+    res = {
+        "fair": summary(10.0, 6.0, 30.0),
+        "cgroup_split": summary(12.0, 5.0, 40.0),
+        "optimized": summary(8.0, 4.0, 32.0),
+    }
+    c = vs_fair(res)
+    assert c["best_fair_baseline"] == {"cpu_task": "cgroup_split", "cpu_heavy_task": "fair", "mean": "fair"}
+    assert c["cpu_task_latency_ratio"] == pytest.approx(5.0 / 4.0)
+    # a class the policy made slower reads below 1
+    assert c["cpu_heavy_task_latency_ratio"] == pytest.approx(30.0 / 32.0)
+    assert c["per_seed"]["7"]["cpu_heavy_task_latency_ratio"] == pytest.approx(30.0 / 32.0)
+
+
+def test_ratio_bound_divides_the_best_fair_baseline_by_the_fit_loads_fastest():
+    from agentdyn.bench import _ratio_bound
+
+    def r(cpu):
+        return {"cpu_task_mean_latency_s": cpu}
+
+    results = {
+        "fit": {"fair": r(6.0), "optimized": r(5.0)},
+        "oversubscribed": {"fair": r(8.0), "cgroup_split": r(7.0), "optimized": r(6.5)},
+    }
+    # the policy's own figure does not move its bound
+    assert _ratio_bound(results) == pytest.approx(7.0 / 5.0)
+    assert _ratio_bound({"oversubscribed": results["oversubscribed"]}) is None

@@ -77,6 +77,15 @@ class AdmissionPolicy:
             source="learned",
         )
 
+    def heavy_tools(self, profiles) -> set[str]:
+        """The ``task_type/tool`` keys of a ``ProfileStore`` that admission holds: CPU-bound and
+        costly by these thresholds (what ``CpuAdmission.is_heavy`` says of a profiled tool)."""
+        return {
+            k
+            for k, p in profiles.tools.items()
+            if p.n and p.cpu_intensity >= self.heavy_threshold and p.cpu_s >= self.cost_threshold
+        }
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 

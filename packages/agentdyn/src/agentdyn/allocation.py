@@ -26,6 +26,7 @@ __all__ = [
     "AllocationPlan",
     "plan_allocation",
     "tool_shares",
+    "sensitive_classes",
     "DEFAULT_SHARES",
     "MAX_SHARE_RATIO",
     "TaskAwareAllocator",
@@ -190,12 +191,21 @@ def _plan_one_core(d: _Demand, cores: list[int]) -> AllocationPlan:
     return AllocationPlan(classes, {"cpu": 1.0, "io": io_quota}, d.thr, list(cores), notes)
 
 
+def sensitive_classes(plan: AllocationPlan, heavy: set[str]) -> list[str]:
+    """The CPU-sensitive classes, those the paper protects: CPU-bound in ``plan`` (``kind == "cpu"``)
+    with no tool in ``heavy`` (the ``task_type/tool`` keys admission holds) -- short CPU-bound
+    work on a request's critical path, which only contention with the heavy runs slows."""
+    held = {k.split("/", 1)[0] for k in heavy}
+    return sorted(t for t, c in plan.classes.items() if c.kind == "cpu" and t not in held)
+
+
 def tool_shares(profiles, heavy: set[str]) -> dict[str, int]:
     """``cpu.shares`` per ``task_type/tool`` of a ``ProfileStore``: heavy tools (``heavy``, as
-    admission classes them) ``DEFAULT_SHARES``, a plain process's weight; every other tool more, by how many times fewer CPU
-    seconds a run of it takes than the lightest heavy tool's (at most ``MAX_SHARE_RATIO`` times).
-    Under CFS a short run then takes a core at once instead of sharing it with long CPU-bound runs,
-    which approximates shortest-job-first and leaves the long runs' finish almost unchanged."""
+    admission classes them) ``DEFAULT_SHARES``, a plain process's weight; every other tool more, by
+    how many times fewer CPU seconds a run of it takes than the lightest heavy tool's (at most
+    ``MAX_SHARE_RATIO`` times). Under CFS a short run then takes a core at once instead of sharing
+    it with long CPU-bound runs, which approximates shortest-job-first and leaves the long runs'
+    finish almost unchanged."""
     costs = {k: p.cpu_s for k, p in profiles.tools.items() if p.n}
     ref = min((costs[k] for k in heavy if k in costs), default=max(costs.values(), default=0.0))
     out = {}

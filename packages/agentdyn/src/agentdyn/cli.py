@@ -288,7 +288,7 @@ def _workload(args, one_seed: bool = False):
 
 
 def _bench_json(out: dict, cfg, quick: bool) -> dict:
-    extra = {k: out.get(k) for k in ("profiles", "order", "loads", "host", "service", "sandbox", "wall_s")}
+    extra = {k: out.get(k) for k in ("profiles", "classes", "order", "loads", "host", "service", "sandbox", "wall_s")}
     return console.bench_doc(
         "agentdyn",
         __version__,

@@ -179,9 +179,7 @@ class CpuAwarePolicy(Policy):
         self.admission = CpuAdmission(
             self.admission_policy, plan.capacity, pressure=(sampler.latest if sampler is not None else None)
         )
-        adm = self.admission
-        heavy = {k for k, p in profiles.tools.items() if p.n and adm.is_heavy(p.cpu_intensity, p.cpu_s)}
-        self.shares = tool_shares(profiles, heavy)
+        self.shares = tool_shares(profiles, self.admission_policy.heavy_tools(profiles))
         # the runtime drives every request: it weighs as much as the most favoured tool, or the
         # weighted groups starve its event loop and the tools it is still starting
         self.runtime_weight = (
