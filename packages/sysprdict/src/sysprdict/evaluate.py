@@ -180,7 +180,13 @@ def harness_plan(quick: bool = True, train_families: list[str] | None = None) ->
     return plan
 
 
-def measure_plan(plan: list[dict], progress: bool = True, steps: int = 3, device: str = "cpu") -> list[dict]:
+GT_STEPS = 5
+"""Timed steps per configuration after its warm-up step: on a shared machine a burst of load slows
+a few steps, and the median of 5 moves only when 3 of them are slow, the median of 3 when 2 are;
+the largest bench steps take 0.1-0.4 s, so 2 more cost a few seconds."""
+
+
+def measure_plan(plan: list[dict], progress: bool = True, steps: int = GT_STEPS, device: str = "cpu") -> list[dict]:
     """Measure every planned configuration in its own process (`groundtruth`) into dataset rows."""
     import platform
 
@@ -384,7 +390,7 @@ def run_evaluation(
             "size_extrapolation": {"train_sizes": sorted({r["size"] for r in train}), "test": XL},
             "precisions": sorted({r["precision"] for r in rows}),
             "time_target": strict["target"],
-            "timing": "median process CPU time of the timed steps after one warm-up step, 1 thread, one process "
+            "timing": f"median process CPU time of {GT_STEPS} timed steps after one warm-up step, 1 thread, one process "
             "per configuration",
             "boosting_backend": boosting_backend(),
             "time_predictor": TIME_KIND,
@@ -394,6 +400,10 @@ def run_evaluation(
             },
             "matmul_flops_per_s": mm.flops,
             "heavy_kernels_timed": len(KERNEL_SECONDS),
+            "kernel_in_step_factor": {
+                "strict": strict.get("kernel_in_step_factor"),
+                "size_extrapolation": extrap.get("kernel_in_step_factor"),
+            },
             "heavy_kernel_timing": "every forward matmul, convolution and fused attention of every row's model "
             "replayed on random data at its shape and dtype, forward + backward, 1 thread, minimum process CPU "
             "time over 3 interleaved passes; measured in this run (no cache across runs)",
