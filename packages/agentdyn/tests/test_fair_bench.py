@@ -334,3 +334,20 @@ def test_ratio_bound_divides_the_best_fair_baseline_by_the_fit_loads_fastest():
     # the policy's own figure does not move its bound
     assert _ratio_bound(results) == pytest.approx(7.0 / 5.0)
     assert _ratio_bound({"oversubscribed": results["oversubscribed"]}) is None
+
+
+def test_groups_are_made_with_the_policy_not_by_a_tool_call():
+    from agentdyn.scheduler import CpuAwarePolicy
+
+    fair = FairPolicy("cgroup_split", {"coding": 1, "rag_qa": 1}, cores=2)
+    opt = CpuAwarePolicy(_store(), [0, 1])
+    try:
+        assert set(fair.groups) == {"coding", "rag_qa"}
+        assert set(opt.describe()["weighted_groups"]) == set(opt.shares)
+        assert opt.describe()["runs_by_group"] == {}
+        # a tool call then takes the group made for it
+        g = asyncio.run(_slot(opt, "web_search", "web_search"))
+        assert g is opt._weighted_groups["web_search/web_search"] and g.shares == opt.shares["web_search/web_search"]
+    finally:
+        fair.close()
+        opt.close()

@@ -106,9 +106,11 @@ class FairPolicy(Policy):
         self.groups: dict[str, CpuGroup] = {}
         self.max_in_flight = 0  # most tool calls that held a slot at once
         self._in_flight = 0
+        for t in self.threads:  # made now, so that no tool call pays for making its group
+            self.group(t)
 
     def group(self, task_type: str) -> CpuGroup:
-        """The class's group, made at its first tool call."""
+        """The class's group, made with the policy (a class it was not told of: at its first call)."""
         g = self.groups.get(task_type)
         if g is None:
             shares = 1024 if self.name == "cgroup_split" else None
@@ -191,6 +193,9 @@ class CpuAwarePolicy(Policy):
         self.runs: dict[str, int] = {}  # tool runs per group they were placed in
         self._in_flight: dict[str, int] = {}  # heavy runs per task_type/tool, admitted or waiting
         self.reweighed = False  # a heavy group's weight followed its runs in flight
+        if self.weighted:  # made now, so that no tool call pays for making its group
+            for key in self.shares:
+                self._weighted_group(*key.split("/", 1), heavy=False)
 
     def intensity(self, task_type: str, tool: str) -> float:
         p = self.profiles.get(task_type, tool)
