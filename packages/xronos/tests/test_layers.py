@@ -115,3 +115,28 @@ def test_weight_gradients_overlap_the_input_gradient_all_reduce():
         assert r["left_after_backward"] == 0
         assert torch.allclose(r["w_grad"], r["w_grad_ref"], atol=1e-6)
     assert torch.equal(res[0]["dx"], res[1]["dx"])  # the all-reduced input gradient
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipped and left alone
+def test_clipping_matches_torch_clip_grad_norm(max_norm):
+    from xronos.layers import ColumnParallelLinear, clip_grad_norm
+    from xronos.train import clip_stage_grads
+
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(6, [5], 0)  # its weight and bias are marked sharded
+    plain = nn.Linear(5, 3)  # replicated
+    params = [*col.parameters(), *plain.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    grads = [p.grad.clone() for p in params]
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    for c, g in zip(copies, grads):
+        c.grad = g.clone()
+    want = float(torch.nn.utils.clip_grad_norm_(copies, max_norm))
+    assert want > 1.0
+    for clip in (clip_grad_norm, clip_stage_grads):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        assert clip(params, max_norm) == pytest.approx(want, rel=1e-6)
+        for p, c in zip(params, copies):
+            torch.testing.assert_close(p.grad, c.grad, rtol=1e-6, atol=1e-7)

@@ -36,6 +36,7 @@ __all__ = [
     "copy_to_tp",
     "reduce_from_tp",
     "all_reduce",
+    "all_gather",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "sync_partial_grads",
@@ -43,6 +44,8 @@ __all__ = [
     "gather_uneven_many",
     "merged_weight",
     "clip_grad_norm",
+    "grad_square_sum",
+    "scale_grads",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
 ]
@@ -52,9 +55,10 @@ class CommStats:
     """Wall seconds spent inside collectives by this process (waiting for peers included).
 
     ``syncs`` records every synchronisation of the current step as ``(kind, peer, enter, exit)``
-    (``perf_counter`` seconds; kind "ar" for an all-reduce with peer -1, "send"/"recv" with the peer
-    rank), so :mod:`xronos.waits` can split the time inside into waiting for the last peer to arrive
-    and the transfer itself, and :mod:`xronos.rebalance` can time each compute segment between them.
+    (``perf_counter`` seconds; kind "ar" for a collective of all ranks, all-reduce or all-gather,
+    with peer -1; "send"/"recv" with the peer rank), so :mod:`xronos.waits` can split the time
+    inside into waiting for the last peer to arrive and the transfer itself, and
+    :mod:`xronos.rebalance` can time each compute segment between them.
     """
 
     def __init__(self) -> None:
@@ -98,6 +102,20 @@ def all_reduce(t: torch.Tensor, group=None, op=None, tag: str = "") -> torch.Ten
     COMM.record("ar", -1, t0, time.perf_counter(), t.numel() * t.element_size(), tag)
     resume_point()  # a wait for the core while waking up here is part of the wait, not of compute
     return t
+
+
+def all_gather(t: torch.Tensor, group=None, tag: str = "") -> torch.Tensor:
+    """Every rank's ``t`` stacked along a new first dimension (rank order), timed into :data:`COMM`
+    like an all-reduce (a collective of all ranks); ``t[None]`` outside a group."""
+    if not _active(group):
+        return t.unsqueeze(0)
+    out = torch.empty((dist.get_world_size(group), *t.shape), dtype=t.dtype)
+    sync_point()
+    t0 = time.perf_counter()
+    dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)  # each rank's row written in place
+    COMM.record("ar", -1, t0, time.perf_counter(), out.numel() * out.element_size(), tag)
+    resume_point()
+    return out
 
 
 # Weight gradients of column-parallel layers whose computation waits for the next input-gradient
@@ -386,26 +404,36 @@ def sync_partial_grads(module: nn.Module, group=None) -> None:
         i += g.numel()
 
 
+def grad_square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of ``grads`` as a float64 scalar, from per-tensor fp32 norms.
+
+    ``torch.nn.utils.clip_grad_norm_``'s arithmetic: one multi-tensor norm kernel over all of them,
+    instead of a float64 copy, a square and a sum per gradient.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm([g.detach() for g in grads])
+    return torch.stack(norms).double().pow(2).sum()
+
+
+def scale_grads(grads: list[torch.Tensor], total: float, max_norm: float) -> None:
+    """Scale ``grads`` in place so that a global norm ``total`` becomes ``max_norm`` (only when above it)."""
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0 and grads:
+        torch._foreach_mul_([g.detach() for g in grads], coef)
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> float:
     """Clip gradients by the global norm over all ranks (sharded parts summed, replicated ones once).
 
     Same formula as ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping.
     """
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    grads = [(p, p.grad) for p in params if p.grad is not None]
-    for p, g in grads:
-        sq = g.detach().double().pow(2).sum()
-        if getattr(p, _SHARDED, False):
-            sharded += sq
-        else:
-            replicated += sq
+    grads = [p for p in params if p.grad is not None]
+    sharded = grad_square_sum([p.grad for p in grads if getattr(p, _SHARDED, False)])
+    replicated = grad_square_sum([p.grad for p in grads if not getattr(p, _SHARDED, False)])
     all_reduce(sharded, group, tag="clip")
     total = float((sharded + replicated).sqrt())
-    coef = max_norm / (total + 1e-6)
-    if coef < 1.0:
-        for _, g in grads:
-            g.detach().mul_(coef)
+    scale_grads([p.grad for p in grads], total, max_norm)
     return total
 
 
@@ -518,25 +546,29 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary: two small all-reduces, no gather of the logits."""
+    """Cross-entropy over logits split by vocabulary: one small all-gather, no gather of the logits.
+
+    Each rank reduces its slice to a log-sum-exp and the target's logit (zero where the target is
+    not in its slice); the ranks' pairs are gathered and combined (log-sum-exp of log-sum-exps), so
+    one synchronisation replaces the global max and the global sum.
+    """
 
     @staticmethod
     def forward(ctx, logits, target, start, group):
         logits = logits.float()
         n_local = logits.shape[-1]
-        gmax = logits.max(dim=-1).values if n_local else torch.full(target.shape, -torch.inf)
-        all_reduce(gmax, group, op=dist.ReduceOp.MAX, tag="head")
-        z = logits - gmax.unsqueeze(-1)
-        e = z.exp()
         local_t = target - start
         mine = (local_t >= 0) & (local_t < n_local)
         idx = local_t.clamp(0, max(n_local - 1, 0))
-        picked = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine if n_local else torch.zeros(target.shape)
-        both = torch.stack([e.sum(-1), picked])  # sum of exponentials and the target's logit, one all-reduce
-        all_reduce(both, group, tag="head")
-        sumexp, target_z = both[0], both[1]
-        ctx.save_for_backward(e / sumexp.unsqueeze(-1), idx, mine)
-        return sumexp.log() - target_z
+        if n_local:
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
+        else:
+            lse, picked = torch.full(target.shape, -torch.inf), torch.zeros(target.shape)
+        parts = all_gather(torch.stack([lse, picked]), group, tag="head")
+        total_lse = torch.logsumexp(parts[:, 0], dim=0)
+        ctx.save_for_backward((logits - total_lse.unsqueeze(-1)).exp(), idx, mine)
+        return total_lse - parts[:, 1].sum(0)
 
     @staticmethod
     def backward(ctx, g):

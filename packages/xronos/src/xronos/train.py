@@ -24,7 +24,7 @@ import hwtopo
 from hwtopo import resume_point, sync_point
 
 from .data import ByteCorpus, load_text
-from .layers import COMM, all_reduce, clip_grad_norm, sync_partial_grads
+from .layers import COMM, all_reduce, clip_grad_norm, grad_square_sum, scale_grads, sync_partial_grads
 from .partition import ModelShape, Partition, PartitionError, even_partition
 from .shard import build_model, check_partition, enable_lora, lm_loss, shard_model, tiny_config
 
@@ -291,17 +291,11 @@ def split_layers(num_layers: int, speeds: list[float]) -> list[int]:
 def clip_stage_grads(params: list, max_norm: float, group=None) -> float:
     """Clip a pipeline stage's gradients by the global norm over all stages (each holds its own
     parameters: squares summed over the group); returns the norm before clipping."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            sq += p.grad.double().pow(2).sum()
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = grad_square_sum(grads)
     all_reduce(sq, group, tag="clip")
     total = float(sq.sqrt())
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    scale_grads(grads, total, max_norm)
     return total
 
 
