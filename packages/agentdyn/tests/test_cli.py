@@ -47,7 +47,8 @@ def test_bench_json_envelope_on_a_fixed_result(tmp_path, monkeypatch):
     assert main(["bench", "--quick", "--json", str(tmp_path / "b.json"), "--quiet"]) == 0
     doc = json.loads((tmp_path / "b.json").read_text())
     assert list(doc) == [
-        *("package", "version", "config", "machine", "results", "headline", "emulated", "profiles", "order"),
+        *("package", "version", "config", "machine", "results", "headline", "emulated", "profiles", "classes"),
+        "order",
         *("loads", "host", "service", "sandbox", "wall_s", "sampler_overhead", "group_watcher_overhead", "note"),
     ]
     assert doc["package"] == "agentdyn" and doc["headline"] == {"speedup": 1.5} and doc["order"] == ["baseline"]
