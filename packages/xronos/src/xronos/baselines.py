@@ -48,21 +48,27 @@ def _scalar(t: torch.Tensor) -> float:
 
 
 def _clip(params: list[nn.Parameter], max_norm: float) -> float:
-    """Global-norm clipping over DTensor and plain gradients (same formula as ``clip_grad_norm_``)."""
+    """Global-norm clipping over DTensor and plain gradients, as ``clip_grad_norm_`` computes it.
+
+    Per-tensor norms from one multi-tensor kernel per kind (a DTensor shard's norm is partial: the
+    norm of the stacked norms reduces it across ranks in one collective); ``clip_grad_norm_`` itself
+    cannot stack DTensor and plain norms together.
+    """
     from torch.distributed.tensor import DTensor
 
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        sq += g.detach().double().pow(2).sum()
-    total = float(sq.sqrt())
+    grads = [p.grad for p in params if p.grad is not None]
+    kinds = [
+        k for k in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]) if k
+    ]
+    sq = 0.0
+    for kind in kinds:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(kind)))
+        sq += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    total = sq**0.5
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.detach().mul_(coef)
+        for kind in kinds:
+            torch._foreach_mul_(kind, coef)
     return total
 
 
