@@ -44,13 +44,13 @@ def test_pipeline_baselines_sweep_micro_batches_and_schedules():
 def test_free_communication_bound_splits_repeated_from_sharded_work():
     from xronos.bench import free_comm_bound
 
-    # rank 0 repeats 0.04 s of attention and 0.06 s of MLP work whatever its share, shards 0.2 s and
-    # 0.3 s, and does 0.02 s more replicated work: 0.62 s alone
+    # rank 0 repeats 0.04 s of attention, 0.06 s of MLP and 0.02 s of other work whatever its share,
+    # and shards 0.2 s, 0.3 s and 0.05 s (LM head, optimizer: with the MLP share): 0.67 s alone
     def seg(h, m):
-        return {"attn": 0.04 + 0.2 * h, "mlp": 0.06 + 0.3 * m, "other": 0.02}
+        return {"attn": 0.04 + 0.2 * h, "mlp": 0.06 + 0.3 * m, "other": 0.02 + 0.05 * m}
 
     summary = {
-        "reference": {"step_time_s": 0.62},
+        "reference": {"step_time_s": 0.67},
         "tp": {"segment_compute_s_per_rank": [seg(0.5, 0.5)]},
         "xronos": {
             "segment_compute_s_per_rank": [seg(0.75, 0.6875)],
@@ -58,9 +58,12 @@ def test_free_communication_bound_splits_repeated_from_sharded_work():
         },
     }
     b = free_comm_bound(summary, [1.0, 0.5])
-    assert b["replicated_s"] == pytest.approx(0.12) and b["sharded_s"] == pytest.approx(0.5)
-    assert b["step_time_s"] == pytest.approx((0.5 + 2 * 0.12) / 1.5)
-    assert b["ratio_vs_fast_alone"] == pytest.approx(b["step_time_s"] / 0.62)
+    assert b["replicated_s"] == pytest.approx(0.12) and b["sharded_s"] == pytest.approx(0.55)
+    assert b["step_time_s"] == pytest.approx((0.55 + 2 * 0.12) / 1.5)
+    assert b["ratio_vs_fast_alone"] == pytest.approx(b["step_time_s"] / 0.67)
     assert free_comm_bound(summary, [0.5, 1.0]) is None  # the reference did not run on the fastest rank
+    summary["xronos"]["segment_compute_s_per_rank"][0]["other"] = 0.04  # noise: less at a larger share
+    tilted = free_comm_bound(summary, [1.0, 0.5])
+    assert tilted["sharded_s"] == pytest.approx(0.5) and tilted["replicated_s"] == pytest.approx(0.1 + 0.045)
     summary["xronos"]["partition"] = {"q_heads": [8, 8], "mlp_columns": [512, 512]}
     assert free_comm_bound(summary, [1.0, 0.5]) is None  # one share measured: no line to fit

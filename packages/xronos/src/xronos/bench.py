@@ -329,12 +329,14 @@ def summarize(results: list[dict], skip: int = 1) -> dict:
 def free_comm_bound(summary: dict, speeds: list[float]) -> dict | None:
     """The step perfect uneven TP would take with free communication, from this run's own compute.
 
-    Rank 0's attention and MLP compute per step is measured at two shares of the heads and MLP
-    columns (even TP's 1/n and Xronos'); a straight line through them splits each into a part every
-    rank repeats whatever its share (norms, residuals, rotary, the fixed cost of each GEMM call) and
-    a part that shards. With the other replicated work (embedding, loss, optimizer of replicated
-    weights) each rank r then takes ``(A + B f_r) / s_r`` for share ``f_r``; equal times summing the
-    shares to 1 give ``T = (B + n A) / sum(s)``. None when the run lacks what it needs.
+    Rank 0's compute per step in each segment (attention, MLP, the rest) is measured at two shares
+    (even TP's 1/n and Xronos'); a straight line through them splits each into a part every rank
+    repeats whatever its share (norms, residuals, rotary, embedding, the fixed cost of each GEMM
+    call) and a part that shards. The rest ("other": embedding, LM head, loss, clipping, optimizer)
+    is fitted against the MLP share, which the vocabulary split of the LM head follows and which
+    holds most of the parameters the optimizer updates. Each rank r then takes ``(A + B f_r) / s_r``
+    for share ``f_r``; equal times summing the shares to 1 give ``T = (B + n A) / sum(s)``. None when
+    the run lacks what it needs.
     """
     try:
         tp, xr = summary["tp"]["segment_compute_s_per_rank"][0], summary["xronos"]["segment_compute_s_per_rank"][0]
@@ -342,15 +344,13 @@ def free_comm_bound(summary: dict, speeds: list[float]) -> dict | None:
     except (KeyError, IndexError):
         return None
     n = len(speeds)
-    shares = {
-        "attn": part["q_heads"][0] / sum(part["q_heads"]),
-        "mlp": part["mlp_columns"][0] / sum(part["mlp_columns"]),
-    }
+    mlp_share = part["mlp_columns"][0] / sum(part["mlp_columns"])
+    shares = {"attn": part["q_heads"][0] / sum(part["q_heads"]), "mlp": mlp_share, "other": mlp_share}
     if speeds[0] != max(speeds) or any(abs(f - 1 / n) < 0.05 for f in shares.values()):
         return None  # the reference is not on the fastest rank, or the two shares are too close to fit a line
-    slope = {k: (xr[k] - tp[k]) / (f - 1 / n) for k, f in shares.items()}
-    fixed = {k: tp[k] - slope[k] / n for k in shares}
-    replicated = sum(fixed.values()) + statistics.median([tp["other"], xr["other"]])
+    # noise can tilt a short segment's line below zero: its sharded part is then at least nothing
+    slope = {k: max(0.0, (xr[k] - tp[k]) / (f - 1 / n)) for k, f in shares.items()}
+    replicated = sum(tp[k] - slope[k] / n for k in shares)
     sharded = sum(slope.values())
     step = (sharded + n * replicated) / sum(v / speeds[0] for v in speeds)
     return {
@@ -358,8 +358,8 @@ def free_comm_bound(summary: dict, speeds: list[float]) -> dict | None:
         "sharded_s": sharded,
         "step_time_s": step,
         "ratio_vs_fast_alone": step / ref,
-        "note": "rank 0's compute at even TP's and Xronos' shares, split into repeated and sharded work; "
-        "the step of a perfect uneven split with free communication",
+        "note": "rank 0's compute per segment at even TP's and Xronos' shares, split into repeated and "
+        "sharded work; the step of a perfect uneven split with free communication",
     }
 
 
