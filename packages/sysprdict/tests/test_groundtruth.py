@@ -50,3 +50,15 @@ def test_failures_are_reported_by_configuration():
         measure("sysprdict.groundtruth:touch_buffer", {"nbytes": 1 << 60}, predicted_bytes=float(1 << 60))
     with pytest.raises(ValueError, match="steps"):
         measure("sysprdict.groundtruth:touch_buffer", {"nbytes": 1}, steps=0)
+    with pytest.raises(ValueError, match="min_time_s"):
+        measure("sysprdict.groundtruth:touch_buffer", {"nbytes": 1}, min_time_s=-1.0)
+
+
+def test_short_steps_are_timed_until_the_minimum_time():
+    # a microsecond step cannot fill a minute: it is timed MAX_STEPS_FACTOR x steps times, no more
+    from sysprdict.groundtruth import MAX_STEPS_FACTOR
+
+    capped = measure("sysprdict.groundtruth:touch_buffer", {"nbytes": 1024}, steps=2, min_time_s=60.0)
+    assert len(capped.step_times_s) == 2 * MAX_STEPS_FACTOR
+    plain = measure("sysprdict.groundtruth:touch_buffer", {"nbytes": 1024}, steps=2)
+    assert len(plain.step_times_s) == 2

@@ -96,7 +96,39 @@ def _resolve(builder: str) -> Callable:
     return getattr(importlib.import_module(mod), fn)
 
 
-def _run(builder: str, kwargs: dict, steps: int, warmup: int, threads: int, device: str, diagnostic: bool) -> dict:
+MAX_STEPS_FACTOR = 10
+"""`measure` times at most this many x `steps` steps to reach its `min_time_s`."""
+
+
+def _timed_steps(step: Callable[[], None], steps: int, min_time_s: float, cuda: bool, device: str):
+    """(wall, CPU) seconds of each timed step: at least `steps`, then more until they used `min_time_s`
+    of CPU time, at most `MAX_STEPS_FACTOR` x `steps` (a short step's median needs more samples)."""
+    import torch
+
+    times: list[float] = []
+    cpu: list[float] = []
+    while len(cpu) < steps or (sum(cpu) < min_time_s and len(cpu) < MAX_STEPS_FACTOR * steps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return times, cpu
+
+
+def _run(
+    builder: str,
+    kwargs: dict,
+    steps: int,
+    warmup: int,
+    threads: int,
+    device: str,
+    diagnostic: bool,
+    min_time_s: float = 0.0,
+) -> dict:
     """The child's body: pin threads, note the resident set, build, step, read the peaks."""
 
     import torch
@@ -118,16 +150,7 @@ def _run(builder: str, kwargs: dict, steps: int, warmup: int, threads: int, devi
     step = build(**kwargs, device=device)
     for _ in range(warmup):
         step()
-    times, cpu = [], []
-    for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+    times, cpu = _timed_steps(step, steps, min_time_s, cuda, device)
     peak = _status_bytes("VmHWM") - rss0
     out = Measurement(
         cpu_peak_bytes=max(peak, 0),
@@ -194,14 +217,18 @@ def measure(
     timeout_s: float = 300.0,
     diagnostic: bool = False,
     predicted_bytes: float | None = None,
+    min_time_s: float = 0.0,
 ) -> Measurement:
     """Measure one configuration in a fresh process: `builder` ("module:function") is called with
-    `kwargs` and `device=` and returns a step callable, run `warmup` then `steps` times.  With
+    `kwargs` and `device=` and returns a step callable, run `warmup` then `steps` times (more, up to
+    `MAX_STEPS_FACTOR` x `steps`, until the timed steps used `min_time_s` of CPU time).  With
     `diagnostic`, a step callable that has a `tracked()` method also reports MemTracker's tensor
     peak, taken after the real peaks were read.  A configuration whose `predicted_bytes` exceed the
     memory this machine has available is refused before any process starts."""
     if steps < 1 or warmup < 0 or threads < 1:
         raise ValueError(f"steps/warmup/threads: {steps}/{warmup}/{threads}; use steps >= 1, warmup >= 0, threads >= 1")
+    if not min_time_s >= 0:
+        raise ValueError(f"min_time_s: {min_time_s}; use a number of seconds >= 0")
     if not all(builder.partition(":")[::2]):
         raise ValueError(f"builder: {builder!r} must be 'module:function'")
     if predicted_bytes is not None:
@@ -212,7 +239,7 @@ def measure(
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     proc = ctx.Process(
         target=_child,
-        args=(child, builder, dict(kwargs or {}), steps, warmup, threads, device, diagnostic),
+        args=(child, builder, dict(kwargs or {}), steps, warmup, threads, device, diagnostic, min_time_s),
     )
     proc.start()
     child.close()
