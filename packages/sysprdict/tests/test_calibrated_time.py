@@ -96,15 +96,18 @@ def _synthetic_kernel_seconds(spec: str) -> float:
 @pytest.mark.parametrize("in_step", [1.0, 1.3])
 def test_size_extrapolation_follows_the_measured_kernel_speed(monkeypatch, in_step):
     # synthetic truth: the heavy kernels cost `in_step` x what the (synthetic) replay measures,
-    # every dispatched op 20 us more. Trained on small sizes only, the calibrated predictor must
+    # every dispatched op 20 us more and every byte the other ops move 0.1 ns (the synthetic
+    # elementwise calibration). Trained on small sizes only, the calibrated predictor must
     # extrapolate to a larger size because the kernels' speed-up is measured at the larger shapes,
     # and only their one in-step factor is fitted.
     monkeypatch.setattr(kernels, "kernel_seconds", _synthetic_kernel_seconds)
     monkeypatch.setattr(tp, "EXPERTS_MATMUL_COST", {"float32": 1.0, "bfloat16": 1.0, "float16": 1.0})
+    monkeypatch.setattr(tp, "ELEMENTWISE_COST", {"float32": (2e-5, 1e-10), "bfloat16": (2e-5, 1e-10)})
 
     def truth(d):
         heavy = sum(n * _synthetic_kernel_seconds(s) for s, n in d.kernel_calls.items())
-        return in_step * heavy + 2e-5 * sum(v for k, v in d.op_mix.items() if "_count:" in k)
+        t = tp.opmix_terms(d)
+        return in_step * heavy + 2e-5 * t["ops"] + 1e-10 * sum(v for k, v in t.items() if k.startswith("other_bytes"))
 
     train = [
         decompose(build(f"{f}-{s}"), Shape(2, 16), p)
@@ -130,3 +133,15 @@ def test_cpu_isa_is_what_hwtopo_probes_from_cpuinfo():
         if line.startswith("flags"):
             flags |= set(line.split(":", 1)[1].split())
     assert cpu_isa() == [f for f in ISA_FLAGS if f in flags]
+
+
+def test_elementwise_calibration_has_a_per_op_and_per_byte_cost_per_dtype(monkeypatch):
+    monkeypatch.setattr(tp, "ELEMENTWISE_COST", {})
+    res = tp.calibrate_elementwise()
+    assert set(res) == {"float32", "bfloat16", "float16"} and tp.ELEMENTWISE_COST == res
+    assert all(per_op > 0 and per_byte >= 0 for per_op, per_byte in res.values())
+    d = decompose(build("llama-xs"), Shape(1, 8), "fp32")
+    t = tp.calibrated_terms(d, "adamw", {}, {"float32": [(0.0, -20.0)]})
+    assert t["elementwise_s"] == pytest.approx(
+        t["ops"] * res["float32"][0] + t["other_bytes:float32"] * res["float32"][1]
+    )

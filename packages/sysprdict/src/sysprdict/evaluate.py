@@ -32,8 +32,10 @@ from .kernels import KERNEL_SECONDS, time_kernels
 from .memory import TrainSetup, accelerate_style, predict_memory, with_overhead
 from .names import HELDOUT_FAMILIES, MODALITY, parse_model_name
 from .timepred import (
+    ELEMENTWISE_COST,
     MATMUL_SECONDS,
     boosting_backend,
+    calibrate_elementwise,
     calibrate_experts,
     calibrate_matmul,
     cpu_isa,
@@ -180,13 +182,20 @@ def harness_plan(quick: bool = True, train_families: list[str] | None = None) ->
     return plan
 
 
-GT_STEPS = 5
-"""Timed steps per configuration after its warm-up step: on a shared machine a burst of load slows
-a few steps, and the median of 5 moves only when 3 of them are slow, the median of 3 when 2 are;
-the largest bench steps take 0.1-0.4 s, so 2 more cost a few seconds."""
+GT_STEPS, GT_MIN_TIME_S = 5, 0.3
+"""Timed steps per configuration after its warm-up step: at least 5 (on a shared machine a burst
+of load slows a few steps, and the median of 5 moves only when 3 of them are slow), and more until
+they used 0.3 s of CPU time: between two runs of the bench, 5-15 ms steps' medians differed by
+7-9%, 0.1-0.4 s steps' by 3%."""
 
 
-def measure_plan(plan: list[dict], progress: bool = True, steps: int = GT_STEPS, device: str = "cpu") -> list[dict]:
+def measure_plan(
+    plan: list[dict],
+    progress: bool = True,
+    steps: int = GT_STEPS,
+    device: str = "cpu",
+    min_time_s: float = GT_MIN_TIME_S,
+) -> list[dict]:
     """Measure every planned configuration in its own process (`groundtruth`) into dataset rows."""
     import platform
 
@@ -204,6 +213,7 @@ def measure_plan(plan: list[dict], progress: bool = True, steps: int = GT_STEPS,
             "sysprdict.groundtruth:training_step",
             kw,
             steps=steps,
+            min_time_s=min_time_s,
             diagnostic=c["role"] == "train" and c["model"].endswith("-s"),
             # refused before it starts if even its tensors would not fit this machine
             predicted_bytes=_tensor_peak(c)[1].peak_bytes,
@@ -351,6 +361,7 @@ def run_evaluation(
     mm = hwtopo.matmul_flops(256, threads=1, seconds=0.3)
     experts_cost = calibrate_experts()
     calibrate_matmul()
+    calibrate_elementwise()
     time_kernels([s for r in rows for s in decomposition_for(r).kernel_calls])
     train = [r for r in rows if r["role"] == "train"]
     with warnings.catch_warnings():
@@ -390,7 +401,8 @@ def run_evaluation(
             "size_extrapolation": {"train_sizes": sorted({r["size"] for r in train}), "test": XL},
             "precisions": sorted({r["precision"] for r in rows}),
             "time_target": strict["target"],
-            "timing": f"median process CPU time of {GT_STEPS} timed steps after one warm-up step, 1 thread, one process "
+            "timing": f"median process CPU time of at least {GT_STEPS} timed steps and {GT_MIN_TIME_S} s after one "
+            "warm-up step, 1 thread, one process "
             "per configuration",
             "boosting_backend": boosting_backend(),
             "time_predictor": TIME_KIND,
@@ -399,6 +411,7 @@ def run_evaluation(
                 dt: [[round(math.exp(x)), math.exp(y)] for x, y in pts] for dt, pts in MATMUL_SECONDS.items()
             },
             "matmul_flops_per_s": mm.flops,
+            "elementwise_cost_s_per_op_and_per_byte": dict(ELEMENTWISE_COST),
             "heavy_kernels_timed": len(KERNEL_SECONDS),
             "kernel_in_step_factor": {
                 "strict": strict.get("kernel_in_step_factor"),

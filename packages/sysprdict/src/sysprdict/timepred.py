@@ -41,11 +41,13 @@ from .zoo import Shape, build
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ELEMENTWISE_COST",
     "EXPERTS_MATMUL_COST",
     "AnalyticalFlops",
     "TimePredictor",
     "allreduce_time_s",
     "boosting_backend",
+    "calibrate_elementwise",
     "calibrate_experts",
     "calibrate_matmul",
     "cpu_isa",
@@ -137,8 +139,9 @@ it took replayed on this machine at its exact shape and dtype (`kernels.kernel_s
 large to replay by the size table of `calibrate_matmul`), summed and scaled by one fitted factor
 (`TimePredictor.kernel_in_step_factor`: in a step the operands come cold from memory and the time is
 a median, while a replay keeps its quietest run; fixing the factor at 1 left that gap, and any load
-the run's ground truth saw that the replays did not, to the other terms), and the other terms
-fitted beside it; opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
+the run's ground truth saw that the replays did not, to the other terms); the dispatched ops and
+the other ops' bytes per dtype costed at this machine's measured elementwise costs
+(`calibrate_elementwise`), with one fitted factor, and the remaining terms fitted beside them; opmix (the default): non-negative costs of the work per op class and executed dtype; additive: per-precision non-negative costs per op, matmul FLOP, byte moved and optimizer byte,
 summed (the previous default; within run-to-run noise of opmix overall, worse on MoE); additive+trees: the same plus boosted
 trees on the log residual; loglinear: a ridge trend on log features plus boosted residual trees."""
 _LINEAR_COST_KINDS = ("opmix", "calibrated", "additive", "additive+trees")  # fitted as non-negative cost terms
@@ -303,6 +306,40 @@ def calibrate_matmul() -> dict[str, list[tuple[float, float]]]:
     return res
 
 
+ELEMENTWISE_COST: dict[str, tuple[float, float]] = {}
+"""Per dtype, (seconds per dispatched op, seconds per byte moved) of an elementwise op on this
+machine at one thread (`calibrate_elementwise`)."""
+_EW_CAL_SIZES = (256, 4096, 65536, 262144, 1048576)
+"""Elements per operand of the calibration multiplies: from dispatch-bound to streaming sizes."""
+
+
+def calibrate_elementwise() -> dict[str, tuple[float, float]]:
+    """Measure an elementwise multiply per dtype at `_EW_CAL_SIZES` on this machine and fit its time
+    as a per-op cost plus a per-byte cost (least squares on relative error).  The training models'
+    op counts and bytes grow together, so a fit over them cannot tell the two costs apart, and one
+    that puts the time on bytes over-predicts a larger model, whose ops move more bytes each; the
+    measured split holds at any size.  Stored in `ELEMENTWISE_COST` and returned."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    res: dict[str, tuple[float, float]] = {}
+    with _kernels.one_thread():
+        for name in _DTYPES:
+            dt = getattr(torch, name)
+            nbytes, secs = [], []
+            for n in _EW_CAL_SIZES:
+                a, b = (torch.randn(n, generator=g).to(dt) for _ in range(2))
+                secs.append(_best_cpu_s(lambda a=a, b=b: torch.mul(a, b)))
+                nbytes.append(3.0 * n * a.element_size())
+            y = np.asarray(secs)
+            design = np.column_stack([np.ones(len(y)), nbytes]) / y[:, None]
+            per_op, per_byte = np.linalg.lstsq(design, np.ones(len(y)), rcond=None)[0]
+            res[name] = (float(max(per_op, 1e-8)), float(max(per_byte, 0.0)))
+    ELEMENTWISE_COST.clear()
+    ELEMENTWISE_COST.update(res)
+    return res
+
+
 def _grid_seconds(dt: str, shape: str, table: dict[str, list[tuple[float, float]]]) -> float:
     """Forward + backward seconds of one dense matmul ("b:m:k:n") at dtype `dt`: its FLOPs x the
     measured seconds per FLOP at its size (log-interpolated in `table`)."""
@@ -361,17 +398,32 @@ def opmix_terms(
     return t
 
 
-_CAL_TERMS = (*_MIX_TERMS, "mm_calibrated_s")
+_CAL_TERMS = (
+    *(c for c in _MIX_TERMS if c != "ops" and not c.startswith("other_bytes:")),
+    "elementwise_s",
+    "mm_calibrated_s",  # last: `TimePredictor.kernel_in_step_factor` reads its coefficient
+)
 
 
 def calibrated_terms(
-    d: Decomposition, optimizer: str, experts_cost: dict[str, float], table: dict[str, list[tuple[float, float]]]
+    d: Decomposition,
+    optimizer: str,
+    experts_cost: dict[str, float],
+    table: dict[str, list[tuple[float, float]]],
+    elementwise: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, float]:
     """`opmix_terms` with the heavy kernels taken out of the fitted terms and costed as measured on
     this machine: each replayable matmul, convolution and fused attention at its exact shape and
     dtype (`kernels.kernel_seconds`), a dense matmul too large to replay by the size-interpolated
-    table (`_grid_seconds`); routed-expert FLOPs and unreplayed kernels keep their fitted terms."""
+    table (`_grid_seconds`); routed-expert FLOPs and unreplayed kernels keep their fitted terms.
+    `elementwise_s`: the dispatched ops and the other ops' bytes per dtype at the measured
+    elementwise costs (`elementwise`, default `ELEMENTWISE_COST`; the per-op cost is fp32's, as
+    dispatch does not depend on the dtype)."""
+    ew = ELEMENTWISE_COST if elementwise is None else elementwise
     t = opmix_terms(d, optimizer, experts_cost)
+    if ew:
+        per_byte = sum(t[f"other_bytes:{dt}"] * ew.get(dt, ew["float32"])[1] for dt in _DTYPES)
+        t["elementwise_s"] = t["ops"] * ew["float32"][0] + per_byte
     measured = 0.0
     for spec, n in d.kernel_calls.items():
         info = _kernels.spec_info(spec)
@@ -426,6 +478,7 @@ class TimePredictor:
         self._ranges: dict[str, tuple[float, float]] = {}
         self._experts_cost: dict[str, float] = {}  # the grouped-matmul cost the fit used, kept for predict
         self._mm_table: dict[str, list[tuple[float, float]]] = {}  # the dense matmul speeds it used
+        self._elementwise: dict[str, tuple[float, float]] = {}  # and the elementwise costs
         self.isa: list[str] = []  # the CPU extensions of the machine the fit measured
 
     def _additive_matrix(self, ds: list[Decomposition], optimizers: list[str]) -> np.ndarray:
@@ -435,7 +488,10 @@ class TimePredictor:
             terms = (opmix_terms(d, o, self._experts_cost) for d, o in zip(ds, optimizers))
             return np.array([[t[k] for k in _MIX_TERMS] for t in terms])
         if self.kind == "calibrated":
-            cal = (calibrated_terms(d, o, self._experts_cost, self._mm_table) for d, o in zip(ds, optimizers))
+            cal = (
+                calibrated_terms(d, o, self._experts_cost, self._mm_table, self._elementwise)
+                for d, o in zip(ds, optimizers)
+            )
             return np.array([[t[k] for k in _CAL_TERMS] for t in cal])
         blocks = PRECISIONS if self.precision_aware else ("any",)
         out = np.zeros((len(ds), len(blocks) * len(_ADDITIVE)))
@@ -484,9 +540,12 @@ class TimePredictor:
             calibrate_experts()  # once per process: the grouped expert matmul's cost on this machine
         if self.kind == "calibrated" and not MATMUL_SECONDS:
             calibrate_matmul()  # once per process: dense matmul speed per size and dtype here
+        if self.kind == "calibrated" and not ELEMENTWISE_COST:
+            calibrate_elementwise()
         # predictions use the costs this fit saw, even if the process recalibrates later
         self._experts_cost = dict(EXPERTS_MATMUL_COST)
         self._mm_table = dict(MATMUL_SECONDS)
+        self._elementwise = dict(ELEMENTWISE_COST)
         self.isa = cpu_isa()
         if self.kind in _LINEAR_COST_KINDS:
             self._additive_fit(ds, np.asarray(times_s, float), opts)
