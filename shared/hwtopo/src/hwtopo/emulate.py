@@ -576,6 +576,7 @@ class LinkShaper:
         d = self.delay_s(nbytes)
         if d > 0:
             time.sleep(d)
+            resume_point()  # under a dilation, waking up late belongs to the transfer, not the next compute
         return d
 
     def describe(self) -> dict:
