@@ -3,7 +3,7 @@ from dataclasses import replace
 import pytest
 
 from geomesh import WanEmulator
-from geomesh.bench import BenchConfig, bench_cluster, emulation_check, load_corpus, ppl_at_tokens, run_bench
+from geomesh.bench import BenchConfig, _verdict, bench_cluster, emulation_check, load_corpus, ppl_at_tokens, run_bench
 from geomesh.simulate import scheme_of
 
 pytestmark = pytest.mark.slow
@@ -64,10 +64,11 @@ def test_small_bench_side_by_side():
     assert set(check) == {"geomesh", "diloco-fp32", "async", "geomesh (seed 101)", "diloco-fp32 (seed 101)"} | {
         f"{m} (bandwidth-bound)" for m in ("geomesh", "diloco-fp32")
     }
-    assert (
-        set(check["diloco-fp32"]["speed_vs_reference"]) == set(res["reference"]["step_s"]) and len(ref["step_s"]) == 3
-    )
-    assert h["emulation_valid"] == all(c["valid"] for c in check.values() if c["valid"] is not None)
+    assert set(check["diloco-fp32"]["host_speed_vs_reference"]) == set(ref["step_s"]) and len(ref["step_s"]) == 3
+    # every worker of every run measured: a verdict for each, and the headline is their conjunction
+    assert all(c["unmeasured"] == [] and len(c["speed_held"]) == 3 for c in check.values())
+    assert h["emulation_valid"] == all(c["valid"] for c in check.values())
+    assert h["emulation_invalid_runs"] == [k for k, c in check.items() if not c["valid"]]
     # worker 1 left at its first sync after profiling: the other two went on to the same tokens and the target
     loss = res["worker_loss"]
     assert loss["lost_machine"] == "euw-v100" and h["worker_loss_survived"] is loss["survived"]
@@ -125,32 +126,37 @@ def test_small_bench_side_by_side():
 
 
 def test_emulation_check_marks_runs_whose_worker_speeds_moved():
-    def run(step_s: dict, batch: int = 8) -> dict:
-        return {"step_s_per_worker": {m: {str(batch): [t, 40]} for m, t in step_s.items()}}
-
-    ref = {"a": 0.10, "b": 0.20}
-    # GeoMesh's workers ran many batch sizes: read at 8 off the line through them, weighted by steps
-    # (worker b's one step at batch 8 was slow, its 30 steps on either side say 0.2 s)
-    profiled = {
-        "step_s_per_worker": {
-            "a": {"4": [0.06, 5], "12": [0.15, 5]},
-            "b": {"4": [0.1, 30], "8": [0.5, 1], "12": [0.3, 30]},
+    def run(slowdown: dict, step_s: float = 0.1, steps: int = 40, batch: int = 8) -> dict:
+        return {
+            "cpu_emulation": {"a": {"speed": 0.5}, "b": {"speed": 0.25}},
+            "slowdown_per_worker": slowdown,
+            "step_s_per_worker": {m: {str(batch): [step_s, steps]} for m in slowdown},
         }
-    }
+
+    ref = {"a": 0.10, "b": 0.10}
     got = emulation_check(
         ref,
         {
-            "ok": run({"a": 0.105, "b": 0.19}),
-            "slow": run({"a": 0.10, "b": 0.3}),
-            "profiled": profiled,
-            "other batch": run({"a": 0.1, "b": 0.2}, batch=4),
+            "ok": run({"a": 2.1, "b": 3.8}),
+            "starved": run({"a": 2.0, "b": 6.0}),  # b ran 1.5x slower than its speed asks
+            "undilated": run({"a": 1.0, "b": 4.0}),  # a was not slowed at all
+            "one missing": run({"a": 2.0}),
+            "host slower": run({"a": 2.0, "b": 4.0}, step_s=0.125),
+            "few steps": run({"a": 2.0, "b": 4.0}, steps=2),
         },
         8,
     )
-    assert got["ok"]["valid"] is True and got["ok"]["speed_vs_reference"]["a"] == pytest.approx(0.10 / 0.105)
-    assert got["slow"]["valid"] is False  # worker b ran 1.5x slower than when the reference ran
-    assert got["profiled"]["valid"] is True  # GeoMesh: its steps at the reference's batch
-    assert got["other batch"]["valid"] is None  # nothing at the reference's batch: no verdict
+    assert got["ok"]["valid"] is True and got["ok"]["speed_held"]["a"] == pytest.approx(2.0 / 2.1)
+    assert got["starved"]["valid"] is False and got["undilated"]["valid"] is False
+    assert got["one missing"]["valid"] is None and got["one missing"]["unmeasured"] == ["b"]
+    # the host's own speed is reported, not judged; too few steps at the batch: not reported
+    assert got["host slower"]["valid"] is True and got["host slower"]["host_speed_vs_reference"]["a"] == pytest.approx(
+        0.8
+    )
+    assert got["few steps"]["host_speed_vs_reference"] == {}
+    assert _verdict({k: got[k] for k in ("ok", "host slower")}) is True
+    assert _verdict({k: got[k] for k in ("ok", "one missing")}) is None
+    assert _verdict(got) is False and _verdict({}) is None
 
 
 def test_held_out_seeds_must_not_be_development_seeds():
@@ -160,6 +166,9 @@ def test_held_out_seeds_must_not_be_development_seeds():
         BenchConfig(all_reduce="tree", wan="inprocess").validate()
     with pytest.raises(ValueError, match="cpu_emulation: 'nice' must be 'dilation' or 'quota'"):
         BenchConfig(cpu_emulation="nice", wan="inprocess").validate()
+    with pytest.raises(ValueError, match=r"cpus: 2 x the fastest machine's relative speed 1 must be <= 1"):
+        BenchConfig(cpus=2, wan="inprocess").validate()
+    BenchConfig(cpus=2, cpu_emulation="quota", wan="inprocess").validate()
     BenchConfig(seed=4, repeat_seeds=3, wan="inprocess").validate()
 
 

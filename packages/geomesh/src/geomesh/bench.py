@@ -157,7 +157,12 @@ class BenchConfig:
             bad = [m for m in ms if m not in METHODS + ABLATIONS]
             if bad or (not ms and name == "methods"):
                 raise ValueError(f"{name}: {bad or '[]'} not valid; choose from {list(METHODS + ABLATIONS)}")
-        hwtopo.load(self.cluster)  # SpecError names the bad field
+        top = max(hwtopo.load(self.cluster).relative_speeds().values())  # SpecError names the bad field
+        if self.cpu_emulation == "dilation" and self.cpus * top > 1:
+            raise ValueError(
+                f"cpus: {self.cpus!r} x the fastest machine's relative speed {top:g} must be <= 1 under "
+                f"cpu_emulation 'dilation' (it only slows down), e.g. cpus={1 / top:g}"
+            )
 
 
 def bench_cluster(cfg: BenchConfig) -> hwtopo.Cluster:
@@ -176,7 +181,9 @@ def _settled_tx() -> int | None:
     soon as its own bytes sit in socket buffers, but once all ranks are done all bytes have been sent."""
     if tx_bytes() is None:
         return None
+    hwtopo.sync_point()
     dist.barrier()
+    hwtopo.resume_point()
     return tx_bytes()
 
 
@@ -257,38 +264,57 @@ def perplexity(model, val: torch.Tensor, seq_len: int, n: int) -> float:
 
 
 def _snapshot(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A copy of the weights for evaluation afterwards: not training, so not slowed by the emulation."""
+    hwtopo.sync_point()
+    snap = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    d = hwtopo.current_dilation()
+    if d is not None:
+        d.reset()
+    return snap
 
 
 class StepTimes:
-    """Each inner step's wall seconds by batch size, its emulated slow compute paid inside it: the
-    bench's check of achieved worker speeds compares these with the reference run's."""
+    """Each inner step's wall seconds (its emulated slow compute paid inside it) and its thread CPU
+    seconds, by batch size. Wall / CPU is the slowdown the emulation achieved (1/speed when it held);
+    the wall seconds at the bench's batch, against the reference run's, show how the host's own speed
+    moved between runs."""
 
     def __init__(self) -> None:
-        self.by_batch: dict[int, list[float]] = {}
-        self._t = self._paused = 0.0
+        self.by_batch: dict[int, list[tuple[float, float]]] = {}
+        self._t = self._c = self._paused_t = self._paused_c = 0.0
         self._warm = False  # the first step warms allocators and caches up: not timed
 
     def start(self) -> None:
-        self._t, self._paused = time.perf_counter(), 0.0
+        self._t, self._c = time.perf_counter(), time.thread_time()
+        self._paused_t = self._paused_c = 0.0
 
     def pause(self) -> None:
         """Before a collective inside a step (DDP): what follows until :meth:`resume` is not compute."""
         hwtopo.sync_point()
-        self._paused -= time.perf_counter()
+        self._paused_t -= time.perf_counter()
+        self._paused_c -= time.thread_time()
 
     def resume(self) -> None:
-        self._paused += time.perf_counter()
+        self._paused_t += time.perf_counter()
+        self._paused_c += time.thread_time()
 
     def stop(self, batch: int) -> None:
         hwtopo.sync_point()  # the step's dilation is paid before its time is read
+        wall = time.perf_counter() - self._t - self._paused_t
+        cpu = time.thread_time() - self._c - self._paused_c
         if self._warm:
-            self.by_batch.setdefault(int(batch), []).append(time.perf_counter() - self._t - self._paused)
+            self.by_batch.setdefault(int(batch), []).append((wall, cpu))
         self._warm = True
 
-    def medians(self) -> dict[str, list[float]]:
-        """batch -> [median seconds per step, steps timed]."""
-        return {str(b): [statistics.median(v), len(v)] for b, v in sorted(self.by_batch.items())}
+    def summary(self) -> dict:
+        """``step_s``: batch -> [median wall seconds per step, steps timed]; ``slowdown``: all steps'
+        wall over their CPU seconds."""
+        steps = [s for v in self.by_batch.values() for s in v]
+        cpu = sum(c for _, c in steps)
+        return {
+            "step_s": {str(b): [statistics.median(w for w, _ in v), len(v)] for b, v in sorted(self.by_batch.items())},
+            "slowdown": sum(w for w, _ in steps) / cpu if cpu > 0 else None,
+        }
 
 
 def _train_steps(model, opt, sampler: Sampler, batch: int, steps: int, timer: StepTimes) -> None:
@@ -309,6 +335,7 @@ def _profile_phase(cfg, model, opt, sampler, dl: DiLoCo, max_tokens: int, timer:
     """
     sizes = (cfg.batch, max(1, cfg.batch // 2))
     times: dict[int, list[float]] = {b: [] for b in sizes}
+    hwtopo.sync_point()
     start = time.perf_counter()
     last, i = 0.0, 0
     while True:
@@ -384,8 +411,10 @@ def _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, c
     flat = [x for pair in samples for x in pair] + [0.0] * (4 - 2 * len(samples)) + [post]
     mine = torch.tensor(flat, dtype=torch.float64)
     got = [torch.zeros_like(mine) for _ in range(world)]
+    hwtopo.sync_point()
     dist.all_gather(got, mine)
     anchor = time.perf_counter()  # the gather released every worker at about this instant
+    hwtopo.resume_point()
     params = sum(p.numel() for p in model.parameters())
     memory = MemoryModel(fixed_bytes=16 * params, bytes_per_sample=4 * seq * cfg.hidden * cfg.layers * 16)
     profiles = _profiles(cfg, machines, cluster, got)
@@ -403,6 +432,7 @@ def _plan_after_profiling(cfg, rank, world, model, opt, sampler, dl, machines, c
         mine_plan = p.worker(machines[rank])
         dl.phase_clock = PhaseClock(p.phase_s, mine_plan.batch, profiles[rank], seq, target_tokens=target)
     dl.apply_plan(p)
+    hwtopo.sync_point()  # the planning's emulated compute is paid here, not in the first planned step
     if deadline:
         # this phase starts right after the gather, not after a sync's collective and codec work:
         # end it earlier by the throughput-weighted post-sync time the cycle allows for
@@ -524,8 +554,10 @@ def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncSer
     out["history"] = []
     wait_total = 0.0
     while True:
+        hwtopo.sync_point()
         ts = time.perf_counter()
         base, done = server.pull()
+        hwtopo.resume_point()  # a wait for the server's lock is not compute
         if shaper:
             shaper.transfer(server.nbytes)
         comm = time.perf_counter() - ts
@@ -540,12 +572,14 @@ def _async(cfg, rank, world, model, sampler, cluster, machines, server: AsyncSer
         tc = time.perf_counter()
         _train_steps(model, opt, sampler, cfg.batch, cfg.inner_steps, timer)
         compute_s = time.perf_counter() - tc
-        cur = torch.cat([p.detach().reshape(-1) for p in params])
+        delta = base - torch.cat([p.detach().reshape(-1) for p in params])
+        hwtopo.sync_point()  # this worker's emulated compute is paid before its update leaves
         ts = time.perf_counter()
         if shaper:
             shaper.transfer(server.nbytes)
         tokens = cfg.batch * cfg.inner_steps * cfg.seq_len
-        done, updates, wait = server.push(base - cur, tokens, share=1.0 / world)
+        done, updates, wait = server.push(delta, tokens, share=1.0 / world)
+        hwtopo.resume_point()
         wait_total += wait
         comm += time.perf_counter() - ts - wait
         out["history"].append(
@@ -587,7 +621,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, method: str, train, server,
         else:
             _diloco(cfg, method, rank, world, model, sampler, wan, machines, cluster, t0, out, timer)
         out["wall_s"] = time.perf_counter() - t0
-        out["step_s"] = timer.medians()
+        out.update(timer.summary())
         out["wan"] = wan.describe()
         out["throttle"] = {**thr_desc, **thr.describe()}  # a dilation's CPU and sleep totals by now
         if method != "async" and dist.is_initialized():
@@ -648,8 +682,11 @@ def _summarize(method: str, outs: list[dict], curve: list[tuple[float, int, floa
         res["stopped_at_time_cap"] = bool(outs[0].get("capped"))
     if "phases" in outs[0]:
         res["phases_per_worker"] = {o["machine"]: o["phases"] for o in outs}
-    # each worker's median seconds per inner step, by batch size (emulated slow compute included)
+    # each worker's median seconds per inner step, by batch size (emulated slow compute included),
+    # the slowdown over its own CPU time its emulation achieved, and its emulation's totals
     res["step_s_per_worker"] = {o["machine"]: o["step_s"] for o in outs if "step_s" in o}
+    res["slowdown_per_worker"] = {o["machine"]: o.get("slowdown") for o in outs}
+    res["cpu_emulation"] = {o["machine"]: o["throttle"] for o in outs}
     if outs[0].get("lost"):
         res["quorum_lost"] = outs[0]["lost"]  # the workers the survivors' quorum went on without
     if "plan" in outs[0]:
@@ -685,9 +722,11 @@ def run_bench(cfg: BenchConfig, progress=None) -> dict:
     runs.update({f"{m} (bandwidth-bound)": x for m, x in bw.get("results", {}).items()})
     check = emulation_check(ref_steps, runs, cfg.batch)
     emulated["cpu_speed_check"] = {"tolerance": 0.10, "reference_step_s": ref_steps, "runs": check}
-    # a run whose speeds could not be compared (no step at the reference's batch) does not count either way
-    head["emulation_valid"] = all(c["valid"] for c in check.values() if c["valid"] is not None)
-    head["emulation_invalid_runs"] = [k for k, c in check.items() if c["valid"] is False]
+    head["emulation_valid"] = _verdict(check)
+    head["emulation_invalid_runs"] = [k for k, c in check.items() if c["valid"] is not True]
+    host = [x for c in check.values() for x in c["host_speed_vs_reference"].values()]
+    # the machine's own CPU speed drifts between runs (every worker alike): reported, not judged
+    head["host_speed_vs_reference_range"] = [min(host), max(host)] if host else None
     held_out = [cfg.seed + k for k in range(cfg.repeat_seeds + 1)]
     return {
         "config": {**asdict(cfg), "corpus_files": len(files), "train_tokens": len(train), "val_tokens": len(val)},
@@ -833,43 +872,44 @@ def _configuration(cfg: BenchConfig, data: tuple, target: float | None, progress
     return {"results": results, "headline": head, "repeats": repeats, "reference": reference, "worker_loss": loss}
 
 
-def step_seconds(result: dict, batch: int) -> dict[str, float]:
-    """Per worker, its seconds per inner step at ``batch``, each step timed on its own (a phase's mean
-    would mix batch sizes under time-boxed phases). A worker that ran several batch sizes (GeoMesh) is
-    read off the line through its per-batch medians, weighted by steps, so a batch it ran only once or
-    twice does not decide; workers without steps near ``batch`` are left out."""
-    out = {}
-    for machine, per in result.get("step_s_per_worker", {}).items():
-        pts = [(int(b), t, n) for b, (t, n) in per.items()]
-        sizes = [b for b, _, _ in pts]
-        if len(pts) > 1 and min(sizes) <= batch <= max(sizes):
-            out[machine] = _line_at(pts, batch)
-        elif str(batch) in per:
-            out[machine] = per[str(batch)][0]
-    return out
-
-
-def _line_at(points: list[tuple[int, float, int]], x: float) -> float:
-    """The weighted least-squares line through (x_i, y_i) with weights w_i, at ``x``."""
-    w = sum(n for _, _, n in points)
-    mx = sum(b * n for b, _, n in points) / w
-    my = sum(t * n for _, t, n in points) / w
-    sxx = sum(n * (b - mx) ** 2 for b, _, n in points)
-    slope = sum(n * (b - mx) * (t - my) for b, t, n in points) / sxx if sxx > 0 else 0.0
-    return my + slope * (x - mx)
+def step_seconds(result: dict, batch: int, min_steps: int = 3) -> dict[str, float]:
+    """Per worker, the median seconds of its inner steps at ``batch``, each step timed on its own (a
+    phase's mean would mix batch sizes under time-boxed phases); workers with fewer than ``min_steps``
+    such steps are left out."""
+    key = str(batch)
+    return {m: s[key][0] for m, s in result.get("step_s_per_worker", {}).items() if key in s and s[key][1] >= min_steps}
 
 
 def emulation_check(reference: dict[str, float], runs: dict[str, dict], batch: int, tol: float = 0.10) -> dict:
-    """Each run's achieved worker speeds against the reference run's (same model and batch): a run whose
-    step time at ``batch`` is off by more than ``tol`` on any worker is marked invalid (the machine was
-    busier or idler than when the reference ran, so its emulated speeds did not hold)."""
+    """Did each run's emulated worker speeds hold? Per worker, the slowdown it achieved over its own CPU
+    time (wall / CPU seconds of its steps) against the one its speed asks for (1 / speed): a run with a
+    worker off by more than ``tol`` is invalid (starved, or slowed too little); one with a worker not
+    measured is unchecked (None). Reported beside it, not judged: the host's own speed against the
+    reference run's (step time at ``batch``, workers with enough such steps), which moves every worker
+    alike when the machine's CPU runs faster or slower."""
     out = {}
     for name, r in runs.items():
-        mine = step_seconds(r, batch)
-        ratios = {m: reference[m] / t for m, t in mine.items() if m in reference and t > 0}
-        valid = bool(ratios) and all(abs(x - 1) <= tol for x in ratios.values())
-        out[name] = {"speed_vs_reference": ratios, "valid": valid if ratios else None}
+        asked = {m: e.get("speed") for m, e in r.get("cpu_emulation", {}).items()}
+        got = r.get("slowdown_per_worker", {})
+        held = {m: (1 / v) / got[m] for m, v in asked.items() if v and got.get(m)}
+        missing = sorted(set(asked) - set(held)) if asked else ["(no worker)"]
+        valid = None if missing else all(abs(x - 1) <= tol for x in held.values())
+        host = {m: reference[m] / t for m, t in step_seconds(r, batch).items() if m in reference and t > 0}
+        out[name] = {
+            "speed_held": held,
+            "unmeasured": missing,
+            "valid": valid,
+            "host_speed_vs_reference": host,
+        }
     return out
+
+
+def _verdict(check: dict) -> bool | None:
+    """False if any run's emulation failed, None if any could not be checked, else True."""
+    verdicts = [c["valid"] for c in check.values()]
+    if not verdicts or None in verdicts and False not in verdicts:
+        return None
+    return all(verdicts)
 
 
 def _worker_loss(cfg: BenchConfig, data: tuple, target: float, net, progress) -> dict:

@@ -145,7 +145,6 @@ def reduce_kind(algo: str, nbytes: int, wan: WanEmulator | None) -> str:
 
 def _dense_launch(flat: torch.Tensor, kind: str, world: int, group=None) -> tuple[Any, list[torch.Tensor]]:
     """Start the dense sum of ``flat`` (``kind`` as in :func:`dense_all_reduce`); its work handle and buffers."""
-    hwtopo.sync_point()
     if world > 1 and kind == "all_reduce_gather":
         parts = [torch.empty_like(flat) for _ in range(world)]
         return dist.all_gather(parts, flat, group=group, async_op=True), parts
@@ -159,11 +158,11 @@ def _dense_finish(work, parts: list[torch.Tensor], kind: str, t0: float, wan: Wa
     if work is not None:
         work.wait()
         hwtopo.resume_point()
+    if wan is not None:  # the transfer's emulated time first: the sum after it is this worker's compute
+        wan.wait(kind, parts[0].numel() * parts[0].element_size(), t0)
     flat = parts[0]
     if len(parts) > 1:  # summed in fp32 and in rank order, so every worker holds bit-identical weights
         flat = torch.stack([q.float() for q in parts]).sum(0).to(parts[0].dtype)
-    if wan is not None:
-        wan.wait(kind, flat.numel() * flat.element_size(), t0)
     return flat
 
 
@@ -172,6 +171,7 @@ def dense_all_reduce(
 ) -> torch.Tensor:
     """Sum ``flat`` over all ranks with the algorithm ``kind`` really runs ("all_reduce": gloo's ring;
     "all_reduce_gather": all_gather then a local sum), then wait out its emulated WAN time."""
+    hwtopo.sync_point()  # emulated compute before the collective is paid before its clock starts
     t0 = time.perf_counter()
     work, parts = _dense_launch(flat, kind, world, group)
     return _dense_finish(work, parts, kind, t0, wan)
@@ -298,8 +298,10 @@ class DiLoCo:
             self._rewire()
             self._share_outer_state()
         elif self.world > 1:
+            hwtopo.sync_point()  # set-up's emulated compute is paid before the first collective
             self._check_same_model()
             self._broadcast_initial()
+            hwtopo.resume_point()
 
     def _collective_name(self) -> str:
         if self.sign_reduce is not None:
@@ -452,6 +454,7 @@ class DiLoCo:
         dtype = torch.float32 if self.compression == "fp32" else torch.float16
         w = token_weights(all_tokens)[self.rank]
         flat = torch.cat([d.reshape(-1) for d in deltas]).mul_(w).to(dtype)
+        hwtopo.sync_point()  # the pseudo-gradient's emulated compute is paid before the collective's clock
         t0 = time.perf_counter()
         work, parts = _dense_launch(flat, self.reduce_kind, self.world, self.group)
         self._collective_s += time.perf_counter() - t0

@@ -136,6 +136,7 @@ class WanEmulator:
         left = target if self.latency_only else target - (time.perf_counter() - started)
         if left > 0:
             time.sleep(left)
+            hwtopo.resume_point()  # waking up late is part of the wait, not of the next compute
         self.emulated_s += target
         return target
 
