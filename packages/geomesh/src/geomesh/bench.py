@@ -1,7 +1,8 @@
 """The side-by-side benchmark: GeoMesh vs DiLoCo (fp32, fp16), DDP and async on one machine.
 
 Workers are processes (gloo, one thread each) at emulated speeds (the cluster spec's relative speeds
-x ``cpus``): by compute dilation (``hwtopo.dilate``; every inner step and collective is a sync point)
+x ``cpus``): by compute dilation (``hwtopo.dilate``; every inner step, every exchange of an outer step
+and the set-up and planning collectives are sync points; gloo's own threads run undilated)
 or by a cgroup CPU quota (``hwtopo.throttle``), placed on the spec's machines, and every collective
 is stretched to the spec's WAN links (``WanEmulator``). The model is a tiny Llama built locally; the
 text is this Python's own standard-library sources, byte-level. Rank 0 keeps a weight snapshot after
@@ -45,7 +46,7 @@ ABLATIONS = ("geomesh-fp32", "diloco-sign", "geomesh-rs", "geomesh-loss")
 @dataclass
 class BenchConfig:
     cluster: str = "geo-3region"
-    cpus: float = 0.25  # speed s of a worker = s x cpus CPUs: below a loaded 2-core machine's share per process
+    cpus: float = 0.25  # speed s of a worker = s x cpus CPUs: three workers fit on 2 cores with room to spare
     seq_len: int = 64
     batch: int = 8
     inner_steps: int = 8
@@ -103,7 +104,7 @@ class BenchConfig:
     text_bytes: int = 1_500_000
     val_seqs: int = 48
     profile_s: float = 0.6  # geomesh's first outer phase: time-boxed real training that profiles every worker
-    # "dilation": each step's thread CPU time x 1/speed (steady under load; the waits for a CPU are taken
+    # "dilation": each step's thread CPU time x 1/speed (the waits for a CPU are taken
     # off); "quota": a cgroup CPU quota per worker (its gloo threads share it, so shaped transfers
     # and short periods make step times drift by tens of percent on a shared machine)
     cpu_emulation: str = "dilation"

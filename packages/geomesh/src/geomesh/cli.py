@@ -244,7 +244,7 @@ def _run_args(p) -> None:
         "--cpu-emulation",
         default="dilation",
         choices=("dilation", "quota"),
-        help="slower workers by compute dilation (each step's CPU time / speed; steady under load) "
+        help="slower workers by compute dilation (each step's CPU time / speed; waits for a CPU taken off) "
         "or by a cgroup CPU quota per worker",
     )
 

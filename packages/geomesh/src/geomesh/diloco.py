@@ -12,8 +12,9 @@ same last-synced weights on every worker, so all workers leave the outer step wi
 A ``Rebalancer`` (optional) re-plans b_i and H_i from the measured throughputs exchanged at each sync.
 A ``Quorum`` (optional) drops workers that die or stall and admits new ones at outer-step boundaries;
 ``overlap=True`` applies each outer step one phase late, its exchange running behind the next phase.
-Each inner step and every collective first calls ``hwtopo.sync_point()``: under emulated slow compute
-(``hwtopo.dilate``) the dilation is paid there, outside the waits; without one it does nothing.
+Each inner step and each exchange of an outer step first calls ``hwtopo.sync_point()``: under emulated
+slow compute (``hwtopo.dilate``) the dilation is paid there, outside the waits; without one it does
+nothing.
 """
 
 from __future__ import annotations
