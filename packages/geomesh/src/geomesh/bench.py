@@ -513,7 +513,9 @@ def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s, timer: StepTimes
     for step in range(cfg.outer_steps * cfg.inner_steps):
         hwtopo.sync_point()
         stop = torch.tensor([1 if cap_s and time.perf_counter() - t0 > cap_s else 0])
+        ts = time.perf_counter()
         dist.all_reduce(stop)  # every rank stops at the same step
+        stop_wait = time.perf_counter() - ts
         hwtopo.resume_point()
         if int(stop):
             out["capped"] = True
@@ -523,12 +525,15 @@ def _ddp(cfg, rank, world, model, sampler, wan, t0, out, cap_s, timer: StepTimes
         _loss(model, x).backward()
         timer.pause()
         st = ar.sync(x.numel())
+        # the faster ranks wait for the slowest in the stop check too: straggler idle, not compute
+        st.wait_s += stop_wait
+        st.compute_s = max(0.0, st.compute_s - stop_wait)
         timer.resume()
         opt.step()
         opt.zero_grad(set_to_none=True)
         timer.stop(cfg.batch)
         tokens_done += sum(st.all_tokens)
-        # a snapshot per DiLoCo-outer-step worth of tokens (one per 'inner_steps' steps)
+        # two snapshots per DiLoCo-outer-step worth of tokens (one per 'inner_steps // 2' steps)
         if rank == 0 and (step + 1) % max(1, cfg.inner_steps // 2) == 0:
             out["snapshots"].append((time.perf_counter() - t0, tokens_done, _snapshot(model)))
     out["history"] = [s.to_dict() for s in ar.history]
