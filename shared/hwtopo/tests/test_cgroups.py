@@ -208,11 +208,13 @@ def test_a_group_named_for_this_pid_but_not_held_is_stale():
 # a process that forks a child which leaves the session (``setsid``), then forks until refused
 _SCATTER = r"""
 import os, sys, time
-if os.fork() == 0:
+leader = os.fork()
+if leader == 0:
     os.setsid()
     if os.fork() == 0:
         time.sleep(300)
     os._exit(0)
+os.waitpid(leader, 0)  # reaped: only its orphaned child stays, so the group's count is exact
 kids = 0
 for _ in range(int(sys.argv[1])):
     try:
