@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -327,3 +328,11 @@ def test_a_v2_group_is_killed_with_the_groups_nested_in_it(monkeypatch):
         p.wait()
         outer.close()
     assert not inner.paths["freezer"].exists() and not outer.paths["freezer"].exists()
+
+
+def test_cpu_group_of_reads_the_v1_cpu_line_of_proc_cgroup():
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    v1 = [ln.split(":", 2) for ln in lines if "cpu" in ln.split(":", 2)[1].split(",")]
+    got = hwtopo.cgroups.cpu_group_of(os.getpid())
+    assert got == ((frozenset(v1[0][1].split(",")), v1[0][2]) if v1 else None)
+    assert hwtopo.cgroups.cpu_group_of(2**22 + 1) is None  # above pid_max: no such process

@@ -38,6 +38,7 @@ __all__ = [
     "cgroup_available",
     "cgroup_controllers",
     "cleanup_stale",
+    "cpu_group_of",
     "pid_alive",
     "remove_cgroup",
 ]
@@ -117,6 +118,21 @@ def cgroup_controllers() -> frozenset[str]:
 def cgroup_available() -> bool:
     """True when a cgroup CPU quota can be set here (root with a writable cpu controller)."""
     return "cpu" in cgroup_controllers()
+
+
+def cpu_group_of(pid: int) -> tuple[frozenset[str], str] | None:
+    """The v1 controllers co-mounted with ``cpu`` and the path (from the hierarchy's root) of the group
+    holding ``pid``; None on cgroup v2, without a ``cpu`` hierarchy, or when ``pid`` cannot be read."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctrls, path = line.split(":", 2)
+        names = frozenset(ctrls.split(","))
+        if "cpu" in names:
+            return names, path
+    return None
 
 
 def _proc_state(pid: int) -> str | None:
