@@ -129,18 +129,7 @@ class CpuGroup:
         self.cgroup.close()
 
 
-def _cpu_membership(pid: int) -> tuple[frozenset[str], str] | None:
-    """The v1 controllers co-mounted with ``cpu`` and the cgroup ``pid`` is in there; None on v2."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, ctrls, path = line.split(":", 2)
-        names = frozenset(ctrls.split(","))
-        if "cpu" in names:
-            return names, path
-    return None
+_cpu_membership = hwtopo.cgroups.cpu_group_of  # the v1 cpu group a pid is in (None on v2)
 
 
 class ProcessWeight:
