@@ -188,21 +188,14 @@ def cgroup_cpu(pid: int | None = None) -> dict | None:
 
     None where the process sits in no v1 cpu group below the root, or nothing can be read.
     """
-    pid = os.getpid() if pid is None else pid
-    try:
-        lines = open(f"/proc/{pid}/cgroup").read().splitlines()
-    except OSError:
+    member = hwtopo.cgroups.cpu_group_of(os.getpid() if pid is None else pid)
+    if member is None or member[1] == "/":
         return None
-    for line in lines:
-        _, ctrls, rel = line.split(":", 2)
-        if "cpu" not in ctrls.split(",") or rel == "/":
-            continue
-        base = f"/sys/fs/cgroup/{ctrls}{rel}"
-        try:
-            quota = int(open(f"{base}/cpu.cfs_quota_us").read())
-            period = int(open(f"{base}/cpu.cfs_period_us").read())
-            shares = int(open(f"{base}/cpu.shares").read())
-        except (OSError, ValueError):
-            return None
-        return {"quota_cores": quota / period if quota > 0 else None, "shares": shares}
-    return None
+    base = f"/sys/fs/cgroup/{','.join(sorted(member[0]))}{member[1]}"
+    try:
+        quota = int(open(f"{base}/cpu.cfs_quota_us").read())
+        period = int(open(f"{base}/cpu.cfs_period_us").read())
+        shares = int(open(f"{base}/cpu.shares").read())
+    except (OSError, ValueError):
+        return None
+    return {"quota_cores": quota / period if quota > 0 else None, "shares": shares}
